@@ -1,0 +1,32 @@
+# deltaflow: every target sets itself up on a fresh machine (virtualenv, packages, Delta jars).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
+
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+	$(VENV)/bin/deltaflow jars >/dev/null
+
+demo: setup
+	$(PY) -m deltaflow.cli demo
+
+test: setup
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check deltaflow tests bench examples
+	$(VENV)/bin/ruff format --check deltaflow tests bench examples
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

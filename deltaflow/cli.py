@@ -1,0 +1,135 @@
+"""The ``deltaflow`` command: ``serve`` a node, ``cluster status``, run the ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .server import Node, NodeConfig
+    from .spark_integration import SparkConfig
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    config = NodeConfig(
+        node_id=args.node_id,
+        host=args.host,
+        port=args.port,
+        warehouse=Path(args.warehouse),
+        peers=[p for p in (args.peers or "").split(",") if p],
+        receivers=args.receiver or [],
+        token=token,
+        partitions=args.partitions,
+        spark=SparkConfig(master=args.spark_master),
+    )
+
+    async def run() -> None:
+        node = Node(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await node.start()
+        print(f"deltaflow node {node.node_id} ready on {node.address}", flush=True)
+        await stop.wait()
+        await node.stop()
+
+    asyncio.run(run())
+    return 0
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    headers = {}
+    if args.token_file:
+        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
+    req = urllib.request.Request(f"http://{args.node}/v1/cluster", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            body = json.load(resp)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
+        return 2
+    print(f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
+          f"map v{body['map']['version']}")
+    print("members:")
+    owners = body["map"]["owners"]
+    for m in body["members"]:
+        owned = sum(1 for o in owners if o == m["node"])
+        state = "live" if m["live"] else "DEAD"
+        print(f"  {m['node'] or '?':<16} {m['address']:<22} {state:<5} partitions={owned}")
+    print("partition map:")
+    for node_id in sorted(set(owners)):
+        parts = [str(i) for i, o in enumerate(owners) if o == node_id]
+        print(f"  {node_id}: {' '.join(parts)}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(rows=args.rows, warehouse=args.warehouse)
+
+
+def _jars(args: argparse.Namespace) -> int:
+    from .spark_integration.jars import ensure_jars
+
+    for jar in ensure_jars():
+        print(jar)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deltaflow", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a node")
+    serve.add_argument("--node-id", required=True)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=7700)
+    serve.add_argument("--warehouse", required=True, help="directory of the Delta tables")
+    serve.add_argument("--peers", help="other nodes as host:port,host:port")
+    serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
+    serve.add_argument("--token-file", help="file holding the shared cluster token")
+    serve.add_argument("--partitions", type=int, default=64)
+    serve.add_argument("--spark-master", default="local[*]",
+                       help="local[*] (default), a Spark master URL or an sc:// Connect URL")
+    serve.set_defaults(func=_serve)
+
+    cluster = sub.add_parser("cluster", help="inspect a cluster")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True)
+    status = csub.add_parser("status", help="members, liveness and the partition map")
+    status.add_argument("--node", required=True, help="any node, host:port")
+    status.add_argument("--token-file")
+    status.set_defaults(func=_cluster_status)
+
+    demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
+    demo.add_argument("--rows", type=int, default=200_000)
+    demo.add_argument("--warehouse", default=None, help="default: a temporary directory")
+    demo.set_defaults(func=_demo)
+
+    jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
+    jars.set_defaults(func=_jars)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        return int(args.func(args))
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Per-partition buffers that cut items into batches by count, bytes and time.
+
+All methods are synchronous (atomic on the event loop); the flush timer only *cuts* a batch and
+hands it to a callback, it never does I/O itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Accumulator", "Batch"]
+
+
+@dataclass(slots=True)
+class Batch:
+    """A cut batch of one partition.
+
+    Attributes:
+        partition: the partition number.
+        seq: sequence number within (stream, partition), from 0, assigned at cut time.
+        items: the source items as the caller passed them (used to report failures).
+        positions: each item's index in the source (to report failures in source order).
+        packed: each item's msgpack encoding (what goes on the wire).
+        deletes: indexes (into ``items``) of items marked as deletes.
+        nbytes: sum of ``len(packed)``.
+        attempts: sends so far.
+    """
+
+    partition: int
+    seq: int
+    items: list[Any] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    packed: list[bytes] = field(default_factory=list)
+    deletes: list[int] = field(default_factory=list)
+    nbytes: int = 0
+    attempts: int = 0
+
+
+class _Buffer:
+    __slots__ = ("batch", "timer")
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Accumulator:
+    """Buffers items per partition and cuts batches.
+
+    Args:
+        page_size: cut when a buffer holds this many items.
+        max_batch_bytes: cut before an item would push a buffer past this many bytes.
+        flush_interval: seconds after a buffer's first item when it is cut anyway (0: never).
+        on_timer_cut: receives batches cut by the timer.
+        call_later: the clock (``loop.call_later``); injectable for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        max_batch_bytes: int,
+        flush_interval: float,
+        on_timer_cut: Callable[[Batch], None],
+        call_later: Callable[..., asyncio.TimerHandle],
+    ) -> None:
+        self._page_size = page_size
+        self._max_bytes = max_batch_bytes
+        self._interval = flush_interval
+        self._on_timer_cut = on_timer_cut
+        self._call_later = call_later
+        self._buffers: dict[int, _Buffer] = {}
+        self._next_seq: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        """Items buffered and not yet cut."""
+        return sum(len(b.batch.items) for b in self._buffers.values())
+
+    def add(
+        self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool
+    ) -> list[Batch]:
+        """Buffer one item; returns the batches this cut (zero, one or two)."""
+        cut: list[Batch] = []
+        buf = self._buffers.get(partition)
+        if buf is not None and buf.batch.nbytes + len(packed) > self._max_bytes:
+            cut.append(self._cut(partition))
+            buf = None
+        if buf is None:
+            buf = self._buffers[partition] = _Buffer(Batch(partition, -1))
+            if self._interval > 0:
+                buf.timer = self._call_later(self._interval, self._timer_fired, partition)
+        batch = buf.batch
+        if is_delete:
+            batch.deletes.append(len(batch.items))
+        batch.items.append(item)
+        batch.positions.append(position)
+        batch.packed.append(packed)
+        batch.nbytes += len(packed)
+        if len(batch.items) >= self._page_size:
+            cut.append(self._cut(partition))
+        return cut
+
+    def drain(self) -> list[Batch]:
+        """Cut every non-empty buffer (end of stream or explicit flush)."""
+        return [self._cut(p) for p in list(self._buffers)]
+
+    def discard(self) -> list[Batch]:
+        """Drop every buffer; returns what they held (never sent)."""
+        return self.drain()
+
+    def _timer_fired(self, partition: int) -> None:
+        if partition in self._buffers:
+            self._on_timer_cut(self._cut(partition))
+
+    def _cut(self, partition: int) -> Batch:
+        buf = self._buffers.pop(partition)
+        if buf.timer is not None:
+            buf.timer.cancel()
+        seq = self._next_seq.get(partition, 0)
+        self._next_seq[partition] = seq + 1
+        buf.batch.seq = seq
+        return buf.batch

@@ -1,0 +1,299 @@
+"""The client facade: ``connect()`` and :class:`Client` (validation and wiring only)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from ..errors import AuthenticationError, DeltaflowError, NodeUnavailableError, UsageError
+from ..partitioning import PartitionMap
+from .connection import Connection, map_transport_errors
+from .options import StreamerOptions
+from .results import OnResult
+from .stream import TABLE_RECEIVER, KeyFn, StreamSummary, key_function, run_stream
+
+__all__ = ["Client", "ClientState", "ConnectionFactory", "connect"]
+
+log = logging.getLogger(__name__)
+
+#: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
+ConnectionFactory = Callable[..., Awaitable[Connection]]
+
+
+class ClientState(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Client:
+    """A connection to a deltaflow cluster.
+
+    Create with :func:`connect`. The client learns the partition map from the first node it
+    reaches and sends each batch straight to the partition's owner, reconnecting and refreshing
+    the map when a node is lost or says it is not the owner.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        token: str | None = None,
+        connection_factory: ConnectionFactory | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if isinstance(nodes, str):
+            nodes = [nodes]
+        self._bootstrap = [_normalise(a) for a in nodes]
+        if not self._bootstrap:
+            raise UsageError("connect() needs at least one node address 'host:port'")
+        self._token = token
+        self._factory = connection_factory or Connection.open
+        self._connect_timeout = connect_timeout
+        self._client_id = uuid.uuid4().hex
+        self._map: PartitionMap | None = None
+        self._stale = False
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._refresh_lock = asyncio.Lock()
+        self._state = ClientState.UNOPENED
+        self._streams = 0
+
+    def __repr__(self) -> str:
+        version = self._map.version if self._map else None
+        return (
+            f"<Client {self._state.value} nodes={len(self._map.addresses) if self._map else 0} "
+            f"map_version={version} connections={len(self._conns)} streams={self._streams}>"
+        )
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        if self._map is None:
+            raise UsageError("the client is not connected; use 'async with deltaflow.connect(...)'")
+        return self._map
+
+    async def start(self) -> None:
+        """Reach a node and learn the partition map.
+
+        Raises:
+            NodeUnavailableError: none of the given nodes could be reached.
+        """
+        if self._state is ClientState.CLOSED:
+            raise UsageError("this client is closed; create a new one with deltaflow.connect()")
+        if self._state is ClientState.OPEN:
+            return
+        await self._refresh_map(self._bootstrap)
+        self._state = ClientState.OPEN
+
+    async def close(self) -> None:
+        """Close every connection. Streams still running fail with a connection error."""
+        self._state = ClientState.CLOSED
+        conns, self._conns = list(self._conns.values()), {}
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def stream_data(
+        self,
+        source: Any,
+        *,
+        table: str | None = None,
+        key: str | Sequence[str] | KeyFn | None = None,
+        receiver: str | None = None,
+        receiver_args: Any = None,
+        on_result: OnResult | None = None,
+        on_ack: Callable[[list[Any]], Any] | None = None,
+        options: StreamerOptions | None = None,
+    ) -> StreamSummary:
+        """Stream ``source`` to the cluster and wait until every item is applied.
+
+        Args:
+            source: an async iterable, an iterable, or a reactivex Observable of items. Wrap an
+                item in :class:`~deltaflow.Delete` to delete its key.
+            table: upsert rows (dicts) into this Delta table on the nodes, merging on ``key``.
+            key: the routing key: a column name, a tuple of column names, or a callable of an
+                item. With ``table=`` it must name the key column(s).
+            receiver: name of a receiver class registered on the nodes (instead of ``table``).
+            receiver_args: a msgpack value handed to the receiver with every batch.
+            on_result: receives each per-item result the receiver produces: a callable, an
+                async callable, or a reactivex Observer. Results of a resent batch may repeat.
+            on_ack: called (synchronously, on the event loop) with the items of each batch once
+                it is acknowledged as applied: the place to ack an upstream queue or drive a
+                progress bar. Keep it quick.
+            options: batching, window and retry settings (:class:`StreamerOptions`).
+
+        Returns:
+            A :class:`StreamSummary` once every item is acknowledged as applied.
+
+        Raises:
+            DataStreamerError: some items were not applied; ``failed_items`` lists exactly those.
+            UsageError: the arguments are inconsistent.
+
+        Cancelling the call stops pulling the source and abandons batches in flight; items
+        already acknowledged stay applied.
+        """
+        if self._state is not ClientState.OPEN:
+            raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
+        if (table is None) == (receiver is None):
+            raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
+        if table is not None:
+            if not isinstance(key, (str, tuple, list)):
+                raise UsageError(
+                    f"table={table!r} needs key= naming the key column(s), not {key!r}"
+                )
+            key_columns = [key] if isinstance(key, str) else list(key)
+            receiver = TABLE_RECEIVER
+            receiver_args = {"table": table, "key": key_columns}
+        assert receiver is not None
+        self._streams += 1
+        try:
+            return await run_stream(
+                self,
+                source,
+                receiver=receiver,
+                receiver_args=receiver_args,
+                key=key_function(key),
+                on_result=on_result,
+                on_ack=on_ack,
+                options=options or StreamerOptions(),
+            )
+        finally:
+            self._streams -= 1
+
+    # -- routing, used by the sender ------------------------------------------------------
+
+    def _partition_count(self) -> int:
+        return self.partition_map.partitions
+
+    async def _connection_for(self, partition: int) -> Connection:
+        if self._stale:
+            await self._refresh_map()
+        address = self.partition_map.owner_address(partition)
+        try:
+            return await self._connection(address)
+        except NodeUnavailableError:
+            self._stale = True
+            raise
+
+    def _adopt_map(self, wire: Any) -> None:
+        if wire is None:
+            self._stale = True
+            return
+        try:
+            self._map = PartitionMap.from_wire(wire)
+        except ValueError:
+            self._stale = True
+
+    def _map_is_stale(self) -> None:
+        self._stale = True
+
+    async def _close_stream(self, sid: str) -> None:
+        for conn in list(self._conns.values()):
+            await conn.close_stream(sid)
+
+    async def _connection(self, address: str) -> Connection:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(address)
+            if conn is None or conn.closed:
+                if self._state is ClientState.CLOSED:
+                    raise UsageError("the client is closed")
+                conn = await self._factory(
+                    address,
+                    token=self._token,
+                    client_id=self._client_id,
+                    timeout=self._connect_timeout,
+                )
+                self._conns[address] = conn
+            return conn
+
+    async def _refresh_map(self, candidates: Sequence[str] | None = None) -> None:
+        async with self._refresh_lock:
+            addresses = list(candidates or [])
+            if self._map is not None:
+                addresses += [a for a in self._map.addresses.values() if a not in addresses]
+            addresses += [a for a in self._bootstrap if a not in addresses]
+            errors: list[str] = []
+            for address in addresses:
+                try:
+                    self._map = PartitionMap.from_wire(
+                        await _fetch_map(address, self._token, self._connect_timeout)
+                    )
+                    self._stale = False
+                    return
+                except (DeltaflowError, ValueError) as exc:
+                    if not getattr(exc, "retriable", True):
+                        raise
+                    errors.append(f"{address}: {exc}")
+            raise NodeUnavailableError(
+                "no deltaflow node reachable to learn the partition map (" + "; ".join(errors) + ")"
+            )
+
+
+async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with map_transport_errors(address):
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(f"http://{address}/v1/cluster", headers=headers) as resp,
+        ):
+            if resp.status == 401:
+                raise AuthenticationError(
+                    f"node at {address} rejected the token; pass the token from the node's "
+                    "--token-file to deltaflow.connect(token=...)"
+                )
+            if resp.status != 200:
+                raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
+            body = await resp.json()
+            return body["map"]  # type: ignore[no-any-return]
+
+
+def _normalise(address: str) -> str:
+    address = address.strip()
+    for prefix in ("http://", "ws://"):
+        address = address.removeprefix(prefix)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"node address {address!r} must look like 'host:port'")
+    return address
+
+
+def connect(
+    nodes: Sequence[str] | str,
+    *,
+    token: str | None = None,
+    connection_factory: ConnectionFactory | None = None,
+) -> Client:
+    """A client for the cluster reachable at any of ``nodes`` (``"host:port"`` strings).
+
+    Use as ``async with deltaflow.connect(["127.0.0.1:7700"]) as client: ...``.
+
+    Args:
+        nodes: addresses of one or more nodes; one reachable node is enough to learn the rest.
+        token: shared secret, when the nodes were started with ``--token-file``.
+        connection_factory: replaces how connections are opened (fault-injection seam, see
+            :mod:`deltaflow.testing`).
+    """
+    if isinstance(nodes, str):
+        nodes = [nodes]
+    return Client(nodes, token=token, connection_factory=connection_factory)

@@ -1,0 +1,207 @@
+"""The sender: delivers cut batches to partition owners inside a bounded window, with retries.
+
+Each batch gets its own task. ``wait_for_room`` is what the stream awaits before pulling the
+next source item, so the source is not pulled while ``max_in_flight`` batches are outstanding.
+Retries use tenacity (exponential backoff with jitter) and resend the *same* sequence number,
+so the owner applies each batch once and in order. The decision to retry is
+:func:`deltaflow.errors.is_retriable`, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from ..errors import NotOwnerError, TransportError, is_retriable
+from ..protocol import join_items
+from .accumulator import Batch
+from .options import StreamerOptions
+
+if TYPE_CHECKING:
+    from .client import Client
+    from .connection import ResultSink
+
+__all__ = ["NodeStatistics", "Sender"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class NodeStatistics:
+    """Per-node counters of one stream."""
+
+    batches_acked: int = 0
+    items_acked: int = 0
+    errors: int = 0
+
+
+@dataclass(slots=True)
+class _Counters:
+    sent_items: int = 0
+    acked_items: int = 0
+    failed_items: int = 0
+    retried_batches: int = 0
+    in_flight: int = 0
+    per_node: dict[str, NodeStatistics] = field(default_factory=dict)
+
+
+class Sender:
+    """Sends the batches of one stream.
+
+    Args:
+        client: routes partitions to connections and keeps the partition map fresh.
+        sid: the stream id.
+        receiver: receiver name and arguments declared when the stream opens on a connection.
+        options: window, retry and timeout settings.
+        on_acked: called with each acknowledged batch.
+        on_failed: called with a batch whose retries are exhausted and the error.
+        results: where result frames of this stream go, or None.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        sid: str,
+        receiver: tuple[str, Any],
+        options: StreamerOptions,
+        on_acked: Callable[[Batch], None],
+        on_failed: Callable[[Batch, BaseException], None],
+        results: ResultSink | None,
+    ) -> None:
+        self._client = client
+        self._sid = sid
+        self._receiver = receiver
+        self._options = options
+        self._on_acked = on_acked
+        self._on_failed = on_failed
+        self._results = results
+        self._window = asyncio.Semaphore(options.max_in_flight)
+        self._lanes: dict[int, asyncio.Semaphore] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._stopped = False
+        self.counters = _Counters()
+
+    @property
+    def outstanding(self) -> int:
+        """Batches handed to the sender and not yet settled."""
+        return len(self._tasks)
+
+    def submit(self, batch: Batch) -> None:
+        """Take a cut batch (synchronous; the send happens on a task)."""
+        task = asyncio.create_task(self._deliver(batch), name=f"deltaflow-batch-{batch.partition}")
+        self._tasks.add(task)
+        task.add_done_callback(self._settled)
+        if len(self._tasks) >= self._options.max_in_flight:
+            self._room.clear()
+
+    async def wait_for_room(self) -> None:
+        await self._room.wait()
+
+    def stop(self) -> None:
+        """Send nothing new: batches not yet on the wire fail with the stream's error."""
+        self._stopped = True
+
+    async def join(self) -> None:
+        """Wait until every submitted batch is acked or failed."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    async def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.join()
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if len(self._tasks) < self._options.max_in_flight:
+            self._room.set()
+
+    async def _deliver(self, batch: Batch) -> None:
+        lane = self._lanes.setdefault(
+            batch.partition, asyncio.Semaphore(self._options.per_partition_in_flight)
+        )
+        try:
+            async with self._window, lane:
+                if self._stopped:
+                    raise _StoppedError
+                self.counters.in_flight += 1
+                try:
+                    await self._send_with_retries(batch)
+                finally:
+                    self.counters.in_flight -= 1
+        except asyncio.CancelledError:
+            self._on_failed(batch, asyncio.CancelledError("stream cancelled"))
+            raise
+        except _StoppedError:
+            self._on_failed(batch, _StoppedError("not sent: the stream stopped"))
+        except Exception as exc:
+            self.counters.failed_items += len(batch.items)
+            self._on_failed(batch, exc)
+        else:
+            self.counters.acked_items += len(batch.items)
+            self._on_acked(batch)
+
+    async def _send_with_retries(self, batch: Batch) -> None:
+        opts = self._options
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(opts.retry_limit + 1),
+            wait=wait_exponential_jitter(
+                initial=opts.retry_initial_backoff,
+                max=opts.retry_max_backoff,
+                jitter=opts.retry_initial_backoff,
+            ),
+            retry=retry_if_exception(lambda e: is_retriable(e) and not self._stopped),
+            before_sleep=self._before_retry,
+            reraise=True,
+        )
+        frame = {
+            "t": "batch",
+            "sid": self._sid,
+            "p": batch.partition,
+            "seq": batch.seq,
+            "n": len(batch.packed),
+            "items": join_items(batch.packed),
+        }
+        if batch.deletes:
+            frame["del"] = batch.deletes
+        self.counters.sent_items += len(batch.items)
+        async for attempt in retrying:
+            with attempt:
+                batch.attempts += 1
+                conn = await self._client._connection_for(batch.partition)
+                await conn.open_stream(self._sid, *self._receiver, self._results)
+                await conn.send_batch(frame, timeout=opts.ack_timeout)
+                stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
+                stats.batches_acked += 1
+                stats.items_acked += len(batch.items)
+
+    def _before_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        self.counters.retried_batches += 1
+        if isinstance(exc, NotOwnerError):
+            self._client._adopt_map(exc.details.get("map"))
+        elif isinstance(exc, TransportError):
+            self._client._map_is_stale()
+        node = getattr(exc, "node", None)
+        if node:
+            self.counters.per_node.setdefault(node, NodeStatistics()).errors += 1
+        log.info("retrying stream %s batch after %r (attempt %d)", self._sid, exc,
+                 state.attempt_number)
+
+
+class _StoppedError(Exception):
+    pass

@@ -1,0 +1,139 @@
+"""Adapt every supported source kind to one async iterator, with backpressure.
+
+- async iterable: pulled directly, one item at a time, only when the streamer asks.
+- iterable: pulled in small chunks on a worker thread, so a blocking iterator (a file, a
+  cursor) never blocks the event loop.
+- reactivex Observable: subscribed on a dedicated thread and bridged through a bounded queue.
+  ``on_next`` called off the event loop blocks the emitting thread while the queue is full (real
+  backpressure); ``on_next`` called *on* the event loop cannot block, so overflowing the queue
+  fails the stream with :class:`SourceOverflowError` (emit from another thread, or raise
+  ``StreamerOptions.source_buffer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from concurrent.futures import CancelledError as FutureCancelledError
+from typing import Any
+
+from ..errors import UsageError
+
+__all__ = ["SourceOverflowError", "aiter_source"]
+
+_CHUNK = 256
+_END = object()
+
+
+class SourceOverflowError(UsageError):
+    """An Observable emitting on the event loop outran the bounded source buffer."""
+
+
+def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
+    """An async iterator over ``source`` (async iterable, iterable or Observable)."""
+    if isinstance(source, AsyncIterable):
+        return source.__aiter__()
+    if _is_observable(source):
+        return _ObservableBridge(source, buffer).__aiter__()
+    if isinstance(source, (str, bytes, dict)):
+        raise UsageError(
+            f"source is a {type(source).__name__}; pass an iterable of items (e.g. a list of rows)"
+        )
+    if isinstance(source, Iterable):
+        return _iterate_in_thread(iter(source))
+    raise UsageError(
+        f"source of type {type(source).__name__} is not an async iterable, an iterable or a "
+        "reactivex Observable"
+    )
+
+
+def _is_observable(source: Any) -> bool:
+    try:
+        from reactivex import Observable
+    except ImportError:  # pragma: no cover - reactivex is a dependency
+        return False
+    return isinstance(source, Observable)
+
+
+async def _iterate_in_thread(it: Iterator[Any]) -> AsyncIterator[Any]:
+    while True:
+        chunk = await asyncio.to_thread(lambda: list(itertools.islice(it, _CHUNK)))
+        for item in chunk:
+            yield item
+        if len(chunk) < _CHUNK:
+            return
+
+
+class _ObservableBridge:
+    def __init__(self, observable: Any, buffer: int) -> None:
+        self._observable = observable
+        self._buffer = buffer
+
+    async def __aiter__(self) -> AsyncIterator[Any]:  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self._buffer)
+        loop_thread = threading.get_ident()
+        stopped = threading.Event()
+        waits: set[Any] = set()
+        overflow: list[BaseException] = []
+
+        def push(value: Any) -> None:
+            if stopped.is_set():
+                return
+            if threading.get_ident() == loop_thread:
+                try:
+                    queue.put_nowait(value)
+                except asyncio.QueueFull:
+                    overflow.append(
+                        SourceOverflowError(
+                            f"the Observable emitted more than {self._buffer} items on the event "
+                            "loop thread without yielding; emit from another thread (e.g. "
+                            "subscribe_on a thread pool) or raise StreamerOptions.source_buffer"
+                        )
+                    )
+                    stopped.set()
+                return
+            fut = asyncio.run_coroutine_threadsafe(queue.put(value), loop)
+            waits.add(fut)
+            try:
+                fut.result()  # blocks the emitting thread while the buffer is full
+            except FutureCancelledError:
+                pass
+            finally:
+                waits.discard(fut)
+
+        def on_error(exc: Exception) -> None:
+            push(("error", exc))
+
+        observer_args = {
+            "on_next": lambda v: push(("item", v)),
+            "on_error": on_error,
+            "on_completed": lambda: push(("end", None)),
+        }
+        holder: dict[str, Any] = {}
+
+        def subscribe() -> None:
+            holder["sub"] = self._observable.subscribe(**observer_args)
+
+        thread = threading.Thread(target=subscribe, name="deltaflow-observable", daemon=True)
+        thread.start()
+        try:
+            while True:
+                if overflow:
+                    raise overflow[0]
+                kind, value = await queue.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            stopped.set()
+            for fut in list(waits):
+                fut.cancel()
+            sub = holder.get("sub")
+            if sub is not None:
+                sub.dispose()

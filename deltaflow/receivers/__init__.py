@@ -1,0 +1,7 @@
+"""Server-side receivers: the base class, the allow-list registry and built-in receivers."""
+
+from .base import Receiver, ReceiverContext, TableHandle
+from .registry import ReceiverRegistry
+from .table import TableUpsert
+
+__all__ = ["Receiver", "ReceiverContext", "ReceiverRegistry", "TableHandle", "TableUpsert"]

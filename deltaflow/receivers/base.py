@@ -1,0 +1,146 @@
+"""The receiver base class and the context a receiver runs in."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import SchemaError
+
+__all__ = ["Receiver", "ReceiverContext", "TableHandle", "TableWriter", "check_table_name"]
+
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def check_table_name(name: Any) -> str:
+    """A table name is a plain identifier: it becomes a directory under the warehouse."""
+    if not isinstance(name, str) or not _TABLE_NAME.match(name):
+        raise SchemaError(
+            f"table name {name!r} is not allowed; use letters, digits and '_' (at most 128), "
+            "starting with a letter or '_'"
+        )
+    return name
+
+
+class TableWriter(Protocol):
+    """What the node's table engine offers receivers (see ``spark_integration.engine``)."""
+
+    async def stage(
+        self,
+        table: str,
+        key: Sequence[str],
+        rows: Sequence[Any],
+        deletes: frozenset[int],
+        *,
+        abandoned: Any,
+    ) -> asyncio.Future[None]:
+        """Validate and queue rows for the table's next commit; the future resolves when the
+        commit holding them is durable."""
+        ...
+
+
+@dataclass(slots=True, kw_only=True)
+class ReceiverContext:
+    """Everything a receiver may know or use while applying one batch.
+
+    Attributes:
+        stream_id: id of the client's stream.
+        partition: the partition this batch belongs to (all its items hash there).
+        seq: the batch's sequence number within (stream, partition).
+        node_id: the node applying the batch.
+        args: the ``receiver_args`` the client passed (a msgpack value).
+        deletes: indexes of items the client marked as deletes (:class:`deltaflow.Delete`).
+    """
+
+    stream_id: str
+    partition: int
+    seq: int
+    node_id: str
+    args: Any
+    deletes: frozenset[int] = frozenset()
+    _writer: TableWriter | None = None
+    _durable: list[asyncio.Future[None]] = field(default_factory=list)
+    _abandoned: Any = None
+
+    def is_delete(self, index: int) -> bool:
+        return index in self.deletes
+
+    def table(self, name: str, *, key: str | Sequence[str]) -> TableHandle:
+        """Access a Delta table in the node's warehouse, merging on ``key``."""
+        if self._writer is None:
+            raise RuntimeError("this node has no table engine")
+        keys = [key] if isinstance(key, str) else list(key)
+        return TableHandle(self, check_table_name(name), keys)
+
+
+@dataclass(frozen=True, slots=True)
+class TableHandle:
+    """Writes into one table; every write joins the node's next group commit for that table.
+
+    A write returns once the rows are validated and queued; the batch is acknowledged to the
+    client only after the commit holding them is durable, so a receiver need not wait for it.
+    """
+
+    ctx: ReceiverContext
+    name: str
+    key: list[str]
+
+    async def upsert(self, rows: Sequence[Any], *, deletes: Iterable[int] = ()) -> None:
+        """Upsert ``rows`` (dicts) by key; rows at the indexes in ``deletes`` delete their key.
+
+        Raises:
+            SchemaError: a row does not fit the table (names the row and the column).
+        """
+        writer = self.ctx._writer
+        assert writer is not None
+        fut = await writer.stage(
+            self.name, self.key, rows, frozenset(deletes), abandoned=self.ctx._abandoned
+        )
+        self.ctx._durable.append(fut)
+
+    async def delete(self, rows: Sequence[Any]) -> None:
+        """Delete the keys of ``rows`` (each holding at least the key columns)."""
+        await self.upsert(rows, deletes=range(len(rows)))
+
+
+class Receiver:
+    """Base class of server-side receivers. Subclass it and register the class on the nodes.
+
+    A node calls :meth:`receive` with each batch of a stream: a list of items (msgpack values
+    as the client sent them) and a :class:`ReceiverContext`. The receiver applies them (for
+    tables, through ``ctx.table(...)``) and returns per-item results, or yields them from an
+    async generator so they stream back to the client while the batch is still running.
+
+    **Allow-list.** A node runs only receivers registered by class name when it starts
+    (``deltaflow serve --receiver myapp.receivers.Enrich``). A client names one; it can never
+    make a node import anything.
+
+    **Instances.** One instance per stream on each node; keep cross-stream state in class
+    attributes only if it is thread- and task-safe.
+
+    **Ordering.** Batches of one (stream, partition) reach ``receive`` one at a time in
+    sequence order, so items of one key are seen in the order the client's source produced
+    them. Batches of different partitions run concurrently.
+
+    **Retries and idempotency.** A batch may be delivered again: after a lost acknowledgement,
+    a reconnect, or a retriable error. Table writes made through ``ctx.table`` are committed
+    with the batch and acknowledged only once durable. Effects outside the node's tables (an
+    HTTP call, a message) may be repeated on a resend, so make them idempotent or keyed by
+    ``(ctx.stream_id, ctx.partition, ctx.seq)``. Results of a resent batch are sent again.
+
+    **Errors.** Raising fails the whole batch: its items are reported to the client as not
+    applied and later batches of the same partition are refused. Raise an error whose class
+    has ``retriable = True`` (e.g. :class:`deltaflow.errors.OverloadedError`) to have the client
+    resend the batch instead.
+
+    **Blocking.** ``receive`` runs on the node's event loop: do blocking work with
+    ``await asyncio.to_thread(...)``.
+    """
+
+    async def receive(
+        self, items: list[Any], ctx: ReceiverContext
+    ) -> Iterable[Any] | AsyncIterator[Any] | None:
+        raise NotImplementedError

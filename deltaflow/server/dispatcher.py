@@ -1,0 +1,365 @@
+"""Streams, lanes and receiver dispatch on a node.
+
+A *lane* is one (stream, partition). Batches of a lane are applied strictly in sequence
+order: a batch that arrives early (pipelining, or a resend overtaking) waits in the lane until
+its predecessors ran. A lane runs one receiver call at a time, but does not wait for the
+previous batch's commit: table writes are staged in order into the engine, whose group commits
+preserve staging order, so the next batch can be staged while the previous one commits.
+
+A batch is acknowledged only when its receiver returned *and* every table write it staged is
+durable. A resend of a batch already applied is acknowledged as a duplicate (``dup``) without
+running it again; one still committing is acknowledged when its commit lands.
+
+When a batch fails for good, its lane is failed: later batches of the lane are refused with
+``LANE_FAILED`` (and those already staged behind it are abandoned before they commit), so a
+later write can never overtake an earlier one that was not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from ..errors import (
+    DeltaflowError,
+    LaneFailedError,
+    NotOwnerError,
+    OverloadedError,
+    ProtocolError,
+    ReceiverError,
+    ServerError,
+    _BadFrameError,
+    _UnknownStreamError,
+)
+from ..protocol import Frame, unpack_items
+from ..receivers.base import Receiver, ReceiverContext, TableWriter
+from ..receivers.registry import ReceiverRegistry
+
+__all__ = ["Dispatcher", "DispatcherStatistics", "Peer", "error_frame"]
+
+log = logging.getLogger(__name__)
+
+MAX_LANE_PENDING: Final = 64
+_RESULT_CHUNK: Final = 1000
+
+
+class Peer(Protocol):
+    """A client connection as the dispatcher sees it."""
+
+    async def send(self, frame: Frame) -> None: ...
+
+
+def error_frame(err: ServerError, **where: Any) -> Frame:
+    frame: Frame = {
+        "t": "error",
+        "code": err.code,
+        "msg": str(err.args[0]) if err.args else err.code,
+        "node": err.node,
+        "retriable": err.retriable,
+    }
+    details = {k: v for k, v in err.details.items() if k != "retriable"}
+    if "retriable" in err.details:
+        frame["retriable"] = bool(err.details["retriable"])
+    if details:
+        frame["details"] = details
+    frame.update({k: v for k, v in where.items() if v is not None})
+    return frame
+
+
+@dataclass(slots=True)
+class DispatcherStatistics:
+    streams: int = 0
+    batches_received: int = 0
+    batches_acked: int = 0
+    batches_failed: int = 0
+    duplicates: int = 0
+    items_applied: int = 0
+
+
+@dataclass(slots=True)
+class _Lane:
+    next_seq: int = 0
+    pending: dict[int, tuple[Peer, Frame]] = field(default_factory=dict)
+    committing: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    failed_at: int | None = None
+    failure: ServerError | None = None
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(slots=True)
+class _Stream:
+    sid: str
+    receiver_name: str
+    receiver: Receiver
+    args: Any
+    lanes: dict[int, _Lane] = field(default_factory=dict)
+
+
+class Dispatcher:
+    """Routes batch frames into lanes and runs receivers.
+
+    Args:
+        node_id: this node's id (in every error it reports).
+        registry: the receiver allow-list.
+        writer: the table engine receivers write through.
+        owns: whether this node currently owns a partition.
+        map_wire: the current partition map (sent with ``NOT_OWNER``).
+        partitions: the partition count.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        registry: ReceiverRegistry,
+        writer: TableWriter | None,
+        owns: Callable[[int], bool],
+        map_wire: Callable[[], dict[str, Any]],
+        partitions: int,
+    ) -> None:
+        self.node_id = node_id
+        self._registry = registry
+        self._writer = writer
+        self._owns = owns
+        self._map_wire = map_wire
+        self._partitions = partitions
+        self._streams: dict[str, _Stream] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.stats = DispatcherStatistics()
+
+    # -- stream lifecycle (synchronous) ---------------------------------------------------
+
+    def open(self, sid: str, receiver: str, args: Any) -> None:
+        """Declare a stream (idempotent: reopening on another connection keeps its lanes).
+
+        Raises:
+            UnknownReceiverError: ``receiver`` is not on the allow-list.
+        """
+        stream = self._streams.get(sid)
+        if stream is not None:
+            if stream.receiver_name != receiver:
+                raise _BadFrameError(
+                    f"stream {sid} was opened with receiver {stream.receiver_name!r}, not "
+                    f"{receiver!r}",
+                    node=self.node_id,
+                )
+            return
+        cls = self._registry.get(receiver, node=self.node_id)
+        self._streams[sid] = _Stream(sid, receiver, cls(), args)
+        self.stats.streams = len(self._streams)
+
+    def close(self, sid: str) -> None:
+        stream = self._streams.get(sid)
+        if stream is None:
+            return
+        if any(lane.pending or lane.committing for lane in stream.lanes.values()):
+            return  # still busy; a later close or node stop frees it
+        del self._streams[sid]
+        self.stats.streams = len(self._streams)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- batches --------------------------------------------------------------------------
+
+    def submit(self, peer: Peer, frame: Frame) -> None:
+        """Take a batch frame (synchronous); its ack or error is sent to ``peer`` later."""
+        sid, p, seq = frame["sid"], frame["p"], frame["seq"]
+        self.stats.batches_received += 1
+        stream = self._streams.get(sid)
+        if stream is None:
+            return self._reply_error(peer, _UnknownStreamError(
+                f"stream {sid} is not open on this node; send 'open' first", node=self.node_id
+            ), frame)
+        if not 0 <= p < self._partitions or seq < 0:
+            return self._reply_error(peer, _BadFrameError(
+                f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
+                node=self.node_id,
+            ), frame)
+        if not self._owns(p):
+            return self._reply_error(peer, NotOwnerError(
+                f"partition {p} is not owned by this node; refresh the partition map",
+                node=self.node_id,
+                details={"map": self._map_wire()},
+            ), frame)
+        lane = stream.lanes.setdefault(p, _Lane())
+        if lane.failed_at is not None and seq >= lane.failed_at:
+            err = lane.failure if seq == lane.failed_at else None
+            return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
+        if seq < lane.next_seq:
+            self.stats.duplicates += 1
+            committing = lane.committing.get(seq)
+            if committing is None:
+                self._spawn(peer.send(_ack(frame, dup=True)))
+            else:
+                self._spawn(self._ack_when(peer, frame, committing, dup=True))
+            return None
+        if seq not in lane.pending and len(lane.pending) >= MAX_LANE_PENDING:
+            return self._reply_error(peer, OverloadedError(
+                f"more than {MAX_LANE_PENDING} batches of partition {p} waiting; lower "
+                "per_partition_in_flight",
+                node=self.node_id,
+            ), frame)
+        lane.pending[seq] = (peer, frame)  # a resend of a waiting batch replaces its peer
+        if lane.task is None:
+            lane.task = self._spawn(self._run_lane(stream, p, lane))
+        return None
+
+    async def _run_lane(self, stream: _Stream, p: int, lane: _Lane) -> None:
+        try:
+            while lane.failure is None and lane.next_seq in lane.pending:
+                seq = lane.next_seq
+                peer, frame = lane.pending.pop(seq)
+                durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                lane.committing[seq] = durable
+                try:
+                    ctx = await self._apply(stream, p, seq, peer, frame, lane)
+                except ServerError as err:
+                    del lane.committing[seq]
+                    durable.cancel()
+                    if err.retriable:  # the client resends this very batch; keep the lane
+                        self._reply_error(peer, err, frame)
+                        return
+                    self._fail_lane(stream, p, lane, seq, err, peer, frame)
+                    return
+                lane.next_seq = seq + 1
+                self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+        finally:
+            lane.task = None
+
+    async def _apply(
+        self, stream: _Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: _Lane
+    ) -> ReceiverContext:
+        try:
+            items = unpack_items(frame["items"], frame["n"])
+            deletes = frozenset(frame.get("del") or ())
+            if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
+                raise ProtocolError("'del' holds indexes outside the batch")
+        except ProtocolError as exc:
+            raise _BadFrameError(str(exc), node=self.node_id) from exc
+        failed_at = lane  # read at commit time: batches behind a failure are abandoned
+
+        def abandoned() -> bool:
+            return failed_at.failed_at is not None and seq > failed_at.failed_at
+
+        ctx = ReceiverContext(
+            stream_id=stream.sid,
+            partition=p,
+            seq=seq,
+            node_id=self.node_id,
+            args=stream.args,
+            deletes=deletes,
+            _writer=self._writer,
+            _abandoned=abandoned,
+        )
+        try:
+            out = stream.receiver.receive(items, ctx)
+            if inspect.isasyncgen(out):
+                async for value in out:
+                    await peer.send(_result(frame, [value]))
+            else:
+                values = await out if inspect.isawaitable(out) else out
+                if values is not None:
+                    values = list(values)
+                    for i in range(0, len(values), _RESULT_CHUNK):
+                        await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
+        except ServerError as err:
+            err.node = err.node or self.node_id
+            raise
+        except DeltaflowError as exc:
+            raise ServerError(str(exc), node=self.node_id, details={
+                "retriable": exc.retriable}) from exc
+        except Exception as exc:
+            log.warning("receiver %s failed on stream %s partition %d batch %d: %r",
+                        stream.receiver_name, stream.sid, p, seq, exc)
+            raise ReceiverError(
+                f"receiver {stream.receiver_name} raised {type(exc).__name__}: {exc} "
+                f"(partition {p}, batch {seq}, {frame['n']} items)",
+                node=self.node_id,
+            ) from exc
+        return ctx
+
+    async def _finish(
+        self,
+        stream: _Stream,
+        p: int,
+        lane: _Lane,
+        seq: int,
+        ctx: ReceiverContext,
+        durable: asyncio.Future[None],
+        peer: Peer,
+        frame: Frame,
+    ) -> None:
+        try:
+            await asyncio.gather(*ctx._durable)
+        except Exception as exc:
+            err = exc if isinstance(exc, ServerError) else ServerError(
+                f"commit failed: {exc!r}", node=self.node_id)
+            durable.set_exception(err)
+            durable.exception()
+            lane.committing.pop(seq, None)
+            self._fail_lane(stream, p, lane, seq, err, peer, frame)
+            return
+        durable.set_result(None)
+        lane.committing.pop(seq, None)
+        self.stats.batches_acked += 1
+        self.stats.items_applied += frame["n"]
+        await peer.send(_ack(frame))
+
+    async def _ack_when(
+        self, peer: Peer, frame: Frame, durable: asyncio.Future[None], *, dup: bool
+    ) -> None:
+        try:
+            await asyncio.shield(durable)
+        except ServerError as err:
+            self._reply_error(peer, err, frame)
+            return
+        await peer.send(_ack(frame, dup=dup))
+
+    def _fail_lane(
+        self, stream: _Stream, p: int, lane: _Lane, seq: int, err: ServerError,
+        peer: Peer, frame: Frame,
+    ) -> None:
+        if lane.failed_at is None or seq < lane.failed_at:
+            lane.failed_at, lane.failure = seq, err
+        self.stats.batches_failed += 1
+        self._reply_error(peer, err, frame)
+        for later in sorted(lane.pending):
+            later_peer, later_frame = lane.pending.pop(later)
+            self._reply_error(later_peer, _lane_failed(self.node_id, p, lane), later_frame)
+
+    def _reply_error(self, peer: Peer, err: ServerError, frame: Frame) -> None:
+        self._spawn(peer.send(error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"])))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+
+def _lane_failed(node: str, p: int, lane: _Lane) -> LaneFailedError:
+    return LaneFailedError(
+        f"not applied: batch {lane.failed_at} of partition {p} failed earlier "
+        f"({lane.failure}), so later batches of the partition are refused to keep per-key order",
+        node=node,
+    )
+
+
+def _ack(frame: Frame, *, dup: bool = False) -> Frame:
+    ack: Frame = {"t": "ack", "sid": frame["sid"], "p": frame["p"], "seq": frame["seq"],
+                  "n": frame["n"]}
+    if dup:
+        ack["dup"] = True
+    return ack
+
+
+def _result(frame: Frame, values: list[Any]) -> Frame:
+    return {"t": "result", "sid": frame["sid"], "p": frame["p"], "seq": frame["seq"],
+            "values": values}
