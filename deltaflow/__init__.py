@@ -1,6 +1,9 @@
 """deltaflow: stream records from Python into Delta Lake tables through a cluster of nodes.
 
-``async with deltaflow.connect(nodes) as client: await client.stream_data(rows, table="t", key="id")``
+Usage::
+
+    async with deltaflow.connect(nodes) as client:
+        await client.stream_data(rows, table="t", key="id")
 """
 
 from .client import (

@@ -59,8 +59,10 @@ def _cluster_status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
         return 2
-    print(f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
-          f"map v{body['map']['version']}")
+    print(
+        f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
+        f"map v{body['map']['version']}"
+    )
     print("members:")
     owners = body["map"]["owners"]
     for m in body["members"]:
@@ -102,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
     serve.add_argument("--token-file", help="file holding the shared cluster token")
     serve.add_argument("--partitions", type=int, default=64)
-    serve.add_argument("--spark-master", default="local[*]",
-                       help="local[*] (default), a Spark master URL or an sc:// Connect URL")
+    serve.add_argument(
+        "--spark-master",
+        default="local[*]",
+        help="local[*] (default), a Spark master URL or an sc:// Connect URL",
+    )
     serve.set_defaults(func=_serve)
 
     cluster = sub.add_parser("cluster", help="inspect a cluster")

@@ -66,10 +66,13 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None) -> int:
         n2 = Node(NodeConfig(node_id="node-2", warehouse=wh, port=0, peers=[n1.address]))
         await n2.start()
         # Both nodes see each other before the stream starts.
-        while len(n1.partition_map.addresses) < 2 or len(n2.partition_map.addresses) < 2:
-            await asyncio.sleep(0.1)
-        print(f"nodes up: {n1.address} ({n1.statistics().owned_partitions} partitions), "
-              f"{n2.address} ({n2.statistics().owned_partitions} partitions)", flush=True)
+        await n1.wait_for_members(2)
+        await n2.wait_for_members(2)
+        print(
+            f"nodes up: {n1.address} ({n1.statistics().owned_partitions} partitions), "
+            f"{n2.address} ({n2.statistics().owned_partitions} partitions)",
+            flush=True,
+        )
         try:
             with tqdm(total=rows, unit="rows", desc="streaming", smoothing=0.1) as bar:
                 started = time.monotonic()
@@ -84,8 +87,11 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None) -> int:
             for node in (n1, n2):
                 eng = node.statistics().engine
                 if eng.commits:
-                    print(f"  {node.node_id}: {eng.commits} commits, largest {eng.largest_group_rows:,} "
-                          f"rows, mean commit {eng.commit_seconds / eng.commits:.2f}s")
+                    print(
+                        f"  {node.node_id}: {eng.commits} commits, "
+                        f"largest {eng.largest_group_rows:,} rows, "
+                        f"mean commit {eng.commit_seconds / eng.commits:.2f}s"
+                    )
         finally:
             await n2.stop()
             await n1.stop()
@@ -93,9 +99,11 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None) -> int:
 
     try:
         summary, elapsed = asyncio.run(main())
-        print(f"\nstreamed {summary.items_acked:,} rows in {elapsed:.1f}s = "
-              f"{summary.items_acked / elapsed:,.0f} rows/s "
-              f"(retried batches: {summary.batches_retried}, failed items: {summary.items_failed})")
+        print(
+            f"\nstreamed {summary.items_acked:,} rows in {elapsed:.1f}s = "
+            f"{summary.items_acked / elapsed:,.0f} rows/s "
+            f"(retried batches: {summary.batches_retried}, failed items: {summary.items_failed})"
+        )
         for node_id, stats in sorted(summary.per_node.items()):
             print(f"  {node_id}: {stats.items_acked:,} rows in {stats.batches_acked} batches")
         spark = get_spark()

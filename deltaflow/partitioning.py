@@ -44,10 +44,7 @@ def assign_partitions(node_ids: Iterable[str], partitions: int) -> list[str]:
     nodes = sorted(set(node_ids))
     if not nodes:
         raise ValueError("cannot assign partitions to an empty set of nodes")
-    owners = []
-    for p in range(partitions):
-        owners.append(max(nodes, key=lambda n: _digest64(f"{n}\x00{p}".encode())))
-    return owners
+    return [max(nodes, key=lambda n: _digest64(f"{n}\x00{p}".encode())) for p in range(partitions)]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -111,8 +111,7 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
     if not isinstance(frame, dict):
         raise ProtocolError(f"frame must be a msgpack map, got {type(frame).__name__}")
     ftype = frame.get("t")
-    spec = _FIELDS.get(ftype) if isinstance(ftype, str) else None
-    if spec is None:
+    if not isinstance(ftype, str) or (spec := _FIELDS.get(ftype)) is None:
         raise ProtocolError(f"unknown frame type {ftype!r}")
     _check_fields(ftype, frame, spec)
     return frame
@@ -133,9 +132,7 @@ def _check_fields(ftype: str, frame: Frame, spec: dict[str, tuple[type, ...]]) -
         if not isinstance(value, types) or (
             isinstance(value, bool) and bool not in types and object not in types
         ):
-            raise ProtocolError(
-                f"{ftype!r} frame field {field!r} has type {type(value).__name__}"
-            )
+            raise ProtocolError(f"{ftype!r} frame field {field!r} has type {type(value).__name__}")
     extra = set(frame) - allowed
     if extra:
         raise ProtocolError(f"{ftype!r} frame has unexpected fields {sorted(extra)}")

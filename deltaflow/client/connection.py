@@ -133,11 +133,7 @@ class Connection:
                 }
                 await ws.send_bytes(encode_frame(hello))
                 msg = await asyncio.wait_for(ws.receive(), timeout)
-            frame = _frame_of(msg, address, max_frame_bytes)
-            if frame["t"] == "error":
-                raise _error_of(frame)
-            if frame["t"] != "welcome":
-                raise ProtocolError(f"node at {address} answered hello with {frame['t']!r}")
+            frame = _welcome_of(msg, address, max_frame_bytes)
         except BaseException:
             await session.close()
             raise
@@ -156,6 +152,12 @@ class Connection:
             await self._reader
         await self._session.close()
         self._fail_all(self._error)
+
+    def _abort_transport(self) -> None:
+        """Cut the socket without a close handshake (what a network failure looks like)."""
+        transport = getattr(self._ws._writer, "transport", None)
+        if transport is not None:
+            transport.abort()
 
     async def open_stream(
         self, sid: str, receiver: str, args: Any, results: ResultSink | None
@@ -233,6 +235,7 @@ class Connection:
         self._error = error
         self._fail_all(error)
         await self._ws.close()
+        await self._session.close()
 
     async def _route(self, frame: Frame) -> None:
         ftype = frame["t"]
@@ -276,7 +279,8 @@ class Connection:
             fut.set_result(outcome)
 
     def _fail_all(self, error: DeltaflowError) -> None:
-        for fut in [*self._pending.values(), *self._opening.values()]:
+        futs: list[asyncio.Future[Any]] = [*self._pending.values(), *self._opening.values()]
+        for fut in futs:
             if not fut.done():
                 fut.set_exception(error)
                 fut.exception()  # waiters may be gone; avoid "never retrieved" noise
@@ -289,9 +293,24 @@ def _error_of(frame: Frame) -> ServerError:
     return server_error(frame["code"], frame["msg"], node=frame.get("node"), details=details)
 
 
+def _welcome_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
+    """The node's answer to ``hello``: its ``welcome`` frame, or the error it sent raised."""
+    frame = _frame_of(msg, address, max_bytes)
+    if frame["t"] == "error":
+        raise _error_of(frame)
+    if frame["t"] != "welcome":
+        raise ProtocolError(f"node at {address} answered hello with {frame['t']!r}")
+    return frame
+
+
 def _frame_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
     if msg.type == aiohttp.WSMsgType.BINARY:
         return decode_frame(msg.data, max_bytes=max_bytes)
+    if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+        raise FrameTooLargeError(
+            f"node at {address} closed the connection because a frame exceeded its limit of "
+            f"{max_bytes} bytes; lower StreamerOptions.max_batch_bytes"
+        )
     if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
         reason = f" ({msg.extra})" if msg.extra else ""
         raise ConnectionLostError(f"node at {address} closed the connection{reason}")

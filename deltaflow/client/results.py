@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 __all__ = ["OnResult", "ResultDispatcher"]
 
@@ -20,12 +20,22 @@ OnResult = Callable[[Any], Any] | Any
 _DONE = object()
 
 
+class _Observer(Protocol):
+    """The part of a reactivex Observer the dispatcher calls."""
+
+    def on_next(self, value: Any) -> Any: ...
+    def on_completed(self) -> Any: ...
+    def on_error(self, error: BaseException) -> Any: ...
+
+
 class ResultDispatcher:
     """Delivers result values to ``on_result`` in arrival order on its own task."""
 
     def __init__(self, on_result: OnResult, *, buffer: int) -> None:
-        self._observer = on_result if hasattr(on_result, "on_next") else None
-        fn = on_result.on_next if self._observer is not None else on_result
+        self._observer: _Observer | None = (
+            cast(_Observer, on_result) if hasattr(on_result, "on_next") else None
+        )
+        fn = self._observer.on_next if self._observer is not None else on_result
         if not callable(fn):
             raise TypeError("on_result must be a callable or a reactivex Observer")
         self._fn: Callable[[Any], Any] = fn
@@ -58,7 +68,8 @@ class ResultDispatcher:
                 if inspect.isawaitable(out):
                     await out
                 self.delivered += 1
-            except Exception as exc:
+            # Whatever the subscriber raises stops delivery and becomes the stream's error.
+            except Exception as exc:  # noqa: BLE001
                 self.error = exc
                 self._failed.set()
                 return

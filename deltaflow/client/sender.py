@@ -20,7 +20,8 @@ from tenacity import (
     RetryCallState,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from ..errors import NotOwnerError, TransportError, is_retriable
@@ -137,7 +138,8 @@ class Sender:
         try:
             async with self._window, lane:
                 if self._stopped:
-                    raise _StoppedError
+                    # Leave the window and lane, then report the batch as not sent below.
+                    raise _StoppedError  # noqa: TRY301
                 self.counters.in_flight += 1
                 try:
                     await self._send_with_retries(batch)
@@ -148,7 +150,8 @@ class Sender:
             raise
         except _StoppedError:
             self._on_failed(batch, _StoppedError("not sent: the stream stopped"))
-        except Exception as exc:
+        # Any failure of the send settles the batch as failed, so the stream never waits on it.
+        except Exception as exc:  # noqa: BLE001
             self.counters.failed_items += len(batch.items)
             self._on_failed(batch, exc)
         else:
@@ -159,11 +162,8 @@ class Sender:
         opts = self._options
         retrying = AsyncRetrying(
             stop=stop_after_attempt(opts.retry_limit + 1),
-            wait=wait_exponential_jitter(
-                initial=opts.retry_initial_backoff,
-                max=opts.retry_max_backoff,
-                jitter=opts.retry_initial_backoff,
-            ),
+            wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
+            + wait_random(0, opts.retry_initial_backoff),
             retry=retry_if_exception(lambda e: is_retriable(e) and not self._stopped),
             before_sleep=self._before_retry,
             reraise=True,
@@ -199,8 +199,9 @@ class Sender:
         node = getattr(exc, "node", None)
         if node:
             self.counters.per_node.setdefault(node, NodeStatistics()).errors += 1
-        log.info("retrying stream %s batch after %r (attempt %d)", self._sid, exc,
-                 state.attempt_number)
+        log.info(
+            "retrying stream %s batch after %r (attempt %d)", self._sid, exc, state.attempt_number
+        )
 
 
 class _StoppedError(Exception):

@@ -71,7 +71,7 @@ class _ObservableBridge:
         self._observable = observable
         self._buffer = buffer
 
-    async def __aiter__(self) -> AsyncIterator[Any]:  # type: ignore[misc]
+    async def __aiter__(self) -> AsyncIterator[Any]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self._buffer)
         loop_thread = threading.get_ident()

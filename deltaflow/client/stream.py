@@ -162,7 +162,8 @@ async def run_stream(
                 ) from exc
             if len(packed) > max_item:
                 failed.append((position, item))
-                raise FrameTooLargeError(
+                # Handled below like every other failure: stop the sender, account for items.
+                raise FrameTooLargeError(  # noqa: TRY301
                     f"source item #{position} packs to {len(packed)} bytes, more than "
                     f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
                 )
@@ -173,7 +174,7 @@ async def run_stream(
             for batch in acc.drain():
                 sender.submit(batch)
         await sender.join()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - recorded in `errors`, re-raised below
         # Our own failure (bad item, subscriber error, cancellation): stop everything and
         # account for every item that did not make it.
         sender.stop()

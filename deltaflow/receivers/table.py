@@ -25,4 +25,6 @@ class TableUpsert(Receiver):
                 "the table receiver needs receiver_args {'table': name, 'key': [columns]}",
                 node=ctx.node_id,
             )
-        await ctx.table(args.get("table"), key=args["key"]).upsert(items, deletes=ctx.deletes)
+        # Unchecked here on purpose: ctx.table() rejects a missing or bad name with a SchemaError.
+        table: Any = args.get("table")
+        await ctx.table(table, key=args["key"]).upsert(items, deletes=ctx.deletes)

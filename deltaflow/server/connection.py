@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -65,30 +65,41 @@ class ClientConnection:
                 msg = await self._ws.receive()
                 if msg.type == aiohttp.WSMsgType.BINARY:
                     await self._handle(decode_frame(msg.data, max_bytes=self._node.max_frame_bytes))
-                elif msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING,
-                                  aiohttp.WSMsgType.CLOSED):
+                elif msg.type in (
+                    aiohttp.WSMsgType.CLOSE,
+                    aiohttp.WSMsgType.CLOSING,
+                    aiohttp.WSMsgType.CLOSED,
+                ):
                     return
-                elif msg.type == aiohttp.WSMsgType.ERROR:
-                    exc = self._ws.exception()
-                    if isinstance(exc, aiohttp.WebSocketError) and (
-                        exc.code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
-                    ):
-                        raise FrameTooLargeError(
-                            f"frame exceeds this node's limit of {self._node.max_frame_bytes} "
-                            "bytes; lower StreamerOptions.max_batch_bytes"
-                        )
-                    raise ProtocolError(f"WebSocket error: {exc}")
                 else:
-                    raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
+                    self._reject(msg)
         except FrameTooLargeError as exc:
-            await self._abort(_FrameTooLargeServerError(str(exc), node=node_id),
-                              aiohttp.WSCloseCode.MESSAGE_TOO_BIG)
+            await self._abort(
+                _FrameTooLargeServerError(str(exc), node=node_id),
+                aiohttp.WSCloseCode.MESSAGE_TOO_BIG,
+            )
         except ProtocolError as exc:
-            await self._abort(_BadFrameError(f"{exc}; closing the connection", node=node_id),
-                              aiohttp.WSCloseCode.PROTOCOL_ERROR)
+            await self._abort(
+                _BadFrameError(f"{exc}; closing the connection", node=node_id),
+                aiohttp.WSCloseCode.PROTOCOL_ERROR,
+            )
         except ServerError as exc:  # handshake refusals
             exc.node = exc.node or node_id
             await self._abort(exc, aiohttp.WSCloseCode.POLICY_VIOLATION)
+
+    def _reject(self, msg: aiohttp.WSMessage) -> NoReturn:
+        """Raise what a message that is neither binary nor a close means."""
+        if msg.type == aiohttp.WSMsgType.ERROR:
+            exc = self._ws.exception()
+            if isinstance(exc, aiohttp.WebSocketError) and (
+                exc.code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+            ):
+                raise FrameTooLargeError(
+                    f"frame exceeds this node's limit of {self._node.max_frame_bytes} "
+                    "bytes; lower StreamerOptions.max_batch_bytes"
+                )
+            raise ProtocolError(f"WebSocket error: {exc}")
+        raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
 
     async def _abort(self, err: ServerError, code: int) -> None:
         log.warning("closing connection from %s (client %s): %s", self._remote, self.client_id, err)
@@ -109,22 +120,24 @@ class ClientConnection:
         versions = [v for v in hello["v"] if v in SUPPORTED_VERSIONS]
         if not versions:
             raise _UnsupportedVersionError(
-                f"client speaks protocol versions {hello['v']}, this node {list(SUPPORTED_VERSIONS)}"
-                "; upgrade the older side"
+                f"client speaks protocol versions {hello['v']}, "
+                f"this node {list(SUPPORTED_VERSIONS)}; upgrade the older side"
             )
         if not self._node.check_token(hello.get("token")):
             raise AuthenticationError(
                 "wrong or missing token; pass the cluster token to deltaflow.connect(token=...)"
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
-        await self.send({
-            "t": "welcome",
-            "v": max(versions),
-            "caps": caps,
-            "node": self._node.node_id,
-            "map": self._node.partition_map.to_wire(),
-            "max": self._node.max_frame_bytes,
-        })
+        await self.send(
+            {
+                "t": "welcome",
+                "v": max(versions),
+                "caps": caps,
+                "node": self._node.node_id,
+                "map": self._node.partition_map.to_wire(),
+                "max": self._node.max_frame_bytes,
+            }
+        )
 
     async def _handle(self, frame: Frame) -> None:
         dispatcher = self._node.dispatcher

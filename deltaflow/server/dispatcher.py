@@ -8,7 +8,9 @@ preserve staging order, so the next batch can be staged while the previous one c
 
 A batch is acknowledged only when its receiver returned *and* every table write it staged is
 durable. A resend of a batch already applied is acknowledged as a duplicate (``dup``) without
-running it again; one still committing is acknowledged when its commit lands.
+running it again; one still committing is acknowledged when its commit lands. Either way its
+results (kept for the lane's latest ``RESULT_REPLAY_BATCHES`` batches) are sent again first,
+so a lost ack never loses results; results may therefore repeat.
 
 When a batch fails for good, its lane is failed: later batches of the lane are refused with
 ``LANE_FAILED`` (and those already staged behind it are abandoned before they commit), so a
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections import OrderedDict
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 from ..errors import (
     DeltaflowError,
@@ -44,6 +47,9 @@ __all__ = ["Dispatcher", "DispatcherStatistics", "Peer", "error_frame"]
 log = logging.getLogger(__name__)
 
 MAX_LANE_PENDING: Final = 64
+#: Batches per lane whose results are kept for replay to a resend (covers any client whose
+#: per_partition_in_flight is at most this).
+RESULT_REPLAY_BATCHES: Final = 16
 _RESULT_CHUNK: Final = 1000
 
 
@@ -85,6 +91,8 @@ class _Lane:
     next_seq: int = 0
     pending: dict[int, tuple[Peer, Frame]] = field(default_factory=dict)
     committing: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    # Results of the latest batches, replayed when a batch is resent after a lost ack.
+    results: OrderedDict[int, list[Any]] = field(default_factory=OrderedDict)
     failed_at: int | None = None
     failure: ServerError | None = None
     task: asyncio.Task[None] | None = None
@@ -174,38 +182,50 @@ class Dispatcher:
         self.stats.batches_received += 1
         stream = self._streams.get(sid)
         if stream is None:
-            return self._reply_error(peer, _UnknownStreamError(
-                f"stream {sid} is not open on this node; send 'open' first", node=self.node_id
-            ), frame)
+            return self._reply_error(
+                peer,
+                _UnknownStreamError(
+                    f"stream {sid} is not open on this node; send 'open' first", node=self.node_id
+                ),
+                frame,
+            )
         if not 0 <= p < self._partitions or seq < 0:
-            return self._reply_error(peer, _BadFrameError(
-                f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
-                node=self.node_id,
-            ), frame)
+            return self._reply_error(
+                peer,
+                _BadFrameError(
+                    f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
+                    node=self.node_id,
+                ),
+                frame,
+            )
         if not self._owns(p):
-            return self._reply_error(peer, NotOwnerError(
-                f"partition {p} is not owned by this node; refresh the partition map",
-                node=self.node_id,
-                details={"map": self._map_wire()},
-            ), frame)
+            return self._reply_error(
+                peer,
+                NotOwnerError(
+                    f"partition {p} is not owned by this node; refresh the partition map",
+                    node=self.node_id,
+                    details={"map": self._map_wire()},
+                ),
+                frame,
+            )
         lane = stream.lanes.setdefault(p, _Lane())
         if lane.failed_at is not None and seq >= lane.failed_at:
             err = lane.failure if seq == lane.failed_at else None
             return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
         if seq < lane.next_seq:
             self.stats.duplicates += 1
-            committing = lane.committing.get(seq)
-            if committing is None:
-                self._spawn(peer.send(_ack(frame, dup=True)))
-            else:
-                self._spawn(self._ack_when(peer, frame, committing, dup=True))
+            self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
         if seq not in lane.pending and len(lane.pending) >= MAX_LANE_PENDING:
-            return self._reply_error(peer, OverloadedError(
-                f"more than {MAX_LANE_PENDING} batches of partition {p} waiting; lower "
-                "per_partition_in_flight",
-                node=self.node_id,
-            ), frame)
+            return self._reply_error(
+                peer,
+                OverloadedError(
+                    f"more than {MAX_LANE_PENDING} batches of partition {p} waiting; lower "
+                    "per_partition_in_flight",
+                    node=self.node_id,
+                ),
+                frame,
+            )
         lane.pending[seq] = (peer, frame)  # a resend of a waiting batch replaces its peer
         if lane.task is None:
             lane.task = self._spawn(self._run_lane(stream, p, lane))
@@ -240,7 +260,8 @@ class Dispatcher:
             items = unpack_items(frame["items"], frame["n"])
             deletes = frozenset(frame.get("del") or ())
             if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
-                raise ProtocolError("'del' holds indexes outside the batch")
+                # Translated below like a frame that fails to unpack.
+                raise ProtocolError("'del' holds indexes outside the batch")  # noqa: TRY301
         except ProtocolError as exc:
             raise _BadFrameError(str(exc), node=self.node_id) from exc
         failed_at = lane  # read at commit time: batches behind a failure are abandoned
@@ -258,26 +279,41 @@ class Dispatcher:
             _writer=self._writer,
             _abandoned=abandoned,
         )
+        produced: list[Any] = []
+        lane.results[seq] = produced
+        while len(lane.results) > RESULT_REPLAY_BATCHES:
+            lane.results.popitem(last=False)
         try:
             out = stream.receiver.receive(items, ctx)
             if inspect.isasyncgen(out):
                 async for value in out:
+                    produced.append(value)
                     await peer.send(_result(frame, [value]))
             else:
                 values = await out if inspect.isawaitable(out) else out
                 if values is not None:
-                    values = list(values)
+                    # Async generators went the other way; anything else must be a plain
+                    # iterable (else list() raises TypeError: the batch fails as a ReceiverError).
+                    values = list(cast("Iterable[Any]", values))
+                    produced.extend(values)
                     for i in range(0, len(values), _RESULT_CHUNK):
                         await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
         except ServerError as err:
             err.node = err.node or self.node_id
             raise
         except DeltaflowError as exc:
-            raise ServerError(str(exc), node=self.node_id, details={
-                "retriable": exc.retriable}) from exc
+            raise ServerError(
+                str(exc), node=self.node_id, details={"retriable": exc.retriable}
+            ) from exc
         except Exception as exc:
-            log.warning("receiver %s failed on stream %s partition %d batch %d: %r",
-                        stream.receiver_name, stream.sid, p, seq, exc)
+            log.warning(
+                "receiver %s failed on stream %s partition %d batch %d: %r",
+                stream.receiver_name,
+                stream.sid,
+                p,
+                seq,
+                exc,
+            )
             raise ReceiverError(
                 f"receiver {stream.receiver_name} raised {type(exc).__name__}: {exc} "
                 f"(partition {p}, batch {seq}, {frame['n']} items)",
@@ -298,9 +334,13 @@ class Dispatcher:
     ) -> None:
         try:
             await asyncio.gather(*ctx._durable)
-        except Exception as exc:
-            err = exc if isinstance(exc, ServerError) else ServerError(
-                f"commit failed: {exc!r}", node=self.node_id)
+        # Any commit failure must fail the batch's waiters and the lane, never leave them hanging.
+        except Exception as exc:  # noqa: BLE001
+            err = (
+                exc
+                if isinstance(exc, ServerError)
+                else ServerError(f"commit failed: {exc!r}", node=self.node_id)
+            )
             durable.set_exception(err)
             durable.exception()
             lane.committing.pop(seq, None)
@@ -312,19 +352,30 @@ class Dispatcher:
         self.stats.items_applied += frame["n"]
         await peer.send(_ack(frame))
 
-    async def _ack_when(
-        self, peer: Peer, frame: Frame, durable: asyncio.Future[None], *, dup: bool
-    ) -> None:
-        try:
-            await asyncio.shield(durable)
-        except ServerError as err:
-            self._reply_error(peer, err, frame)
-            return
-        await peer.send(_ack(frame, dup=dup))
+    async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: _Lane) -> None:
+        """A resend of an applied batch: replay its results, ack once it is durable."""
+        seq = frame["seq"]
+        durable = lane.committing.get(seq)
+        if durable is not None:
+            try:
+                await asyncio.shield(durable)
+            except ServerError as err:
+                self._reply_error(peer, err, frame)
+                return
+        values = lane.results.get(seq, [])
+        for i in range(0, len(values), _RESULT_CHUNK):
+            await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
+        await peer.send(_ack(frame, dup=True))
 
     def _fail_lane(
-        self, stream: _Stream, p: int, lane: _Lane, seq: int, err: ServerError,
-        peer: Peer, frame: Frame,
+        self,
+        stream: _Stream,
+        p: int,
+        lane: _Lane,
+        seq: int,
+        err: ServerError,
+        peer: Peer,
+        frame: Frame,
     ) -> None:
         if lane.failed_at is None or seq < lane.failed_at:
             lane.failed_at, lane.failure = seq, err
@@ -353,13 +404,23 @@ def _lane_failed(node: str, p: int, lane: _Lane) -> LaneFailedError:
 
 
 def _ack(frame: Frame, *, dup: bool = False) -> Frame:
-    ack: Frame = {"t": "ack", "sid": frame["sid"], "p": frame["p"], "seq": frame["seq"],
-                  "n": frame["n"]}
+    ack: Frame = {
+        "t": "ack",
+        "sid": frame["sid"],
+        "p": frame["p"],
+        "seq": frame["seq"],
+        "n": frame["n"],
+    }
     if dup:
         ack["dup"] = True
     return ack
 
 
 def _result(frame: Frame, values: list[Any]) -> Frame:
-    return {"t": "result", "sid": frame["sid"], "p": frame["p"], "seq": frame["seq"],
-            "values": values}
+    return {
+        "t": "result",
+        "sid": frame["sid"],
+        "p": frame["p"],
+        "seq": frame["seq"],
+        "values": values,
+    }

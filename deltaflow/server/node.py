@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import web
 
@@ -144,6 +145,17 @@ class Node:
             return PartitionMap.build(0, {self.node_id: self.address}, self.config.partitions)
         return self._membership.map
 
+    async def wait_for_members(self, count: int, *, timeout: float = 30.0) -> PartitionMap:
+        """Wait until this node sees ``count`` live nodes (itself included) in its map.
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        if self._membership is None:
+            raise UsageError("start the node first")
+        async with asyncio.timeout(timeout):
+            return await self._membership.wait_for_members(count)
+
     def _owns(self, partition: int) -> bool:
         return self.partition_map.owners[partition] == self.node_id
 
@@ -188,8 +200,12 @@ class Node:
         )
         await self._membership.start()
         self.state = NodeState.RUNNING
-        log.info("node %s listening on %s (receivers: %s)", self.node_id, self.address,
-                 ", ".join(self.registry.names()))
+        log.info(
+            "node %s listening on %s (receivers: %s)",
+            self.node_id,
+            self.address,
+            ", ".join(self.registry.names()),
+        )
 
     async def stop(self) -> None:
         if self.state is not NodeState.RUNNING:
@@ -226,15 +242,17 @@ class Node:
         if peer and self._membership is not None:
             peer_id, _, peer_address = peer.partition("@")
             self._membership.observe(peer_id, peer_address)
-        return web.json_response({
-            "node": self.node_id,
-            "address": self.address,
-            "protocol": PROTOCOL_VERSION,
-            "partitions": self.config.partitions,
-            "map": self.partition_map.to_wire(),
-            "members": self._membership.members() if self._membership else [],
-            "receivers": self.registry.names(),
-        })
+        return web.json_response(
+            {
+                "node": self.node_id,
+                "address": self.address,
+                "protocol": PROTOCOL_VERSION,
+                "partitions": self.config.partitions,
+                "map": self.partition_map.to_wire(),
+                "members": self._membership.members() if self._membership else [],
+                "receivers": self.registry.names(),
+            }
+        )
 
     async def _health_handler(self, request: web.Request) -> web.Response:
         return web.json_response({"node": self.node_id, "state": self.state.value})

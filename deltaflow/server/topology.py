@@ -67,6 +67,7 @@ class Membership:
         self._peers = {a: Member(a) for a in peers if a != address}
         self._on_change = on_change
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, partitions)
+        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -77,15 +78,23 @@ class Membership:
     def members(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         rows = [{"node": self.node_id, "address": self.address, "live": True, "self": True}]
-        for m in self._peers.values():
-            rows.append({
+        rows.extend(
+            {
                 "node": m.node_id,
                 "address": m.address,
                 "live": self._is_live(m, now),
                 "self": False,
                 "last_seen_ago": round(now - m.last_seen, 3) if m.last_seen else None,
-            })
+            }
+            for m in self._peers.values()
+        )
         return rows
+
+    async def wait_for_members(self, count: int) -> PartitionMap:
+        """Wait until the map holds at least ``count`` live nodes (self included)."""
+        while len(self._map.addresses) < count:
+            await self._changed.wait()
+        return self._map
 
     async def start(self) -> None:
         """Poll peers once (so a node starting beside live peers begins with the full map)."""
@@ -138,7 +147,10 @@ class Membership:
         if body.get("partitions") != self.partitions:
             log.error(
                 "peer %s has %s partitions, this node %s: ignoring it (start every node with the "
-                "same --partitions)", member.address, body.get("partitions"), self.partitions,
+                "same --partitions)",
+                member.address,
+                body.get("partitions"),
+                self.partitions,
             )
             return
         member.node_id = str(body.get("node"))
@@ -157,6 +169,8 @@ class Membership:
             return
         self._map = PartitionMap.build(max(_now_ms(), self._map.version + 1), live, self.partitions)
         log.info("partition map v%d: members %s", self._map.version, sorted(live))
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
         if self._on_change is not None:
             self._on_change(self._map)
 

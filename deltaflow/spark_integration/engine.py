@@ -93,8 +93,10 @@ def map_spark_errors(table: str, node: str) -> Iterator[None]:
             raise CommitConflictError(
                 f"commit to table {table!r} conflicted with another writer: {text[:500]}", node=node
             ) from exc
-        if "AnalysisException" in text or "DELTA_" in text and "SCHEMA" in text:
-            raise SchemaError(f"table {table!r} rejected the rows: {text[:800]}", node=node) from exc
+        if "AnalysisException" in text or ("DELTA_" in text and "SCHEMA" in text):
+            raise SchemaError(
+                f"table {table!r} rejected the rows: {text[:800]}", node=node
+            ) from exc
         raise ServerError(f"commit to table {table!r} failed: {text[:800]}", node=node) from exc
 
 
@@ -139,7 +141,9 @@ class _TableCommitter:
             await self.ready.wait()
             group: list[_Staged] = []
             rows = 0
-            while self.queue and (not group or rows + self.queue[0].rows <= self.engine.max_group_rows):
+            while self.queue and (
+                not group or rows + self.queue[0].rows <= self.engine.max_group_rows
+            ):
                 staged = self.queue.popleft()
                 rows += staged.rows
                 group.append(staged)
@@ -152,9 +156,13 @@ class _TableCommitter:
             live = []
             for staged in group:
                 if staged.abandoned is not None and staged.abandoned():
-                    _settle(staged.future, LaneFailedError(
-                        "not applied: an earlier batch of the same partition failed",
-                        node=self.engine.node_id))
+                    _settle(
+                        staged.future,
+                        LaneFailedError(
+                            "not applied: an earlier batch of the same partition failed",
+                            node=self.engine.node_id,
+                        ),
+                    )
                 else:
                     live.append(staged)
             if live:
@@ -163,14 +171,19 @@ class _TableCommitter:
     async def _commit_group(self, group: list[_Staged]) -> None:
         try:
             await self._commit_with_retries(group)
-        except Exception as exc:
+        # Whatever the commit raised settles the batches' futures (or isolates the culprit).
+        except Exception as exc:  # noqa: BLE001
             if len(group) == 1:
                 self.engine.stats.batches_failed += 1
                 _settle(group[0].future, exc)
                 return
             # Isolate the culprit: the others must not fail with it.
-            log.warning("group commit to %s failed (%s); applying its %d batches one by one",
-                        self.name, exc, len(group))
+            log.warning(
+                "group commit to %s failed (%s); applying its %d batches one by one",
+                self.name,
+                exc,
+                len(group),
+            )
             for staged in group:
                 await self._commit_group([staged])
             return
@@ -208,8 +221,9 @@ class _TableCommitter:
         pq.write_table(table, staging)
         spark = self.engine.spark
         try:
-            with table_lock(self.engine.warehouse, self.name), map_spark_errors(
-                self.name, self.engine.node_id
+            with (
+                table_lock(self.engine.warehouse, self.name),
+                map_spark_errors(self.name, self.engine.node_id),
             ):
                 source = f"parquet.{_quote(str(staging))}"
                 if not (self.path / "_delta_log").is_dir():
@@ -412,7 +426,7 @@ class SparkTableEngine:
                 await committer.task
             for staged in committer.queue:
                 _settle(staged.future, ServerError("node stopped before commit", node=self.node_id))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -4,7 +4,8 @@ Spark finds Delta through two jars (``delta-spark_<scala>`` and ``delta-storage`
 version must match the installed ``delta-spark`` Python package. They are fetched with Maven
 (``mvn dependency:copy``) when it is installed, else straight from Maven Central over HTTPS
 with the published SHA-1 checked, into ``$DELTAFLOW_JARS_DIR`` (default
-``~/.cache/deltaflow/jars``). ``deltaflow jars`` does it ahead of time. ``python -m deltaflow.spark_integration.jars`` does it ahead of time.
+``~/.cache/deltaflow/jars``). ``deltaflow jars`` does it ahead of time.
+``python -m deltaflow.spark_integration.jars`` does it ahead of time.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def _fetch(group: str, artifact: str, version: str, path: Path) -> None:
     coordinate = f"{group}:{artifact}:{version}"
     if shutil.which("mvn"):
         cmd = [
-            "mvn", "-q", "-B", "dependency:copy", f"-Dartifact={coordinate}:jar",
+            "mvn",
+            "-q",
+            "-B",
+            "dependency:copy",
+            f"-Dartifact={coordinate}:jar",
             f"-DoutputDirectory={path.parent}",
         ]
         log.info("fetching %s with Maven", coordinate)
@@ -84,9 +89,8 @@ def _fetch(group: str, artifact: str, version: str, path: Path) -> None:
             f"cannot fetch Delta jar {coordinate} from Maven Central ({exc}); fetch it with "
             f"'mvn dependency:copy -Dartifact={coordinate}:jar -DoutputDirectory={path.parent}'"
         ) from exc
-    if hashlib.sha1(data).hexdigest() != expected:  # noqa: S324 - Maven publishes SHA-1
+    if hashlib.sha1(data).hexdigest() != expected:  # SHA-1 because that is what Maven publishes
         raise RuntimeError(f"checksum mismatch for {url}; refusing to use it")
     tmp = path.with_suffix(".part")
     tmp.write_bytes(data)
     tmp.replace(path)
-

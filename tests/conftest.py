@@ -1,0 +1,80 @@
+"""Shared fixtures: one SparkSession per run, real nodes on 127.0.0.1, two table readers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltaflow.server import Node, NodeConfig
+from deltaflow.spark_integration import SparkConfig, get_spark
+
+TEST_SPARK = SparkConfig(master="local[2]", shuffle_partitions=2, driver_memory="2g")
+TEST_RECEIVERS = (
+    "deltaflow.testing.Echo",
+    "deltaflow.testing.EchoStream",
+    "deltaflow.testing.FailOn",
+)
+
+
+@pytest.fixture(scope="session")
+def spark() -> Any:
+    return get_spark(TEST_SPARK)
+
+
+@pytest.fixture
+def warehouse(tmp_path: Path) -> Path:
+    return tmp_path / "warehouse"
+
+
+async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[Node]:
+    """``count`` nodes on 127.0.0.1, each seeing all the others before this returns."""
+    base = NodeConfig(
+        node_id="node-1",
+        warehouse=warehouse,
+        port=0,
+        receivers=TEST_RECEIVERS,
+        spark=TEST_SPARK,
+        heartbeat_interval=0.2,
+        failure_timeout=2.0,
+        **config,
+    )
+    nodes: list[Node] = []
+    for i in range(count):
+        node = Node(dataclasses.replace(
+            base, node_id=f"node-{i + 1}", peers=[n.address for n in nodes]
+        ))
+        await node.start()
+        nodes.append(node)
+    await asyncio.gather(*(n.wait_for_members(count) for n in nodes))
+    return nodes
+
+
+@pytest.fixture
+async def cluster(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
+    """Two real nodes sharing one warehouse."""
+    nodes = await start_cluster(warehouse)
+    yield nodes
+    for node in reversed(nodes):
+        await node.stop()
+
+
+def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+    """The table as {key: row}, read by delta-rs (independent of Spark)."""
+    from deltalake import DeltaTable
+
+    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    table = {row[key]: row for row in rows}
+    assert len(table) == len(rows), "duplicate keys in the table"
+    return table
+
+
+def read_spark(spark: Any, path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+    rows = [r.asDict() for r in spark.read.format("delta").load(str(path)).collect()]
+    table = {row[key]: row for row in rows}
+    assert len(table) == len(rows), "duplicate keys in the table"
+    return table

@@ -1,0 +1,86 @@
+"""Batch cutting by count, bytes and time, on an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltaflow.client.accumulator import Accumulator, Batch
+
+
+class FakeClock:
+    """``call_later`` that fires only when the test advances time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.timers: list[FakeTimer] = []
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> FakeTimer:
+        timer = FakeTimer(self.now + delay, fn, args)
+        self.timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for timer in [t for t in self.timers if t.when <= self.now and not t.cancelled]:
+            timer.cancelled = True
+            timer.fn(*timer.args)
+
+
+class FakeTimer:
+    def __init__(self, when: float, fn: Any, args: tuple[Any, ...]) -> None:
+        self.when, self.fn, self.args, self.cancelled = when, fn, args, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def make(page_size: int = 3, max_bytes: int = 1000, interval: float = 5.0):
+    clock = FakeClock()
+    timed: list[Batch] = []
+    acc = Accumulator(page_size=page_size, max_batch_bytes=max_bytes, flush_interval=interval,
+                      on_timer_cut=timed.append, call_later=clock.call_later)
+    return acc, clock, timed
+
+
+def test_cuts_on_count_with_per_partition_sequence_numbers() -> None:
+    acc, _, _ = make(page_size=2)
+    cut = []
+    for i in range(5):
+        cut += acc.add(i % 2, i, f"item{i}", b"xx", is_delete=False)
+    assert [(b.partition, b.seq, b.items) for b in cut] == [
+        (0, 0, ["item0", "item2"]),
+        (1, 0, ["item1", "item3"]),
+    ]
+    assert len(acc) == 1
+    assert [(b.partition, b.seq, b.items) for b in acc.drain()] == [(0, 1, ["item4"])]
+    assert len(acc) == 0
+
+
+def test_cuts_before_exceeding_bytes() -> None:
+    acc, _, _ = make(page_size=100, max_bytes=10)
+    assert acc.add(0, 0, "a", b"123456", is_delete=False) == []
+    [batch] = acc.add(0, 1, "b", b"123456", is_delete=False)
+    assert batch.items == ["a"] and batch.nbytes == 6
+    assert len(acc) == 1
+
+
+def test_timer_cuts_a_partly_filled_buffer_and_is_cancelled_by_a_count_cut() -> None:
+    acc, clock, timed = make(page_size=2, interval=5.0)
+    acc.add(0, 0, "a", b"x", is_delete=False)
+    clock.advance(4.9)
+    assert timed == []
+    clock.advance(0.2)
+    assert [b.items for b in timed] == [["a"]]
+    acc.add(1, 1, "b", b"x", is_delete=False)
+    acc.add(1, 2, "c", b"x", is_delete=False)  # count cut cancels partition 1's timer
+    clock.advance(10)
+    assert [b.items for b in timed] == [["a"]]
+
+
+def test_deletes_and_positions_are_tracked() -> None:
+    acc, _, _ = make(page_size=3)
+    acc.add(7, 10, "u", b"x", is_delete=False)
+    acc.add(7, 11, "d", b"x", is_delete=True)
+    [batch] = acc.add(7, 12, "u2", b"x", is_delete=False)
+    assert batch.deletes == [1]
+    assert batch.positions == [10, 11, 12]

@@ -1,0 +1,175 @@
+"""Bad input gets a precise error while the node keeps serving a concurrent good stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+
+import deltaflow
+from deltaflow import DataStreamerError, StreamerOptions
+from deltaflow.errors import AuthenticationError, SchemaError, UsageError
+from deltaflow.partitioning import partition_of
+from deltaflow.protocol import WS_PATH, decode_frame, encode_frame
+from deltaflow.server import Node
+
+from .conftest import read_delta, start_cluster
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def guarded(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
+    """Two nodes with a token and a small (64 KiB) frame limit."""
+    nodes = await start_cluster(warehouse, token=TOKEN, max_frame_bytes=64 * 1024)
+    yield nodes
+    for node in reversed(nodes):
+        await node.stop()
+
+
+async def raw_session(address: str, token: str | None = TOKEN) -> tuple[Any, Any, dict[str, Any]]:
+    session = aiohttp.ClientSession()
+    ws = await session.ws_connect(f"http://{address}{WS_PATH}", max_msg_size=1 << 24)
+    hello = {"t": "hello", "v": [1], "caps": [], "client": "raw", "token": token}
+    await ws.send_bytes(encode_frame(hello))
+    msg = await ws.receive()
+    return session, ws, decode_frame(msg.data)
+
+
+async def good_stream(address: str, n: int = 3000) -> deltaflow.StreamSummary:
+    async with deltaflow.connect([address], token=TOKEN) as client:
+        return await client.stream_data(
+            [{"i": i} for i in range(n)], key="i", receiver="deltaflow.testing.Echo",
+            options=StreamerOptions(page_size=100),
+        )
+
+
+async def expect_abort(ws: Any) -> tuple[dict[str, Any] | None, int]:
+    """The node's error frame (None if the socket closed first), then the close code."""
+    msg = await ws.receive()
+    error = None
+    if msg.type == aiohttp.WSMsgType.BINARY:
+        error = decode_frame(msg.data)
+        msg = await ws.receive()
+    assert msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    return error, ws.close_code
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\xc1\xc1 not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"t": "batch", "sid": 1}),
+     msgpack.packb({"t": "exec", "code": "import os"}), msgpack.ExtType(5, b"x")],
+    ids=["garbage", "not-a-map", "wrong-field-types", "unknown-type", "ext-type"],
+)
+async def test_malformed_frame_closes_only_that_connection(
+    guarded: list[Node], payload: Any
+) -> None:
+    address = guarded[0].address
+    good = asyncio.create_task(good_stream(address))
+    session, ws, welcome = await raw_session(address)
+    try:
+        assert welcome["t"] == "welcome"
+        data = payload if isinstance(payload, bytes) else msgpack.packb(payload)
+        await ws.send_bytes(data)
+        error, code = await expect_abort(ws)
+    finally:
+        await session.close()
+    assert error is not None
+    assert error["code"] == "BAD_FRAME"
+    assert error["node"] == "node-1"
+    assert error["retriable"] is False
+    assert code == aiohttp.WSCloseCode.PROTOCOL_ERROR
+    assert (await good).items_acked == 3000
+
+
+async def test_oversize_frame_is_refused_with_the_limit_named(guarded: list[Node]) -> None:
+    address = guarded[1].address
+    good = asyncio.create_task(good_stream(address))
+    session, ws, _ = await raw_session(address)
+    try:
+        await ws.send_bytes(b"\x00" * (100 * 1024))
+        error, code = await expect_abort(ws)
+    finally:
+        await session.close()
+    # aiohttp's reader closes with 1009 (message too big) before the oversize frame is even
+    # buffered; when the socket is still writable the node says so in an error frame too.
+    assert code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+    if error is not None:
+        assert error["code"] == "FRAME_TOO_LARGE"
+        assert "65536" in error["msg"]
+    assert (await good).items_acked == 3000
+
+
+async def test_client_never_sends_an_item_larger_than_a_batch(guarded: list[Node]) -> None:
+    async with deltaflow.connect([guarded[0].address], token=TOKEN) as client:
+        big = {"i": 1, "blob": b"x" * 200_000}
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                [{"i": 0}, big], key="i", receiver="deltaflow.testing.Echo",
+                options=StreamerOptions(max_batch_bytes=100_000),
+            )
+    assert "source item #1 packs to" in str(info.value)
+    assert big in info.value.failed_items
+
+
+async def test_wrong_token_is_refused_and_good_clients_go_on(guarded: list[Node]) -> None:
+    address = guarded[0].address
+    good = asyncio.create_task(good_stream(address))
+    with pytest.raises(AuthenticationError, match="rejected the token"):
+        async with deltaflow.connect([address], token="wrong"):
+            pass
+    session, ws, error = await raw_session(address, token="wrong")
+    with contextlib.suppress(Exception):
+        await session.close()
+    assert error["t"] == "error" and error["code"] == "UNAUTHORIZED"
+    assert (await good).items_acked == 3000
+
+
+async def test_rows_that_do_not_fit_the_schema_fail_only_their_batch(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    opts = StreamerOptions(page_size=1000, auto_flush_interval=0)
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await client.stream_data(
+            [{"id": i, "value": float(i)} for i in range(10)], table="typed", key="id"
+        )
+        partitions = client.partition_map.partitions
+        rows = [{"id": i, "value": float(i)} for i in range(10, 100)]
+        rows[40] = {"id": 50, "value": "not a number"}
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(rows, table="typed", key="id", options=opts)
+    cause = info.value.cause
+    assert isinstance(cause, SchemaError)
+    assert "column 'value'" in str(cause) and "double" in str(cause)
+    bad_partition = partition_of(50, partitions)
+    in_bad = [r for r in rows if partition_of(r["id"], partitions) == bad_partition]
+    assert info.value.failed_items == in_bad
+    table = read_delta(warehouse / "typed")
+    assert set(table) == set(range(100)) - {r["id"] for r in in_bad}
+
+
+async def test_items_that_cannot_be_encoded_are_named(cluster: list[Node]) -> None:
+    bad = {"i": 3, "when": object()}
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                [{"i": 1}, {"i": 2}, bad], key="i", receiver="deltaflow.testing.Echo"
+            )
+    assert isinstance(info.value.cause, UsageError)
+    assert "source item #2 cannot be sent" in str(info.value.cause)
+    assert bad in info.value.failed_items
+
+
+def test_usage_errors_say_what_to_do() -> None:
+    with pytest.raises(UsageError, match="host:port"):
+        deltaflow.connect(["nohost"])
+    with pytest.raises(UsageError, match="page_size"):
+        StreamerOptions(page_size=0)
+    _ = dataclasses  # keep import for readability of options tests

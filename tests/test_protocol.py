@@ -1,0 +1,92 @@
+"""The wire format and the partition function: stable, strict, and safe to decode."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+
+import msgpack
+import pytest
+
+from deltaflow.errors import FrameTooLargeError, ProtocolError
+from deltaflow.partitioning import PartitionMap, assign_partitions, partition_of
+from deltaflow.protocol import decode_frame, encode_frame, join_items, pack_item, unpack_items
+
+
+def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
+    items = [
+        {"id": 1, "name": "é", "v": 1.5, "ok": True, "none": None, "raw": b"\x00\x01"},
+        [1, 2, [3]],
+        "plain",
+        dt.datetime(2026, 11, 22, 1, 2, 3, tzinfo=dt.UTC),
+    ]
+    frame = {"t": "batch", "sid": "s", "p": 3, "seq": 7, "n": len(items),
+             "items": join_items(pack_item(i) for i in items), "del": [1]}
+    decoded = decode_frame(encode_frame(frame))
+    assert decoded["p"] == 3 and decoded["seq"] == 7 and decoded["del"] == [1]
+    assert unpack_items(decoded["items"], decoded["n"]) == items
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        ({"t": "batch", "sid": "s", "p": "0", "seq": 0, "n": 0, "items": b""}, "field 'p'"),
+        ({"t": "batch", "sid": "s", "p": True, "seq": 0, "n": 0, "items": b""}, "field 'p'"),
+        ({"t": "open", "sid": "s", "receiver": "r", "extra": 1}, "unexpected fields"),
+        ({"t": "ack", "sid": "s", "p": 0, "seq": 0}, "lacks field 'n'"),
+        ({"t": "__import__", "name": "os"}, "unknown frame type"),
+    ],
+)
+def test_frames_that_break_the_field_table_are_rejected(frame: dict, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode_frame(encode_frame(frame))
+
+
+def test_extension_types_are_never_interpreted() -> None:
+    data = msgpack.packb({"t": "opened", "sid": msgpack.ExtType(42, b"payload")})
+    with pytest.raises(ProtocolError, match="extension type 42"):
+        decode_frame(data)
+    with pytest.raises(ProtocolError, match="extension type 7"):
+        unpack_items(msgpack.packb(msgpack.ExtType(7, b"x")), 1)
+
+
+def test_oversize_frames_and_lying_counts_are_rejected() -> None:
+    frame = encode_frame({"t": "opened", "sid": "x" * 2000})
+    with pytest.raises(FrameTooLargeError, match="exceeds the limit of 1000 bytes"):
+        decode_frame(frame, max_bytes=1000)
+    blob = join_items(pack_item(i) for i in range(3))
+    with pytest.raises(ProtocolError, match="declares 2 items but carries 3"):
+        unpack_items(blob, 2)
+    with pytest.raises(ProtocolError, match="declares 5 items but carries 3"):
+        unpack_items(blob, 5)
+
+
+def test_partition_of_is_stable_across_processes_and_releases() -> None:
+    # Pinned values: changing the hash would silently re-route every existing stream.
+    assert partition_of((1, "a"), 64) == partition_of([1, "a"], 64)  # composite keys
+    assert partition_of("abc", 64) == 14
+    assert partition_of(12345, 64) == 31
+
+
+def test_keys_spread_over_partitions() -> None:
+    counts = Counter(partition_of(i, 64) for i in range(64_000))
+    assert len(counts) == 64
+    assert max(counts.values()) < 1.2 * 1000 and min(counts.values()) > 0.8 * 1000
+
+
+def test_rendezvous_moves_only_the_partitions_of_a_leaving_node() -> None:
+    before = assign_partitions(["a", "b", "c"], 256)
+    after = assign_partitions(["a", "b"], 256)
+    moved = [p for p in range(256) if before[p] != after[p]]
+    assert moved == [p for p in range(256) if before[p] == "c"]
+    assert 50 < len(moved) < 120  # about a third
+    assert set(before) == {"a", "b", "c"}
+
+
+def test_partition_map_round_trips_and_rejects_owners_without_address() -> None:
+    pmap = PartitionMap.build(5, {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}, 16)
+    assert PartitionMap.from_wire(pmap.to_wire()) == pmap
+    wire = pmap.to_wire()
+    wire["nodes"].pop("n1")
+    with pytest.raises(ValueError, match="owner has no address"):
+        PartitionMap.from_wire(wire)
