@@ -24,8 +24,8 @@ test: setup
 	$(PY) -m pytest
 
 lint: setup
-	$(VENV)/bin/ruff check deltaflow tests bench examples
-	$(VENV)/bin/ruff format --check deltaflow tests bench examples
+	$(VENV)/bin/ruff check deltaflow tests examples
+	$(VENV)/bin/ruff format --check deltaflow tests examples
 	$(VENV)/bin/mypy
 
 clean:

@@ -33,11 +33,11 @@ def warehouse(tmp_path: Path) -> Path:
 
 async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[Node]:
     """``count`` nodes on 127.0.0.1, each seeing all the others before this returns."""
+    config.setdefault("receivers", TEST_RECEIVERS)
     base = NodeConfig(
         node_id="node-1",
         warehouse=warehouse,
         port=0,
-        receivers=TEST_RECEIVERS,
         spark=TEST_SPARK,
         heartbeat_interval=0.2,
         failure_timeout=2.0,
@@ -45,9 +45,9 @@ async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[
     )
     nodes: list[Node] = []
     for i in range(count):
-        node = Node(dataclasses.replace(
-            base, node_id=f"node-{i + 1}", peers=[n.address for n in nodes]
-        ))
+        node = Node(
+            dataclasses.replace(base, node_id=f"node-{i + 1}", peers=[n.address for n in nodes])
+        )
         await node.start()
         nodes.append(node)
     await asyncio.gather(*(n.wait_for_members(count) for n in nodes))

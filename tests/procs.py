@@ -20,15 +20,32 @@ def free_port() -> int:
 class NodeProcess:
     """``deltaflow serve`` in a child process; ``start`` returns once it prints 'ready'."""
 
-    def __init__(self, node_id: str, warehouse: Path, *, peers: list[str] = (), port: int = 0,
-                 extra: list[str] = ()) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        warehouse: Path,
+        *,
+        peers: list[str] = (),
+        port: int = 0,
+        extra: list[str] = (),
+    ) -> None:
         self.node_id = node_id
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [
-            sys.executable, "-m", "deltaflow.cli", "serve", "--node-id", node_id,
-            "--port", str(self.port), "--warehouse", str(warehouse),
-            "--spark-master", "local[1]", *extra,
+            sys.executable,
+            "-m",
+            "deltaflow.cli",
+            "serve",
+            "--node-id",
+            node_id,
+            "--port",
+            str(self.port),
+            "--warehouse",
+            str(warehouse),
+            "--spark-master",
+            "local[1]",
+            *extra,
         ]
         if peers:
             self.args += ["--peers", ",".join(peers)]

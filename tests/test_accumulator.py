@@ -37,8 +37,13 @@ class FakeTimer:
 def make(page_size: int = 3, max_bytes: int = 1000, interval: float = 5.0):
     clock = FakeClock()
     timed: list[Batch] = []
-    acc = Accumulator(page_size=page_size, max_batch_bytes=max_bytes, flush_interval=interval,
-                      on_timer_cut=timed.append, call_later=clock.call_later)
+    acc = Accumulator(
+        page_size=page_size,
+        max_batch_bytes=max_bytes,
+        flush_interval=interval,
+        on_timer_cut=timed.append,
+        call_later=clock.call_later,
+    )
     return acc, clock, timed
 
 

@@ -46,7 +46,9 @@ async def raw_session(address: str, token: str | None = TOKEN) -> tuple[Any, Any
 async def good_stream(address: str, n: int = 3000) -> deltaflow.StreamSummary:
     async with deltaflow.connect([address], token=TOKEN) as client:
         return await client.stream_data(
-            [{"i": i} for i in range(n)], key="i", receiver="deltaflow.testing.Echo",
+            [{"i": i} for i in range(n)],
+            key="i",
+            receiver="deltaflow.testing.Echo",
             options=StreamerOptions(page_size=100),
         )
 
@@ -64,8 +66,13 @@ async def expect_abort(ws: Any) -> tuple[dict[str, Any] | None, int]:
 
 @pytest.mark.parametrize(
     "payload",
-    [b"\xc1\xc1 not msgpack", msgpack.packb([1, 2, 3]), msgpack.packb({"t": "batch", "sid": 1}),
-     msgpack.packb({"t": "exec", "code": "import os"}), msgpack.ExtType(5, b"x")],
+    [
+        b"\xc1\xc1 not msgpack",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"t": "batch", "sid": 1}),
+        msgpack.packb({"t": "exec", "code": "import os"}),
+        msgpack.ExtType(5, b"x"),
+    ],
     ids=["garbage", "not-a-map", "wrong-field-types", "unknown-type", "ext-type"],
 )
 async def test_malformed_frame_closes_only_that_connection(
@@ -112,7 +119,9 @@ async def test_client_never_sends_an_item_larger_than_a_batch(guarded: list[Node
         big = {"i": 1, "blob": b"x" * 200_000}
         with pytest.raises(DataStreamerError) as info:
             await client.stream_data(
-                [{"i": 0}, big], key="i", receiver="deltaflow.testing.Echo",
+                [{"i": 0}, big],
+                key="i",
+                receiver="deltaflow.testing.Echo",
                 options=StreamerOptions(max_batch_bytes=100_000),
             )
     assert "source item #1 packs to" in str(info.value)
@@ -125,7 +134,7 @@ async def test_wrong_token_is_refused_and_good_clients_go_on(guarded: list[Node]
     with pytest.raises(AuthenticationError, match="rejected the token"):
         async with deltaflow.connect([address], token="wrong"):
             pass
-    session, ws, error = await raw_session(address, token="wrong")
+    session, _ws, error = await raw_session(address, token="wrong")
     with contextlib.suppress(Exception):
         await session.close()
     assert error["t"] == "error" and error["code"] == "UNAUTHORIZED"

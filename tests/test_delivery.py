@@ -22,7 +22,10 @@ async def test_lost_ack_is_resent_and_not_applied_twice(cluster: list[Node]) -> 
     items = list(range(3000))
     async with deltaflow.connect([cluster[0].address], connection_factory=dropper) as client:
         summary = await client.stream_data(
-            items, key=lambda x: x, receiver="deltaflow.testing.Echo", on_result=results.append,
+            items,
+            key=lambda x: x,
+            receiver="deltaflow.testing.Echo",
+            on_result=results.append,
             options=StreamerOptions(page_size=100, retry_initial_backoff=0.01),
         )
     assert dropper.dropped == 2
@@ -42,7 +45,9 @@ async def test_table_stream_survives_dropped_connections(
     rows = [{"id": i % 500, "v": i} for i in range(2000)]
     async with deltaflow.connect([cluster[1].address], connection_factory=dropper) as client:
         summary = await client.stream_data(
-            rows, table="dropped", key="id",
+            rows,
+            table="dropped",
+            key="id",
             options=StreamerOptions(page_size=100, retry_initial_backoff=0.01),
         )
     assert summary.items_acked == 2000
@@ -54,7 +59,10 @@ async def test_cluster_status_shows_members_and_partition_map(cluster: list[Node
     done = await asyncio.to_thread(
         subprocess.run,
         [sys.executable, "-m", "deltaflow.cli", "cluster", "status", "--node", cluster[1].address],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -70,9 +78,17 @@ async def test_cluster_status_shows_members_and_partition_map(cluster: list[Node
 def test_public_modules_declare_their_exports() -> None:
     import importlib
 
-    for name in ("deltaflow", "deltaflow.client", "deltaflow.server", "deltaflow.receivers",
-                 "deltaflow.errors", "deltaflow.protocol", "deltaflow.partitioning",
-                 "deltaflow.spark_integration", "deltaflow.testing"):
+    for name in (
+        "deltaflow",
+        "deltaflow.client",
+        "deltaflow.server",
+        "deltaflow.receivers",
+        "deltaflow.errors",
+        "deltaflow.protocol",
+        "deltaflow.partitioning",
+        "deltaflow.spark_integration",
+        "deltaflow.testing",
+    ):
         module = importlib.import_module(name)
         assert module.__all__, name
         for export in module.__all__:

@@ -20,8 +20,15 @@ def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
         "plain",
         dt.datetime(2026, 11, 22, 1, 2, 3, tzinfo=dt.UTC),
     ]
-    frame = {"t": "batch", "sid": "s", "p": 3, "seq": 7, "n": len(items),
-             "items": join_items(pack_item(i) for i in items), "del": [1]}
+    frame = {
+        "t": "batch",
+        "sid": "s",
+        "p": 3,
+        "seq": 7,
+        "n": len(items),
+        "items": join_items(pack_item(i) for i in items),
+        "del": [1],
+    }
     decoded = decode_frame(encode_frame(frame))
     assert decoded["p"] == 3 and decoded["seq"] == 7 and decoded["del"] == [1]
     assert unpack_items(decoded["items"], decoded["n"]) == items

@@ -40,9 +40,7 @@ async def test_streamed_results_reach_an_async_callable_and_an_observer(
         await asyncio.sleep(0)
         seen_async.append(value)
 
-    observer = reactivex.Observer(
-        on_next=seen_observer.append, on_completed=completed.set
-    )
+    observer = reactivex.Observer(on_next=seen_observer.append, on_completed=completed.set)
     async with deltaflow.connect([cluster[1].address]) as client:
         await client.stream_data(
             items, key="n", receiver="deltaflow.testing.EchoStream", on_result=on_result
@@ -106,14 +104,14 @@ async def test_unknown_receiver_is_a_clear_error_and_other_streams_go_on(
     async with deltaflow.connect([cluster[0].address]) as client:
         good = asyncio.create_task(
             client.stream_data(
-                list(range(2000)), key=lambda x: x, receiver="deltaflow.testing.Echo",
+                list(range(2000)),
+                key=lambda x: x,
+                receiver="deltaflow.testing.Echo",
                 on_result=lambda v: None,
             )
         )
         with pytest.raises(DataStreamerError) as info:
-            await client.stream_data(
-                ["x", "y"], key=lambda x: x, receiver="os.system"
-            )
+            await client.stream_data(["x", "y"], key=lambda x: x, receiver="os.system")
         summary = await good
     cause = info.value.cause
     assert isinstance(cause, UnknownReceiverError)
@@ -123,3 +121,33 @@ async def test_unknown_receiver_is_a_clear_error_and_other_streams_go_on(
     assert summary.items_acked == 2000
     # Nothing was imported on the node's behalf.
     assert "os.system" not in cluster[0].registry
+
+
+async def test_a_custom_receiver_writes_a_table_and_streams_results(
+    spark: Any, warehouse: Any
+) -> None:
+    from deltaflow import Delete
+
+    from .conftest import read_delta, start_cluster
+
+    nodes = await start_cluster(warehouse, receivers=["examples.receivers.EnrichOrders"])
+    try:
+        orders: list[Any] = [{"id": i, "amount": 10.0 * i} for i in range(100)]
+        orders.append(Delete({"id": 5}))
+        results: list[Any] = []
+        async with deltaflow.connect([nodes[0].address]) as client:
+            await client.stream_data(
+                orders,
+                key="id",
+                receiver="examples.receivers.EnrichOrders",
+                receiver_args={"vat": 0.5},
+                on_result=results.append,
+            )
+    finally:
+        for node in nodes:
+            await node.stop()
+    assert sorted(r["id"] for r in results) == list(range(100))
+    assert {r["id"]: r["gross"] for r in results}[10] == 150.0
+    table = read_delta(warehouse / "orders")
+    assert set(table) == set(range(100)) - {5}
+    assert table[10]["gross"] == 150.0

@@ -21,10 +21,11 @@ OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_i
 
 def workload(n_keys: int = 600, rounds: int = 3) -> list[Any]:
     """Every key written ``rounds`` times, then every 10th deleted, then some re-inserted."""
-    items: list[Any] = []
-    for r in range(rounds):
-        for k in range(n_keys):
-            items.append({"id": k, "name": f"r{r}-k{k}", "value": float(r * n_keys + k)})
+    items: list[Any] = [
+        {"id": k, "name": f"r{r}-k{k}", "value": float(r * n_keys + k)}
+        for r in range(rounds)
+        for k in range(n_keys)
+    ]
     items += [Delete({"id": k}) for k in range(0, n_keys, 10)]
     items += [{"id": k, "name": "back", "value": -1.0} for k in range(0, n_keys, 20)]
     return items

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections import OrderedDict
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, cast
@@ -164,9 +164,20 @@ class Dispatcher:
         stream = self._streams.get(sid)
         if stream is None:
             return
-        if any(lane.pending or lane.committing for lane in stream.lanes.values()):
-            return  # still busy; a later close or node stop frees it
-        del self._streams[sid]
+        committing = [f for lane in stream.lanes.values() for f in lane.committing.values()]
+        if committing:  # let running commits finish (and ack) before forgetting the stream
+            self._spawn(self._forget_after(sid, committing))
+        else:
+            self._forget(sid)
+
+    async def _forget_after(self, sid: str, committing: list[asyncio.Future[None]]) -> None:
+        await asyncio.gather(*(asyncio.shield(f) for f in committing), return_exceptions=True)
+        self._forget(sid)
+
+    def _forget(self, sid: str) -> None:
+        # Batches still waiting for a predecessor the client gave up on are dropped unanswered:
+        # the client that closed the stream no longer waits for them.
+        self._streams.pop(sid, None)
         self.stats.streams = len(self._streams)
 
     async def stop(self) -> None:
