@@ -6,7 +6,7 @@ export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

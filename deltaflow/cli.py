@@ -25,12 +25,17 @@ def _serve(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         host=args.host,
         port=args.port,
+        advertise=args.advertise,
         warehouse=Path(args.warehouse),
         peers=[p for p in (args.peers or "").split(",") if p],
         receivers=args.receiver or [],
         token=token,
         partitions=args.partitions,
-        spark=SparkConfig(master=args.spark_master),
+        max_frame_bytes=args.max_frame_bytes,
+        heartbeat_interval=args.heartbeat_interval,
+        failure_timeout=args.failure_timeout,
+        max_group_rows=args.max_group_rows,
+        spark=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory),
     )
 
     async def run() -> None:
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--node-id", required=True)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7700)
+    serve.add_argument("--advertise", help="host:port clients and peers reach this node at")
     serve.add_argument("--warehouse", required=True, help="directory of the Delta tables")
     serve.add_argument("--peers", help="other nodes as host:port,host:port")
     serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
@@ -109,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         default="local[*]",
         help="local[*] (default), a Spark master URL or an sc:// Connect URL",
     )
+    serve.add_argument("--driver-memory", default="2g", help="embedded Spark driver heap")
+    serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
+    serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
+    serve.add_argument("--failure-timeout", type=float, default=3.0, help="seconds")
+    serve.add_argument("--max-group-rows", type=int, default=500_000)
     serve.set_defaults(func=_serve)
 
     cluster = sub.add_parser("cluster", help="inspect a cluster")

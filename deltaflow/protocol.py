@@ -58,6 +58,7 @@ _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
         "n": (int,),
         "items": (bytes,),
         "del?": (list,),
+        "base?": (int,),
     },
     "result": {"sid": (str,), "p": (int,), "seq": (int,), "values": (list,)},
     "ack": {"sid": (str,), "p": (int,), "seq": (int,), "n": (int,), "dup?": (bool,)},

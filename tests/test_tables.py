@@ -14,7 +14,7 @@ import deltaflow
 from deltaflow import Delete, StreamerOptions
 from deltaflow.server import Node
 
-from .conftest import read_delta, read_spark
+from .conftest import read_delta, read_spark, start_cluster
 
 OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_interval=0.5)
 
@@ -135,3 +135,28 @@ async def test_delete_then_reinsert_in_one_batch_keeps_source_order(
         await client.stream_data(items, table="order_t", key="id")
     assert_table(spark, warehouse / "order_t", expected(items))
     assert set(read_delta(warehouse / "order_t")) == {1}
+
+
+async def test_first_write_takes_every_column_and_a_leading_delete(
+    spark: Any, warehouse: Path
+) -> None:
+    # One partition: one batch makes the table. (A column new to an existing table is schema
+    # evolution, which is not allowed yet.)
+    [node] = await start_cluster(warehouse, count=1, partitions=1)
+    items: list[Any] = [
+        Delete({"id": 9}),
+        {"id": 1, "name": "a"},
+        {"id": 2, "name": "b", "value": 2.5},
+    ]
+    try:
+        async with deltaflow.connect([node.address]) as client:
+            await client.stream_data(
+                items, table="wide", key="id", options=StreamerOptions(auto_flush_interval=0)
+            )
+    finally:
+        await node.stop()
+    table = read_delta(warehouse / "wide")
+    assert table == {
+        1: {"id": 1, "name": "a", "value": None},
+        2: {"id": 2, "name": "b", "value": 2.5},
+    }

@@ -197,8 +197,13 @@ class Client:
             self._stale = True
             return
         try:
-            self._map = PartitionMap.from_wire(wire)
+            offered = PartitionMap.from_wire(wire)
         except ValueError:
+            self._stale = True
+            return
+        if self._map is None or offered.version > self._map.version:
+            self._map = offered
+        else:  # the node's view is not newer than ours: ask the cluster again
             self._stale = True
 
     def _map_is_stale(self) -> None:

@@ -22,6 +22,7 @@ from ..errors import (
     NodeUnavailableError,
     ProtocolError,
     ServerError,
+    _UnknownStreamError,
     server_error,
 )
 from ..protocol import (
@@ -258,6 +259,8 @@ class Connection:
         err = _error_of(frame)
         sid, p, seq = frame.get("sid"), frame.get("p"), frame.get("seq")
         if sid is not None and p is not None and seq is not None:
+            if isinstance(err, _UnknownStreamError):
+                self._opening.pop(sid, None)  # the resend re-opens the stream first
             self._resolve((sid, p, seq), err)
         elif sid is not None:
             fut = self._opening.pop(sid, None)

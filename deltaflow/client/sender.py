@@ -90,6 +90,9 @@ class Sender:
         self._results = results
         self._window = asyncio.Semaphore(options.max_in_flight)
         self._lanes: dict[int, asyncio.Semaphore] = {}
+        # Sequence numbers of each partition not yet settled: the smallest is the ``base`` a
+        # batch frame carries, so a new owner knows every lower batch is already acknowledged.
+        self._unacked: dict[int, set[int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._room.set()
@@ -103,6 +106,7 @@ class Sender:
 
     def submit(self, batch: Batch) -> None:
         """Take a cut batch (synchronous; the send happens on a task)."""
+        self._unacked.setdefault(batch.partition, set()).add(batch.seq)
         task = asyncio.create_task(self._deliver(batch), name=f"deltaflow-batch-{batch.partition}")
         self._tasks.add(task)
         task.add_done_callback(self._settled)
@@ -135,6 +139,12 @@ class Sender:
         lane = self._lanes.setdefault(
             batch.partition, asyncio.Semaphore(self._options.per_partition_in_flight)
         )
+        try:
+            await self._deliver_in_window(batch, lane)
+        finally:
+            self._unacked[batch.partition].discard(batch.seq)
+
+    async def _deliver_in_window(self, batch: Batch, lane: asyncio.Semaphore) -> None:
         try:
             async with self._window, lane:
                 if self._stopped:
@@ -184,6 +194,7 @@ class Sender:
                 batch.attempts += 1
                 conn = await self._client._connection_for(batch.partition)
                 await conn.open_stream(self._sid, *self._receiver, self._results)
+                frame["base"] = min(self._unacked[batch.partition])
                 await conn.send_batch(frame, timeout=opts.ack_timeout)
                 stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
                 stats.batches_acked += 1

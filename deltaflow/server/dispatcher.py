@@ -37,6 +37,7 @@ from ..errors import (
     ServerError,
     _BadFrameError,
     _UnknownStreamError,
+    is_retriable,
 )
 from ..protocol import Frame, unpack_items
 from ..receivers.base import Receiver, ReceiverContext, TableWriter
@@ -223,7 +224,14 @@ class Dispatcher:
         if lane.failed_at is not None and seq >= lane.failed_at:
             err = lane.failure if seq == lane.failed_at else None
             return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
-        if seq < lane.next_seq:
+        base = frame.get("base", 0)
+        if base > lane.next_seq:
+            # The client has every batch below ``base`` acknowledged (by this node before, or by
+            # a previous owner): start the lane there instead of waiting for them.
+            lane.next_seq = base
+            for stale in [s for s in lane.pending if s < base]:
+                del lane.pending[stale]
+        if seq < lane.next_seq or seq in lane.committing:
             self.stats.duplicates += 1
             self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
@@ -253,13 +261,14 @@ class Dispatcher:
                     ctx = await self._apply(stream, p, seq, peer, frame, lane)
                 except ServerError as err:
                     del lane.committing[seq]
-                    durable.cancel()
-                    if err.retriable:  # the client resends this very batch; keep the lane
+                    durable.set_exception(err)  # a resend waiting on it gets the same answer
+                    durable.exception()
+                    if is_retriable(err):  # the client resends this very batch; keep the lane
                         self._reply_error(peer, err, frame)
                         return
                     self._fail_lane(stream, p, lane, seq, err, peer, frame)
                     return
-                lane.next_seq = seq + 1
+                lane.next_seq = max(lane.next_seq, seq + 1)
                 self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
         finally:
             lane.task = None
@@ -275,10 +284,12 @@ class Dispatcher:
                 raise ProtocolError("'del' holds indexes outside the batch")  # noqa: TRY301
         except ProtocolError as exc:
             raise _BadFrameError(str(exc), node=self.node_id) from exc
-        failed_at = lane  # read at commit time: batches behind a failure are abandoned
+        batch_failed = asyncio.Event()
 
         def abandoned() -> bool:
-            return failed_at.failed_at is not None and seq > failed_at.failed_at
+            # Read at commit time: writes of a batch that failed, or of batches behind a failed
+            # one in the lane, must not land.
+            return batch_failed.is_set() or (lane.failed_at is not None and seq > lane.failed_at)
 
         ctx = ReceiverContext(
             stream_id=stream.sid,
@@ -310,27 +321,36 @@ class Dispatcher:
                     for i in range(0, len(values), _RESULT_CHUNK):
                         await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
         except ServerError as err:
+            batch_failed.set()
             err.node = err.node or self.node_id
             raise
-        except DeltaflowError as exc:
-            raise ServerError(
-                str(exc), node=self.node_id, details={"retriable": exc.retriable}
-            ) from exc
         except Exception as exc:
-            log.warning(
-                "receiver %s failed on stream %s partition %d batch %d: %r",
-                stream.receiver_name,
-                stream.sid,
-                p,
-                seq,
-                exc,
-            )
-            raise ReceiverError(
-                f"receiver {stream.receiver_name} raised {type(exc).__name__}: {exc} "
-                f"(partition {p}, batch {seq}, {frame['n']} items)",
-                node=self.node_id,
-            ) from exc
+            batch_failed.set()
+            raise self._as_server_error(exc, stream, p, seq, frame["n"]) from exc
+        except BaseException:
+            batch_failed.set()
+            raise
         return ctx
+
+    def _as_server_error(
+        self, exc: Exception, stream: _Stream, p: int, seq: int, n: int
+    ) -> ServerError:
+        """What the client is told when a receiver raised ``exc``."""
+        if isinstance(exc, DeltaflowError):  # keeps the error's own retry decision
+            return ServerError(str(exc), node=self.node_id, details={"retriable": exc.retriable})
+        log.warning(
+            "receiver %s failed on stream %s partition %d batch %d: %r",
+            stream.receiver_name,
+            stream.sid,
+            p,
+            seq,
+            exc,
+        )
+        return ReceiverError(
+            f"receiver {stream.receiver_name} raised {type(exc).__name__}: {exc} "
+            f"(partition {p}, batch {seq}, {n} items)",
+            node=self.node_id,
+        )
 
     async def _finish(
         self,
@@ -388,6 +408,8 @@ class Dispatcher:
         peer: Peer,
         frame: Frame,
     ) -> None:
+        # The lane is closed for good: resending any of its batches cannot succeed.
+        err.details["retriable"] = False
         if lane.failed_at is None or seq < lane.failed_at:
             lane.failed_at, lane.failure = seq, err
         self.stats.batches_failed += 1

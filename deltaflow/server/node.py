@@ -41,6 +41,8 @@ class NodeConfig:
         warehouse: directory holding the Delta tables (one sub-directory each).
         host: interface to listen on. Default ``127.0.0.1``.
         port: TCP port; 0 picks a free one. Default 7700.
+        advertise: ``host:port`` clients and peers use to reach this node. Default: ``host`` and
+            the bound port; required when ``host`` is a wildcard such as ``0.0.0.0``.
         peers: ``host:port`` of the other nodes.
         receivers: class names (``"module.Class"``) of receivers allowed on this node, besides
             the built-in table receiver.
@@ -57,6 +59,7 @@ class NodeConfig:
     warehouse: Path
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    advertise: str | None = None
     peers: Sequence[str] = ()
     receivers: Sequence[str] = ()
     token: str | None = None
@@ -74,6 +77,11 @@ class NodeConfig:
             raise UsageError("partitions must be between 1 and 65536")
         if self.max_frame_bytes < 64 * 1024:
             raise UsageError("max_frame_bytes must be at least 64 KiB")
+        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
+            raise UsageError(
+                f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
+                "advertise='host:port' (--advertise) so clients and peers can reach it"
+            )
         if self.failure_timeout <= self.heartbeat_interval:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
 
@@ -187,7 +195,7 @@ class Node:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.address = f"{self.config.host}:{port}"
+        self.address = self.config.advertise or f"{self.config.host}:{port}"
         headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
         self._membership = Membership(
             node_id=self.node_id,

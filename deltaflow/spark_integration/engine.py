@@ -153,22 +153,24 @@ class _TableCommitter:
                 self.ready.clear()
             if self.queued_rows < self.engine.max_queued_rows:
                 self.room.set()
-            live = []
-            for staged in group:
-                if staged.abandoned is not None and staged.abandoned():
-                    _settle(
-                        staged.future,
-                        LaneFailedError(
-                            "not applied: an earlier batch of the same partition failed",
-                            node=self.engine.node_id,
-                        ),
-                    )
-                else:
-                    live.append(staged)
-            if live:
-                await self._commit_group(live)
+            await self._commit_group(group)
 
     async def _commit_group(self, group: list[_Staged]) -> None:
+        live = []
+        for staged in group:  # checked right before every commit attempt
+            if staged.abandoned is not None and staged.abandoned():
+                _settle(
+                    staged.future,
+                    LaneFailedError(
+                        "not applied: this batch or an earlier one of its partition failed",
+                        node=self.engine.node_id,
+                    ),
+                )
+            else:
+                live.append(staged)
+        group = live
+        if not group:
+            return
         try:
             await self._commit_with_retries(group)
         # Whatever the commit raised settles the batches' futures (or isolates the culprit).
@@ -216,7 +218,7 @@ class _TableCommitter:
         assert self.key is not None
         table = pa.concat_tables([s.table for s in group], promote_options="permissive")
         table = _last_per_key(table, self.key)
-        staging = self.engine.warehouse / ".deltaflow" / "staging" / f"{uuid.uuid4().hex}.parquet"
+        staging = self.engine.staging_dir / f"{uuid.uuid4().hex}.parquet"
         staging.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, staging)
         spark = self.engine.spark
@@ -227,6 +229,8 @@ class _TableCommitter:
             ):
                 source = f"parquet.{_quote(str(staging))}"
                 if not (self.path / "_delta_log").is_dir():
+                    if all(table.column(DELETE_COLUMN).to_pylist()):
+                        return 0  # only deletes, and no table: nothing exists to delete
                     columns = [c for c in table.column_names if c != DELETE_COLUMN]
                     (
                         spark.read.parquet(str(staging))
@@ -333,7 +337,12 @@ def to_arrow_rows(
                     details={"item": i, "column": unknown[0]},
                 )
     try:
-        data = pa.Table.from_pylist(list(rows), schema=schema)
+        if schema is None:
+            # Infer per column over every row (from_pylist would take the first row's keys).
+            names = list(dict.fromkeys(c for row in rows for c in row))
+            data = pa.Table.from_pydict({c: [row.get(c) for row in rows] for c in names})
+        else:
+            data = pa.Table.from_pylist(list(rows), schema=schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
         raise _locate_bad_row(rows, schema, table, node, exc) from exc
     if schema is None:
@@ -406,6 +415,7 @@ class SparkTableEngine:
         self.max_group_rows = max_group_rows
         self.max_queued_rows = max_queued_rows
         self.stats = EngineStatistics()
+        self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="deltaflow-spark")
         self._tables: dict[str, _TableCommitter] = {}
         self.spark: Any = None
@@ -413,9 +423,8 @@ class SparkTableEngine:
     async def start(self) -> None:
         """Start (or join) the process's SparkSession."""
         self.warehouse.mkdir(parents=True, exist_ok=True)
-        staging = self.warehouse / ".deltaflow" / "staging"
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        # Leftovers of this node's earlier run (other nodes may share the warehouse).
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
         self.spark = await self._in_thread(get_spark, self.spark_config)
 
     async def stop(self) -> None:

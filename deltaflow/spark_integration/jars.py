@@ -5,7 +5,6 @@ version must match the installed ``delta-spark`` Python package. They are fetche
 (``mvn dependency:copy``) when it is installed, else straight from Maven Central over HTTPS
 with the published SHA-1 checked, into ``$DELTAFLOW_JARS_DIR`` (default
 ``~/.cache/deltaflow/jars``). ``deltaflow jars`` does it ahead of time.
-``python -m deltaflow.spark_integration.jars`` does it ahead of time.
 """
 
 from __future__ import annotations
