@@ -2,8 +2,10 @@
 
 - :class:`ConnectionDropper`: a ``connection_factory`` for :func:`deltaflow.connect` that cuts
   real connections after a number of batch frames, as a network failure would.
-- :class:`Echo`, :class:`EchoStream`, :class:`FailOn`: receivers to register on a node
-  (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
+- :class:`Echo`, :class:`EchoStream`, :class:`FailOn`, :class:`AppendRows`: receivers to
+  register on a node (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
+- ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` in a node's environment: the node SIGKILLs itself
+  right after its N-th table commit, before acknowledging it (crash between commit and ack).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from .client.connection import Connection
 from .errors import OverloadedError
 from .receivers.base import Receiver, ReceiverContext
 
-__all__ = ["ConnectionDropper", "Echo", "EchoStream", "FailOn"]
+__all__ = ["AppendRows", "ConnectionDropper", "Echo", "EchoStream", "FailOn"]
 
 
 class ConnectionDropper:
@@ -90,3 +92,11 @@ class FailOn(Receiver):
             else:
                 raise ValueError(f"injected failure on item {args['fail_on']!r}")
         return items
+
+
+class AppendRows(Receiver):
+    """Appends every item (a row) to the table ``args["table"]``: not idempotent by itself,
+    so it shows that resent batches are not applied twice."""
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+        await ctx.table(ctx.args["table"]).append(items)

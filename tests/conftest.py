@@ -18,6 +18,7 @@ TEST_RECEIVERS = (
     "deltaflow.testing.Echo",
     "deltaflow.testing.EchoStream",
     "deltaflow.testing.FailOn",
+    "deltaflow.testing.AppendRows",
 )
 
 

@@ -28,6 +28,7 @@ class NodeProcess:
         peers: list[str] = (),
         port: int = 0,
         extra: list[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.port = port or free_port()
@@ -49,11 +50,13 @@ class NodeProcess:
         ]
         if peers:
             self.args += ["--peers", ",".join(peers)]
+        self.env = env or {}
+        self.env = env or {}
         self.proc: asyncio.subprocess.Process | None = None
         self.output: list[str] = []
 
     async def start(self, timeout: float = 120.0) -> NodeProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self.proc = await asyncio.create_subprocess_exec(
             *self.args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
         )
@@ -78,6 +81,10 @@ class NodeProcess:
         """SIGKILL: no goodbye, exactly like a crash."""
         if self.proc is not None and self.proc.returncode is None:
             self.proc.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
 
     async def stop(self) -> None:
         if self.proc is None:

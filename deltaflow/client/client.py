@@ -202,6 +202,9 @@ class Client:
             self._stale = True
             return
         if self._map is None or offered.version > self._map.version:
+            log.info(
+                "partition map v%d adopted: nodes %s", offered.version, sorted(offered.addresses)
+            )
             self._map = offered
         else:  # the node's view is not newer than ours: ask the cluster again
             self._stale = True
@@ -241,9 +244,17 @@ class Client:
             errors: list[str] = []
             for address in addresses:
                 try:
-                    self._map = PartitionMap.from_wire(
+                    fresh = PartitionMap.from_wire(
                         await _fetch_map(address, self._token, self._connect_timeout)
                     )
+                    if self._map is None or fresh.version != self._map.version:
+                        log.info(
+                            "partition map v%d from %s: nodes %s",
+                            fresh.version,
+                            address,
+                            sorted(fresh.addresses),
+                        )
+                    self._map = fresh
                     self._stale = False
                     return
                 except (DeltaflowError, ValueError) as exc:

@@ -93,6 +93,11 @@ class Sender:
         # Sequence numbers of each partition not yet settled: the smallest is the ``base`` a
         # batch frame carries, so a new owner knows every lower batch is already acknowledged.
         self._unacked: dict[int, set[int]] = {}
+        # Which node a partition's in-flight batches went to. Batches switch to a new owner
+        # only once those settled, so two nodes never hold batches of one lane at once (the
+        # new owner would otherwise wait for a batch the old one is still applying).
+        self._owner: dict[int, tuple[str, int]] = {}
+        self._owner_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._room.set()
@@ -194,11 +199,32 @@ class Sender:
                 batch.attempts += 1
                 conn = await self._client._connection_for(batch.partition)
                 await conn.open_stream(self._sid, *self._receiver, self._results)
-                frame["base"] = min(self._unacked[batch.partition])
-                await conn.send_batch(frame, timeout=opts.ack_timeout)
+                await self._claim(batch.partition, conn.node_id)
+                try:
+                    frame["base"] = min(self._unacked[batch.partition])
+                    await conn.send_batch(frame, timeout=opts.ack_timeout)
+                finally:
+                    await self._release(batch.partition)
                 stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
                 stats.batches_acked += 1
                 stats.items_acked += len(batch.items)
+
+    async def _claim(self, partition: int, node: str) -> None:
+        def free_for_node() -> bool:
+            owner = self._owner.get(partition)
+            return owner is None or owner[0] == node or owner[1] == 0
+
+        async with self._owner_changed:
+            await self._owner_changed.wait_for(free_for_node)
+            owner = self._owner.get(partition)
+            count = owner[1] if owner is not None and owner[0] == node else 0
+            self._owner[partition] = (node, count + 1)
+
+    async def _release(self, partition: int) -> None:
+        async with self._owner_changed:
+            node, count = self._owner[partition]
+            self._owner[partition] = (node, count - 1)
+            self._owner_changed.notify_all()
 
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None

@@ -36,6 +36,7 @@ class TableWriter(Protocol):
         deletes: frozenset[int],
         *,
         abandoned: Any,
+        mark: tuple[str, tuple[int, int]] | None = None,
     ) -> asyncio.Future[None]:
         """Validate and queue rows for the table's next commit; the future resolves when the
         commit holding them is durable."""
@@ -64,12 +65,20 @@ class ReceiverContext:
     _writer: TableWriter | None = None
     _durable: list[asyncio.Future[None]] = field(default_factory=list)
     _abandoned: Any = None
+    _writes: dict[str, int] = field(default_factory=dict)
+
+    def _next_mark(self, table: str) -> tuple[str, tuple[int, int]]:
+        """The lane mark of this batch's next write to ``table`` (see spark_integration.marks)."""
+        k = self._writes.get(table, 0)
+        self._writes[table] = k + 1
+        return f"{self.stream_id}/{self.partition}", (self.seq, k)
 
     def is_delete(self, index: int) -> bool:
         return index in self.deletes
 
-    def table(self, name: str, *, key: str | Sequence[str]) -> TableHandle:
-        """Access a Delta table in the node's warehouse, merging on ``key``."""
+    def table(self, name: str, *, key: str | Sequence[str] = ()) -> TableHandle:
+        """Access a Delta table in the node's warehouse, merging on ``key`` (or, without a
+        key, appending)."""
         if self._writer is None:
             raise RuntimeError("this node has no table engine")
         keys = [key] if isinstance(key, str) else list(key)
@@ -82,6 +91,10 @@ class TableHandle:
 
     A write returns once the rows are validated and queued; the batch is acknowledged to the
     client only after the commit holding them is durable, so a receiver need not wait for it.
+
+    Every write is applied exactly once, even when its batch is delivered again after a lost
+    ack, a crash between commit and ack, or a failover: the commit records the write's lane
+    mark and a write the table already holds is skipped.
     """
 
     ctx: ReceiverContext
@@ -94,10 +107,26 @@ class TableHandle:
         Raises:
             SchemaError: a row does not fit the table (names the row and the column).
         """
+        if not self.key:
+            raise SchemaError(f"table {self.name!r} was opened without a key: use append()")
+        await self._stage(rows, frozenset(deletes))
+
+    async def append(self, rows: Sequence[Any]) -> None:
+        """Insert ``rows`` as they are (no key, no merge); for tables opened without ``key``."""
+        if self.key:
+            raise SchemaError(f"table {self.name!r} was opened with key {self.key}: use upsert()")
+        await self._stage(rows, frozenset())
+
+    async def _stage(self, rows: Sequence[Any], deletes: frozenset[int]) -> None:
         writer = self.ctx._writer
         assert writer is not None
         fut = await writer.stage(
-            self.name, self.key, rows, frozenset(deletes), abandoned=self.ctx._abandoned
+            self.name,
+            self.key,
+            rows,
+            deletes,
+            abandoned=self.ctx._abandoned,
+            mark=self.ctx._next_mark(self.name),
         )
         self.ctx._durable.append(fut)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from .._faults import fault_point
 from ..errors import (
     CommitConflictError,
     DeltaflowError,
@@ -38,6 +39,7 @@ from ..errors import (
     ServerError,
 )
 from .lock import table_lock
+from .marks import LaneMarks, Mark
 from .session import SparkConfig, get_spark
 
 __all__ = [
@@ -54,6 +56,7 @@ DELETE_COLUMN: Final = "__deltaflow_delete"
 DEFAULT_MAX_GROUP_ROWS: Final = 500_000
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
 _COMMIT_ATTEMPTS: Final = 5
+_USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class EngineStatistics:
     rows_committed: int = 0
     batches_committed: int = 0
     batches_failed: int = 0
+    batches_deduplicated: int = 0
     largest_group_rows: int = 0
     commit_seconds: float = 0.0
     queued_rows: int = 0
@@ -74,6 +78,7 @@ class _Staged:
     table: Any  # pyarrow.Table incl. DELETE_COLUMN
     future: asyncio.Future[None]
     abandoned: Callable[[], bool] | None
+    mark: tuple[str, Mark] | None = None  # (lane, mark) for exactly-once; None: always apply
 
     @property
     def rows(self) -> int:
@@ -119,6 +124,8 @@ class _TableCommitter:
         self.room = asyncio.Event()
         self.room.set()
         self.loaded = False
+        self.marks = LaneMarks(self.path)
+        self.session: Any = None
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
 
     async def load(self) -> None:
@@ -211,43 +218,75 @@ class _TableCommitter:
             return
 
     def _commit(self, group: list[_Staged]) -> int:
-        """Blocking: collapse, stage as Parquet, create or MERGE under the table lock."""
+        """Blocking: under the table lock, drop writes the table already holds, then stage the
+        rest as Parquet and create the table, MERGE into it, or append to it, in one commit
+        that also records the group's lane marks."""
+        with table_lock(self.engine.warehouse, self.name):
+            self.marks.refresh()
+            todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
+            self.engine.stats.batches_deduplicated += len(group) - len(todo)
+            if not todo:
+                return 0
+            lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+            rows = self._commit_rows(todo, LaneMarks.user_metadata(self.engine.node_id, lanes))
+            self.marks.absorb(lanes)
+        fault_point("after_commit")
+        if self.arrow_schema is None:
+            self.arrow_schema = self._read_schema()
+        return rows
+
+    def _commit_rows(self, group: list[_Staged], metadata: str) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        assert self.key is not None
         table = pa.concat_tables([s.table for s in group], promote_options="permissive")
-        table = _last_per_key(table, self.key)
+        if self.key:
+            table = _last_per_key(table, self.key)
+        exists = (self.path / "_delta_log").is_dir()
+        if not exists and all(table.column(DELETE_COLUMN).to_pylist()):
+            return 0  # only deletes, and no table: nothing exists to delete
         staging = self.engine.staging_dir / f"{uuid.uuid4().hex}.parquet"
         staging.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(table, staging)
-        spark = self.engine.spark
+        session = self._session()
+        columns = [c for c in table.column_names if c != DELETE_COLUMN]
         try:
-            with (
-                table_lock(self.engine.warehouse, self.name),
-                map_spark_errors(self.name, self.engine.node_id),
-            ):
-                source = f"parquet.{_quote(str(staging))}"
-                if not (self.path / "_delta_log").is_dir():
-                    if all(table.column(DELETE_COLUMN).to_pylist()):
-                        return 0  # only deletes, and no table: nothing exists to delete
-                    columns = [c for c in table.column_names if c != DELETE_COLUMN]
+            with map_spark_errors(self.name, self.engine.node_id):
+                if not exists:
                     (
-                        spark.read.parquet(str(staging))
+                        session.read.parquet(str(staging))
                         .where(f"NOT {_quote(DELETE_COLUMN)}")
                         .select(*[_quote(c) for c in columns])
                         .write.format("delta")
+                        .option("userMetadata", metadata)
                         .mode("append")
                         .save(str(self.path))
                     )
-                    self.arrow_schema = None  # reloaded below, as Delta stored it
+                    self.arrow_schema = None  # reloaded as Delta stored it
                 else:
-                    spark.sql(self._merge_sql(source, table.column_names))
-            if self.arrow_schema is None:
-                self.arrow_schema = self._read_schema()
+                    session.conf.set(_USER_METADATA_CONF, metadata)
+                    try:
+                        source = f"parquet.{_quote(str(staging))}"
+                        if self.key:
+                            session.sql(self._merge_sql(source, table.column_names))
+                        else:
+                            cols = ", ".join(_quote(c) for c in columns)
+                            session.sql(
+                                f"INSERT INTO delta.{_quote(str(self.path))} ({cols}) "
+                                f"SELECT {cols} FROM {source}"
+                            )
+                    finally:
+                        session.conf.unset(_USER_METADATA_CONF)
         finally:
             staging.unlink(missing_ok=True)
         return int(table.num_rows)
+
+    def _session(self) -> Any:
+        # A session of our own: its SQL conf (commit metadata) is not shared with the commits
+        # other tables run at the same time on other threads.
+        if self.session is None:
+            self.session = self.engine.spark.newSession()
+        return self.session
 
     def _merge_sql(self, source: str, columns: Sequence[str]) -> str:
         assert self.key is not None
@@ -448,8 +487,15 @@ class SparkTableEngine:
         deletes: frozenset[int],
         *,
         abandoned: Callable[[], bool] | None = None,
+        mark: tuple[str, Mark] | None = None,
     ) -> asyncio.Future[None]:
         """Validate ``rows`` and queue them for ``table``'s next commit.
+
+        Args:
+            key: merge key columns; empty to append (rows are inserted as they are).
+            deletes: indexes of rows that delete their key (merge tables only).
+            abandoned: checked right before the commit; true drops the write.
+            mark: ``(lane, (seq, k))``: the write is skipped if the table already holds it.
 
         Returns a future that resolves when the commit holding the rows is durable (or fails
         with the commit's error). Waits while the table's queue is full.
@@ -457,6 +503,10 @@ class SparkTableEngine:
         Raises:
             SchemaError: a row does not fit (the batch is not staged at all).
         """
+        if not key and deletes:
+            raise SchemaError(
+                f"table {table!r} is written by appends; deletes need a key", node=self.node_id
+            )
         committer = self._tables.get(table)
         if committer is None:
             committer = self._tables[table] = _TableCommitter(self, table)
@@ -464,9 +514,10 @@ class SparkTableEngine:
         if committer.key is None:
             committer.key = list(key)
         elif committer.key != list(key):
+            how = f"merged on key {committer.key}" if committer.key else "appended to"
             raise SchemaError(
-                f"table {table!r} is merged on key {committer.key} on this node; this stream "
-                f"uses {list(key)}",
+                f"table {table!r} is {how} on this node; this write "
+                f"{'appends' if not key else f'merges on {list(key)}'}",
                 node=self.node_id,
             )
         converted = await asyncio.to_thread(
@@ -482,7 +533,7 @@ class SparkTableEngine:
             committer.room.clear()
             await committer.room.wait()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committer.queue.append(_Staged(converted, fut, abandoned))
+        committer.queue.append(_Staged(converted, fut, abandoned, mark))
         committer.queued_rows += converted.num_rows
         self.stats.queued_rows += converted.num_rows
         committer.ready.set()

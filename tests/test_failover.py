@@ -1,0 +1,203 @@
+"""A cluster of node processes on 127.0.0.1 losing nodes to SIGKILL: nothing lost, nothing
+applied twice, per-key order kept, killed nodes rejoin."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from deltalake import DeltaTable
+
+import deltaflow
+from deltaflow import StreamerOptions
+from deltaflow.partitioning import partition_of
+
+from .procs import NodeProcess, free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+NODE_FLAGS = [
+    "--receiver",
+    "deltaflow.testing.AppendRows",
+    "--heartbeat-interval",
+    "0.3",
+    "--failure-timeout",
+    "3.0",
+    "--driver-memory",
+    "1g",
+]
+OPTIONS = StreamerOptions(retry_initial_backoff=0.05, retry_max_backoff=1.0, retry_limit=40)
+
+
+class Cluster:
+    def __init__(self, warehouse: Path) -> None:
+        self.warehouse = warehouse
+        self.ports = {f"node-{i}": free_port() for i in (1, 2, 3)}
+        self.nodes: dict[str, NodeProcess] = {}
+
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports.values()]
+
+    async def start(self, node_id: str, env: dict[str, str] | None = None) -> NodeProcess:
+        peers = [a for n, a in zip(self.ports, self.addresses(), strict=True) if n != node_id]
+        node = NodeProcess(
+            node_id,
+            self.warehouse,
+            peers=peers,
+            port=self.ports[node_id],
+            extra=NODE_FLAGS,
+            env=env,
+        )
+        self.nodes[node_id] = node
+        return await node.start()
+
+    async def wait_members(self, count: int, via: str = "node-1") -> deltaflow.Client:
+        """A client whose map shows ``count`` live nodes (polls: the nodes are other processes)."""
+        deadline = time.monotonic() + 60
+        while True:
+            client = deltaflow.connect([self.nodes[via].address])
+            await client.start()
+            if len(set(client.partition_map.owners)) == count:
+                return client
+            await client.close()
+            assert time.monotonic() < deadline, f"cluster never reached {count} members"
+            await asyncio.sleep(0.2)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("failover") / "warehouse")
+    await asyncio.gather(*(c.start(n) for n in c.ports))
+    yield c
+    await asyncio.gather(*(n.stop() for n in c.nodes.values()))
+
+
+class KillAt:
+    """An ``on_ack`` hook that SIGKILLs ``victim`` once ``at`` items are acknowledged."""
+
+    def __init__(self, victim: NodeProcess, at: int) -> None:
+        self.victim, self.at, self.acked = victim, at, 0
+        self.killed_at: float | None = None
+
+    def __call__(self, items: list[Any]) -> None:
+        self.acked += len(items)
+        if self.killed_at is None and self.acked >= self.at:
+            self.victim.kill()
+            self.killed_at = time.monotonic()
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    return DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+
+
+async def test_upserts_survive_a_sigkilled_node_with_last_values(cluster: Cluster) -> None:
+    n = 300_000
+    rows = [{"id": i % 100_000, "v": i} for i in range(n)]
+    client = await cluster.wait_members(3)
+    owners = client.partition_map.owners
+    parts = client.partition_map.partitions
+    kill = KillAt(cluster.nodes["node-2"], n // 3)
+    failover_acks: list[float] = []
+
+    def on_ack(items: list[Any]) -> None:
+        # Acks node-2 sent just before dying are read within milliseconds; survivors take its
+        # partitions only after the 3 s failure timeout. So a later ack is a new owner's.
+        now = time.monotonic()
+        if kill.killed_at is not None and not failover_acks and now > kill.killed_at + 0.5:
+            if owners[partition_of(items[0]["id"], parts)] == "node-2":
+                failover_acks.append(now)
+        kill(items)
+
+    async with client:
+        summary = await client.stream_data(
+            rows, table="upserts", key="id", on_ack=on_ack, options=OPTIONS
+        )
+    assert summary.items_acked == n
+    table = {r["id"]: r["v"] for r in read_rows(cluster.warehouse / "upserts")}
+    assert len(table) == 100_000
+    assert table == {k: 200_000 + k for k in range(100_000)}  # the last write of every key
+    assert kill.killed_at is not None
+    failover = failover_acks[0] - kill.killed_at
+    print(f"\nfailover: kill to first batch acked by a new owner = {failover:.2f}s")  # noqa: T201
+    assert failover < 30
+
+
+async def test_a_killed_node_rejoins_and_takes_partitions_again(cluster: Cluster) -> None:
+    await cluster.nodes["node-2"].stop()
+    await cluster.start("node-2")
+    client = await cluster.wait_members(3)
+    async with client:
+        summary = await client.stream_data(
+            [{"id": i, "v": -i} for i in range(30_000)],
+            table="rejoin",
+            key="id",
+            options=OPTIONS,
+        )
+    assert set(summary.per_node) == {"node-1", "node-2", "node-3"}
+    assert len(read_rows(cluster.warehouse / "rejoin")) == 30_000
+
+
+async def test_appends_through_a_sigkill_land_exactly_once(cluster: Cluster) -> None:
+    n = 300_000
+    rows = [{"id": i, "v": i * 2} for i in range(n)]
+    client = await cluster.wait_members(3)
+    async with client:
+        summary = await client.stream_data(
+            rows,
+            key="id",
+            receiver="deltaflow.testing.AppendRows",
+            receiver_args={"table": "appends"},
+            options=OPTIONS,
+            on_ack=KillAt(cluster.nodes["node-3"], n // 3),
+        )
+    assert summary.items_acked == n
+    ids = [r["id"] for r in read_rows(cluster.warehouse / "appends")]
+    assert len(ids) == n and set(ids) == set(range(n))
+
+
+async def test_a_crash_between_commit_and_ack_is_not_applied_twice(cluster: Cluster) -> None:
+    await cluster.nodes["node-3"].stop()
+    crashing = await cluster.start("node-3", env={"DELTAFLOW_FAULT_KILL_AFTER_COMMIT": "1"})
+    client = await cluster.wait_members(3)
+    n = 60_000
+    async with client:
+        summary = await client.stream_data(
+            [{"id": i} for i in range(n)],
+            key="id",
+            receiver="deltaflow.testing.AppendRows",
+            receiver_args={"table": "crash"},
+            options=OPTIONS,
+        )
+    assert summary.items_acked == n
+    assert await crashing.wait() == -9  # it did crash, right after its commit
+    table = DeltaTable(str(cluster.warehouse / "crash"))
+    writers = {
+        json.loads(h["userMetadata"])["deltaflow"]["node"]
+        for h in table.history()
+        if h.get("userMetadata")
+    }
+    assert "node-3" in writers  # its commit landed before the crash
+    ids = [r["id"] for r in table.to_pyarrow_table().to_pylist()]
+    assert len(ids) == n and set(ids) == set(range(n))
+    await cluster.start("node-3")  # heal for the next test
+
+
+async def test_the_bootstrap_node_dying_does_not_stop_the_stream(cluster: Cluster) -> None:
+    await cluster.wait_members(3)
+    n = 60_000
+    async with deltaflow.connect([cluster.nodes["node-1"].address]) as client:
+        summary = await client.stream_data(
+            [{"id": i, "v": 1} for i in range(n)],
+            table="bootstrap",
+            key="id",
+            options=OPTIONS,
+            on_ack=KillAt(cluster.nodes["node-1"], n // 4),
+        )
+    assert summary.items_acked == n
+    assert len(read_rows(cluster.warehouse / "bootstrap")) == n
