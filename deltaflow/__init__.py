@@ -8,6 +8,7 @@ Usage::
 
 from .client import (
     Client,
+    CommitPosition,
     Delete,
     StreamerOptions,
     StreamSummary,
@@ -18,6 +19,7 @@ from .errors import DataStreamerError, DeltaflowError
 
 __all__ = [
     "Client",
+    "CommitPosition",
     "DataStreamerError",
     "Delete",
     "DeltaflowError",

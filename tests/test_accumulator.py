@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltaflow.client.accumulator import Accumulator, Batch
+from deltaflow.client.accumulator import Accumulator, Batch, SizeBatchCreator
 
 
 class FakeClock:
@@ -38,8 +38,7 @@ def make(page_size: int = 3, max_bytes: int = 1000, interval: float = 5.0):
     clock = FakeClock()
     timed: list[Batch] = []
     acc = Accumulator(
-        page_size=page_size,
-        max_batch_bytes=max_bytes,
+        batch_creator=SizeBatchCreator(page_size, max_bytes),
         flush_interval=interval,
         on_timer_cut=timed.append,
         call_later=clock.call_later,
@@ -89,3 +88,21 @@ def test_deletes_and_positions_are_tracked() -> None:
     [batch] = acc.add(7, 12, "u2", b"x", is_delete=False)
     assert batch.deletes == [1]
     assert batch.positions == [10, 11, 12]
+
+
+def test_a_custom_batch_creator_cuts_at_transaction_boundaries() -> None:
+    class EndOfTransaction(SizeBatchCreator):
+        def cut_after(self, batch: Batch) -> bool:
+            return batch.items[-1].get("commit", False) or super().cut_after(batch)
+
+    clock = FakeClock()
+    acc = Accumulator(
+        batch_creator=EndOfTransaction(100, 1 << 20),
+        flush_interval=0,
+        on_timer_cut=lambda b: None,
+        call_later=clock.call_later,
+    )
+    cut = []
+    for i, item in enumerate([{"n": 1}, {"n": 2, "commit": True}, {"n": 3}]):
+        cut += acc.add(0, i, item, b"x", is_delete=False)
+    assert [[i["n"] for i in b.items] for b in cut] == [[1, 2]]

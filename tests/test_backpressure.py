@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
+
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.receivers import Receiver, ReceiverContext
@@ -62,3 +64,118 @@ async def test_a_full_window_stops_pulling_an_async_source(spark: Any, warehouse
         await nodes[0].stop()
     assert summary.items_acked == 10_000
     assert sorted(results) == list(range(10_000))
+
+
+async def test_an_observable_emitting_on_its_own_thread_is_blocked_while_the_window_is_full(
+    spark: Any, warehouse: Path
+) -> None:
+    import threading
+
+    import reactivex
+
+    Gate.opened, Gate.arrived_event, Gate.arrived = asyncio.Event(), asyncio.Event(), 0
+    nodes = await start_cluster(warehouse, count=1, receivers=["tests.test_backpressure.Gate"])
+    emitted = 0
+    done = threading.Event()
+
+    def produce(observer: Any, scheduler: Any = None) -> None:
+        nonlocal emitted
+        for i in range(5_000):
+            emitted += 1
+            observer.on_next(i)
+        observer.on_completed()
+        done.set()
+
+    opts = StreamerOptions(page_size=10, max_in_flight=2, source_buffer=20)
+    try:
+        async with deltaflow.connect([nodes[0].address]) as client:
+            task = asyncio.create_task(
+                client.stream_data(
+                    reactivex.create(produce),
+                    key=lambda i: 0,
+                    receiver="tests.test_backpressure.Gate",
+                    options=opts,
+                )
+            )
+            await Gate.arrived_event.wait()
+            await asyncio.sleep(0.5)
+            stats = client.statistics().streams[0]
+            assert stats.in_flight == 2 and stats.acked == 0
+            # window (2 x 10) + source buffer (20) + the item being pushed
+            assert emitted <= 2 * 10 + 20 + 2
+            assert not done.is_set()
+            Gate.opened.set()
+            summary = await task
+    finally:
+        await nodes[0].stop()
+    assert summary.items_acked == 5_000 and done.is_set()
+
+
+async def test_an_observable_flooding_the_event_loop_gets_a_clear_overflow_error(
+    spark: Any, warehouse: Path
+) -> None:
+    import threading
+
+    import reactivex
+    import reactivex.subject
+
+    from deltaflow.client.sources import SourceOverflowError
+
+    [node] = await start_cluster(warehouse, count=1)
+    subject: reactivex.subject.Subject[int] = reactivex.subject.Subject()
+    subscribed = threading.Event()
+
+    def subscribe(observer: Any, scheduler: Any = None) -> Any:
+        disposable = subject.subscribe(observer)
+        subscribed.set()
+        return disposable
+
+    try:
+        async with deltaflow.connect([node.address]) as client:
+            task = asyncio.create_task(
+                client.stream_data(
+                    subject,
+                    key=lambda i: i,
+                    receiver="deltaflow.testing.Echo",
+                    options=StreamerOptions(source_buffer=100),
+                )
+            )
+            await asyncio.to_thread(subscribed.wait, 30)  # on the bridge's own thread
+            for i in range(1_000):  # on the loop, without yielding
+                subject.on_next(i)
+            with pytest.raises(deltaflow.DataStreamerError) as info:
+                await task
+    finally:
+        await node.stop()
+    assert isinstance(info.value.cause, SourceOverflowError)
+    assert "more than 100 items on the event loop thread" in str(info.value.cause)
+
+
+async def test_cancelling_a_stream_says_what_was_applied_and_what_is_in_doubt(
+    spark: Any, warehouse: Path
+) -> None:
+    Gate.opened, Gate.arrived_event, Gate.arrived = asyncio.Event(), asyncio.Event(), 0
+    nodes = await start_cluster(warehouse, count=1, receivers=["tests.test_backpressure.Gate"])
+    opts = StreamerOptions(page_size=10, max_in_flight=2)
+    try:
+        async with deltaflow.connect([nodes[0].address]) as client:
+            task = asyncio.create_task(
+                client.stream_data(
+                    list(range(1000)),
+                    key=lambda i: 0,
+                    receiver="tests.test_backpressure.Gate",
+                    options=opts,
+                )
+            )
+            await Gate.arrived_event.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError) as info:
+                await task
+            assert repr(client).startswith("<Client open")
+    finally:
+        Gate.opened.set()
+        await nodes[0].stop()
+    err = info.value
+    assert err.applied == 0
+    assert err.in_doubt == list(range(20))  # the two batches the gate holds
+    assert err.not_applied == list(range(20, len(err.not_applied) + 20))

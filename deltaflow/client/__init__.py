@@ -6,20 +6,25 @@ Stages, one module each: :mod:`.client` (facade), :mod:`.stream` (one stream's p
 :mod:`.sources` (source adapters), :mod:`.sync` (blocking facade).
 """
 
-from .accumulator import Batch
-from .client import Client, ClientState, connect
+from .accumulator import Batch, BatchCreator, SizeBatchCreator
+from .client import Client, ClientState, ClientStatistics, connect
 from .options import StreamerOptions
 from .sender import NodeStatistics
-from .stream import TABLE_RECEIVER, Delete, StreamSummary
+from .stream import TABLE_RECEIVER, CommitPosition, Delete, StreamStatistics, StreamSummary
 from .sync import stream_data
 
 __all__ = [
     "TABLE_RECEIVER",
     "Batch",
+    "BatchCreator",
     "Client",
     "ClientState",
+    "ClientStatistics",
+    "CommitPosition",
     "Delete",
     "NodeStatistics",
+    "SizeBatchCreator",
+    "StreamStatistics",
     "StreamSummary",
     "StreamerOptions",
     "connect",

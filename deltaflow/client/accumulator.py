@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Accumulator", "Batch"]
+__all__ = ["Accumulator", "Batch", "BatchCreator", "SizeBatchCreator"]
 
 
 @dataclass(slots=True)
@@ -39,6 +39,36 @@ class Batch:
     attempts: int = 0
 
 
+class BatchCreator(Protocol):
+    """Decides where a partition's buffer is cut into batches (Flink FLIP-509's idea).
+
+    Batches of one partition keep the source order, so a creator decides only *when* to cut.
+    The flush timer (``auto_flush_interval``) still cuts a buffer that waited long enough.
+    """
+
+    def cut_before(self, batch: Batch, item: Any, nbytes: int) -> bool:
+        """Whether to send the non-empty ``batch`` before ``item`` (``nbytes`` packed) joins."""
+        ...
+
+    def cut_after(self, batch: Batch) -> bool:
+        """Whether to send ``batch`` now that its latest item joined."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SizeBatchCreator:
+    """The default: cut at ``page_size`` items, or before ``max_batch_bytes`` would be passed."""
+
+    page_size: int
+    max_batch_bytes: int
+
+    def cut_before(self, batch: Batch, item: Any, nbytes: int) -> bool:
+        return batch.nbytes + nbytes > self.max_batch_bytes
+
+    def cut_after(self, batch: Batch) -> bool:
+        return len(batch.items) >= self.page_size
+
+
 class _Buffer:
     __slots__ = ("batch", "timer")
 
@@ -51,8 +81,7 @@ class Accumulator:
     """Buffers items per partition and cuts batches.
 
     Args:
-        page_size: cut when a buffer holds this many items.
-        max_batch_bytes: cut before an item would push a buffer past this many bytes.
+        batch_creator: decides where buffers are cut (:class:`SizeBatchCreator` by default).
         flush_interval: seconds after a buffer's first item when it is cut anyway (0: never).
         on_timer_cut: receives batches cut by the timer.
         call_later: the clock (``loop.call_later``); injectable for tests.
@@ -61,14 +90,12 @@ class Accumulator:
     def __init__(
         self,
         *,
-        page_size: int,
-        max_batch_bytes: int,
+        batch_creator: BatchCreator,
         flush_interval: float,
         on_timer_cut: Callable[[Batch], None],
         call_later: Callable[..., asyncio.TimerHandle],
     ) -> None:
-        self._page_size = page_size
-        self._max_bytes = max_batch_bytes
+        self._creator = batch_creator
         self._interval = flush_interval
         self._on_timer_cut = on_timer_cut
         self._call_later = call_later
@@ -85,7 +112,7 @@ class Accumulator:
         """Buffer one item; returns the batches this cut (zero, one or two)."""
         cut: list[Batch] = []
         buf = self._buffers.get(partition)
-        if buf is not None and buf.batch.nbytes + len(packed) > self._max_bytes:
+        if buf is not None and self._creator.cut_before(buf.batch, item, len(packed)):
             cut.append(self._cut(partition))
             buf = None
         if buf is None:
@@ -99,7 +126,7 @@ class Accumulator:
         batch.positions.append(position)
         batch.packed.append(packed)
         batch.nbytes += len(packed)
-        if len(batch.items) >= self._page_size:
+        if self._creator.cut_after(batch):
             cut.append(self._cut(partition))
         return cut
 

@@ -7,6 +7,7 @@ import enum
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -17,14 +18,34 @@ from ..partitioning import PartitionMap
 from .connection import Connection, map_transport_errors
 from .options import StreamerOptions
 from .results import OnResult
-from .stream import TABLE_RECEIVER, KeyFn, StreamSummary, key_function, run_stream
+from .stream import (
+    TABLE_RECEIVER,
+    CommitPosition,
+    KeyFn,
+    StreamRun,
+    StreamStatistics,
+    StreamSummary,
+    key_function,
+    run_stream,
+)
 
-__all__ = ["Client", "ClientState", "ConnectionFactory", "connect"]
+__all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "connect"]
 
 log = logging.getLogger(__name__)
 
 #: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
 ConnectionFactory = Callable[..., Awaitable[Connection]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientStatistics:
+    """A snapshot of a client: its view of the cluster and its running streams."""
+
+    state: str
+    map_version: int | None
+    nodes: int
+    connections: int
+    streams: list[StreamStatistics]
 
 
 class ClientState(enum.Enum):
@@ -64,13 +85,13 @@ class Client:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._refresh_lock = asyncio.Lock()
         self._state = ClientState.UNOPENED
-        self._streams = 0
+        self._active: dict[str, StreamRun] = {}
 
     def __repr__(self) -> str:
         version = self._map.version if self._map else None
         return (
             f"<Client {self._state.value} nodes={len(self._map.addresses) if self._map else 0} "
-            f"map_version={version} connections={len(self._conns)} streams={self._streams}>"
+            f"map_version={version} connections={len(self._conns)} streams={len(self._active)}>"
         )
 
     @property
@@ -120,6 +141,7 @@ class Client:
         receiver_args: Any = None,
         on_result: OnResult | None = None,
         on_ack: Callable[[list[Any]], Any] | None = None,
+        on_commit: Callable[[CommitPosition], Any] | None = None,
         options: StreamerOptions | None = None,
     ) -> StreamSummary:
         """Stream ``source`` to the cluster and wait until every item is applied.
@@ -137,6 +159,9 @@ class Client:
             on_ack: called (synchronously, on the event loop) with the items of each batch once
                 it is acknowledged as applied: the place to ack an upstream queue or drive a
                 progress bar. Keep it quick.
+            on_commit: called with a :class:`CommitPosition` whenever the contiguous prefix of
+                settled source items grows: the position an upstream that commits cumulatively
+                (Kafka offsets) may safely commit.
             options: batching, window and retry settings (:class:`StreamerOptions`).
 
         Returns:
@@ -147,7 +172,9 @@ class Client:
             UsageError: the arguments are inconsistent.
 
         Cancelling the call stops pulling the source and abandons batches in flight; items
-        already acknowledged stay applied.
+        already acknowledged stay applied. The ``CancelledError`` raised then carries
+        ``applied`` (count), ``not_applied`` (items never sent, or failed) and ``in_doubt``
+        (items sent whose acknowledgement had not arrived: they may or may not be applied).
         """
         if self._state is not ClientState.OPEN:
             raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
@@ -162,20 +189,27 @@ class Client:
             receiver = TABLE_RECEIVER
             receiver_args = {"table": table, "key": key_columns}
         assert receiver is not None
-        self._streams += 1
-        try:
-            return await run_stream(
-                self,
-                source,
-                receiver=receiver,
-                receiver_args=receiver_args,
-                key=key_function(key),
-                on_result=on_result,
-                on_ack=on_ack,
-                options=options or StreamerOptions(),
-            )
-        finally:
-            self._streams -= 1
+        return await run_stream(
+            self,
+            source,
+            receiver=receiver,
+            receiver_args=receiver_args,
+            key=key_function(key),
+            on_result=on_result,
+            on_ack=on_ack,
+            on_commit=on_commit,
+            options=options or StreamerOptions(),
+        )
+
+    def statistics(self) -> ClientStatistics:
+        """A snapshot of the client and of every stream running on it."""
+        return ClientStatistics(
+            state=self._state.value,
+            map_version=self._map.version if self._map else None,
+            nodes=len(self._map.addresses) if self._map else 0,
+            connections=sum(1 for c in self._conns.values() if not c.closed),
+            streams=[run.statistics() for run in self._active.values()],
+        )
 
     # -- routing, used by the sender ------------------------------------------------------
 

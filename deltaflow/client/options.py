@@ -7,10 +7,12 @@ from typing import Final, Literal
 
 from ..errors import UsageError
 from ..protocol import DEFAULT_MAX_FRAME_BYTES
+from .accumulator import BatchCreator
 
 __all__ = [
     "DEFAULT_ACK_TIMEOUT",
     "DEFAULT_AUTO_FLUSH_INTERVAL",
+    "DEFAULT_DEAD_LETTER_TABLE",
     "DEFAULT_MAX_BATCH_BYTES",
     "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_PAGE_SIZE",
@@ -34,7 +36,8 @@ DEFAULT_ACK_TIMEOUT: Final = 120.0
 DEFAULT_RESULT_BUFFER: Final = 1024
 DEFAULT_SOURCE_BUFFER: Final = 1024
 
-FailurePolicy = Literal["fail", "drop"]
+FailurePolicy = Literal["fail", "fallback", "drop"]
+DEFAULT_DEAD_LETTER_TABLE: Final = "deltaflow_dead_letters"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,7 +63,14 @@ class StreamerOptions:
             connection as lost and resending. Default 120.0 (a large commit can take a while).
         on_failure: what happens to a batch whose retries are exhausted: ``"fail"`` stops the
             stream and raises :class:`~deltaflow.errors.DataStreamerError` listing every item not
-            applied; ``"drop"`` counts its items as failed in the summary and carries on.
+            applied; ``"fallback"`` writes its items, with the error, to ``dead_letter_table``
+            and carries on; ``"drop"`` counts its items as failed in the summary, logs a
+            warning and carries on.
+        dead_letter_table: the Delta table failed items go to under ``"fallback"``. Default
+            ``"deltaflow_dead_letters"``.
+        batch_creator: decides where partition buffers are cut into batches (see
+            :class:`~deltaflow.client.accumulator.BatchCreator`); None cuts by
+            ``page_size`` and ``max_batch_bytes``.
         result_buffer: per-item results held for a slow ``on_result`` before the stream slows
             down. Default 1024.
         source_buffer: items an Observable may emit ahead of the streamer. Default 1024.
@@ -76,6 +86,8 @@ class StreamerOptions:
     retry_max_backoff: float = DEFAULT_RETRY_MAX_BACKOFF
     ack_timeout: float = DEFAULT_ACK_TIMEOUT
     on_failure: FailurePolicy = "fail"
+    dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
+    batch_creator: BatchCreator | None = None
     result_buffer: int = DEFAULT_RESULT_BUFFER
     source_buffer: int = DEFAULT_SOURCE_BUFFER
 
@@ -104,7 +116,8 @@ class StreamerOptions:
                 raise UsageError(f"StreamerOptions.{name} must be >= 0 seconds")
         if self.ack_timeout <= 0:
             raise UsageError("StreamerOptions.ack_timeout must be > 0 seconds")
-        if self.on_failure not in ("fail", "drop"):
+        if self.on_failure not in ("fail", "fallback", "drop"):
             raise UsageError(
-                f"StreamerOptions.on_failure must be 'fail' or 'drop', got {self.on_failure!r}"
+                "StreamerOptions.on_failure must be 'fail', 'fallback' or 'drop', got "
+                f"{self.on_failure!r}"
             )

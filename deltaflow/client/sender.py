@@ -24,7 +24,7 @@ from tenacity import (
     wait_random,
 )
 
-from ..errors import NotOwnerError, TransportError, is_retriable
+from ..errors import LaneFailedError, NotOwnerError, TransportError, is_retriable
 from ..protocol import join_items
 from .accumulator import Batch
 from .options import StreamerOptions
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .client import Client
     from .connection import ResultSink
 
-__all__ = ["NodeStatistics", "Sender"]
+__all__ = ["NodeStatistics", "Sender", "StreamStoppedError"]
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class Sender:
             async with self._window, lane:
                 if self._stopped:
                     # Leave the window and lane, then report the batch as not sent below.
-                    raise _StoppedError  # noqa: TRY301
+                    raise StreamStoppedError  # noqa: TRY301
                 self.counters.in_flight += 1
                 try:
                     await self._send_with_retries(batch)
@@ -163,8 +163,8 @@ class Sender:
         except asyncio.CancelledError:
             self._on_failed(batch, asyncio.CancelledError("stream cancelled"))
             raise
-        except _StoppedError:
-            self._on_failed(batch, _StoppedError("not sent: the stream stopped"))
+        except StreamStoppedError:
+            self._on_failed(batch, StreamStoppedError("not sent: the stream stopped"))
         # Any failure of the send settles the batch as failed, so the stream never waits on it.
         except Exception as exc:  # noqa: BLE001
             self.counters.failed_items += len(batch.items)
@@ -179,7 +179,7 @@ class Sender:
             stop=stop_after_attempt(opts.retry_limit + 1),
             wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
             + wait_random(0, opts.retry_initial_backoff),
-            retry=retry_if_exception(lambda e: is_retriable(e) and not self._stopped),
+            retry=retry_if_exception(self._can_retry),
             before_sleep=self._before_retry,
             reraise=True,
         )
@@ -208,6 +208,15 @@ class Sender:
                 stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
                 stats.batches_acked += 1
                 stats.items_acked += len(batch.items)
+
+    def _can_retry(self, exc: BaseException) -> bool:
+        if self._stopped:
+            return False
+        if isinstance(exc, LaneFailedError) and self._options.on_failure != "fail":
+            # An earlier batch of the partition failed; once it is dead-lettered or dropped the
+            # next send's ``base`` moves past it and the node reopens the lane.
+            return True
+        return is_retriable(exc)
 
     async def _claim(self, partition: int, node: str) -> None:
         def free_for_node() -> bool:
@@ -241,5 +250,5 @@ class Sender:
         )
 
 
-class _StoppedError(Exception):
-    pass
+class StreamStoppedError(Exception):
+    """A batch was not sent because its stream stopped (failed or was cancelled)."""

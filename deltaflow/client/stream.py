@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -12,19 +14,31 @@ from typing import TYPE_CHECKING, Any
 from ..errors import DataStreamerError, FrameTooLargeError, UsageError
 from ..partitioning import partition_of
 from ..protocol import pack_item
-from .accumulator import Accumulator, Batch
+from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
-from .sender import NodeStatistics, Sender
+from .sender import NodeStatistics, Sender, StreamStoppedError
 from .sources import aiter_source
 
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["TABLE_RECEIVER", "Delete", "StreamSummary", "run_stream"]
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DEAD_LETTER_RECEIVER",
+    "TABLE_RECEIVER",
+    "CommitPosition",
+    "Delete",
+    "StreamStatistics",
+    "StreamSummary",
+    "run_stream",
+]
 
 #: Name of the built-in receiver that upserts into a Delta table (registered on every node).
 TABLE_RECEIVER = "deltaflow.receivers.TableUpsert"
+#: Name of the built-in receiver that appends failed items to a dead-letter table.
+DEAD_LETTER_RECEIVER = "deltaflow.receivers.DeadLetter"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +61,7 @@ class StreamSummary:
         items_sent: items pulled from the source and sent at least once.
         items_acked: items acknowledged as applied.
         items_failed: items not applied (dropped under ``on_failure="drop"``).
+        items_dead_lettered: items written to the dead-letter table (``on_failure="fallback"``).
         batches_retried: batch resends after retriable errors.
         results: per-item results delivered to ``on_result``.
         duration: seconds from start to the last acknowledgement.
@@ -57,6 +72,7 @@ class StreamSummary:
     items_sent: int
     items_acked: int
     items_failed: int
+    items_dead_lettered: int
     batches_retried: int
     results: int
     duration: float
@@ -68,6 +84,49 @@ class StreamSummary:
 
 
 KeyFn = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPosition:
+    """How far an upstream source may be committed: every source item before ``count`` is
+    settled (applied, dead-lettered or dropped), and ``last`` is the item at ``count - 1``.
+
+    Items are acknowledged out of order (partitions progress independently); this position only
+    moves over a contiguous prefix, so committing it (a Kafka offset taken from ``last``) can
+    never skip an item that is not applied yet.
+    """
+
+    count: int
+    last: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamStatistics:
+    """A snapshot of a running stream (``Client.statistics()``).
+
+    Attributes:
+        stream_id: the stream's id.
+        pulled: items taken from the source so far.
+        buffered: items waiting in partition buffers (not yet in a batch).
+        in_flight: batches sent and not yet acknowledged.
+        acked: items acknowledged as applied.
+        failed: items that failed (or were dropped).
+        dead_lettered: items written to the dead-letter table.
+        retried: batch resends.
+        commit_position: :class:`CommitPosition` count (contiguous settled prefix).
+        per_node: per-node acknowledged batches/items and errors.
+    """
+
+    stream_id: str
+    pulled: int
+    buffered: int
+    in_flight: int
+    acked: int
+    failed: int
+    dead_lettered: int
+    retried: int
+    commit_position: int
+    per_node: dict[str, NodeStatistics]
 
 
 def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
@@ -89,129 +148,292 @@ def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
     return lambda item: tuple(item[c] for c in columns)
 
 
-async def run_stream(
-    client: Client,
-    source: Any,
-    *,
-    receiver: str,
-    receiver_args: Any,
-    key: KeyFn,
-    on_result: OnResult | None,
-    on_ack: Callable[[list[Any]], Any] | None = None,
-    options: StreamerOptions,
-) -> StreamSummary:
-    """Stream ``source`` to the cluster; see :meth:`deltaflow.client.Client.stream_data`."""
-    started = time.monotonic()
-    sid = uuid.uuid4().hex
-    loop = asyncio.get_running_loop()
-    partitions = client._partition_count()
-    results = (
-        ResultDispatcher(on_result, buffer=options.result_buffer) if on_result is not None else None
-    )
-    failed: list[tuple[int, Any]] = []
-    errors: list[BaseException] = []
+class _Watermark:
+    """Tracks the contiguous prefix of settled source positions."""
 
-    def on_failed(batch: Batch, exc: BaseException) -> None:
-        failed.extend(zip(batch.positions, batch.items, strict=True))
-        if options.on_failure == "fail" and not errors:
-            errors.append(exc)
+    def __init__(self) -> None:
+        self.count = 0
+        self._settled: dict[int, Any] = {}
+
+    def settle(self, positions: Sequence[int], items: Sequence[Any]) -> CommitPosition | None:
+        self._settled.update(zip(positions, items, strict=True))
+        before, last = self.count, None
+        while self.count in self._settled:
+            last = self._settled.pop(self.count)
+            self.count += 1
+        return CommitPosition(self.count, last) if self.count > before else None
+
+
+class StreamRun:
+    """One call of ``stream_data``: the pump from source to sender, and the accounting."""
+
+    def __init__(
+        self,
+        client: Client,
+        *,
+        receiver: str,
+        receiver_args: Any,
+        key: KeyFn,
+        on_result: OnResult | None,
+        on_ack: Callable[[list[Any]], Any] | None,
+        on_commit: Callable[[CommitPosition], Any] | None,
+        options: StreamerOptions,
+    ) -> None:
+        self.client = client
+        self.sid = uuid.uuid4().hex
+        self.options = options
+        self.key = key
+        self.on_ack = on_ack
+        self.on_commit = on_commit
+        self.partitions = client._partition_count()
+        self.results = (
+            ResultDispatcher(on_result, buffer=options.result_buffer)
+            if on_result is not None
+            else None
+        )
+        self.failed: list[tuple[int, Any]] = []
+        self.in_doubt: list[tuple[int, Any]] = []
+        self.errors: list[BaseException] = []
+        self.pulled = 0
+        self.dead_lettered = 0
+        self.watermark = _Watermark()
+        self.sender = Sender(
+            client,
+            sid=self.sid,
+            receiver=(receiver, receiver_args),
+            options=options,
+            on_acked=self._acked,
+            on_failed=self._failed,
+            results=self.results.put if self.results is not None else None,
+        )
+        self.accumulator = Accumulator(
+            batch_creator=options.batch_creator
+            or SizeBatchCreator(
+                page_size=options.page_size, max_batch_bytes=options.max_batch_bytes
+            ),
+            flush_interval=options.auto_flush_interval,
+            on_timer_cut=self.sender.submit,
+            call_later=asyncio.get_running_loop().call_later,
+        )
+        self._dead_letters: Sender | None = None
+        self._dead_letter_seq: dict[int, int] = {}
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<StreamRun {self.sid} pulled={s.pulled} buffered={s.buffered} "
+            f"in_flight={s.in_flight} acked={s.acked} failed={s.failed} retried={s.retried}>"
+        )
+
+    def statistics(self) -> StreamStatistics:
+        c = self.sender.counters
+        return StreamStatistics(
+            stream_id=self.sid,
+            pulled=self.pulled,
+            buffered=len(self.accumulator),
+            in_flight=c.in_flight,
+            acked=c.acked_items,
+            failed=c.failed_items,
+            dead_lettered=self.dead_lettered,
+            retried=c.retried_batches,
+            commit_position=self.watermark.count,
+            per_node=dict(c.per_node),
+        )
+
+    # -- outcomes of batches (synchronous, on the loop) ------------------------------------
+
+    def _acked(self, batch: Batch) -> None:
+        if self.on_ack is not None:
+            self.on_ack(batch.items)
+        self._settle(batch)
+
+    def _settle(self, batch: Batch) -> None:
+        position = self.watermark.settle(batch.positions, batch.items)
+        if position is not None and self.on_commit is not None:
+            self.on_commit(position)
+
+    def _failed(self, batch: Batch, exc: BaseException) -> None:
+        policy = self.options.on_failure
+        stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
+        if stopping or policy == "fail":
+            pairs = list(zip(batch.positions, batch.items, strict=True))
+            (self.in_doubt if batch.attempts and stopping else self.failed).extend(pairs)
+            if not self.errors and not stopping:
+                self.errors.append(exc)
+                self.sender.stop()
+            return
+        if policy == "drop":
+            log.warning(
+                "stream %s dropped %d item(s) of partition %d: %s",
+                self.sid,
+                len(batch.items),
+                batch.partition,
+                exc,
+            )
+            self._settle(batch)
+            return
+        self._dead_letter(batch, exc)
+
+    def _dead_letter(self, batch: Batch, exc: BaseException) -> None:
+        """Send a failed batch's items, with its error, to the dead-letter table."""
+        if self._dead_letters is None:
+            self._dead_letters = Sender(
+                self.client,
+                sid=self.sid + "-dead-letters",
+                receiver=(
+                    DEAD_LETTER_RECEIVER,
+                    {"table": self.options.dead_letter_table, "stream": self.sid},
+                ),
+                options=dataclasses.replace(self.options, on_failure="fail"),
+                on_acked=self._dead_lettered,
+                on_failed=self._dead_letter_failed,
+                results=None,
+            )
+        code = getattr(exc, "code", type(exc).__name__)
+        rows = [
+            {
+                "position": pos,
+                "partition": batch.partition,
+                "seq": batch.seq,
+                "error_code": str(code),
+                "error": str(exc)[:2000],
+                "node": getattr(exc, "node", None),
+                "payload": packed,
+                "deleted": i in batch.deletes,
+            }
+            for i, (pos, packed) in enumerate(zip(batch.positions, batch.packed, strict=True))
+        ]
+        seq = self._dead_letter_seq.get(batch.partition, 0)
+        self._dead_letter_seq[batch.partition] = seq + 1
+        dead = Batch(
+            batch.partition,
+            seq,
+            items=batch.items,
+            positions=batch.positions,
+            packed=[pack_item(r) for r in rows],
+        )
+        dead.nbytes = sum(len(x) for x in dead.packed)
+        self._dead_letters.submit(dead)
+
+    def _dead_lettered(self, batch: Batch) -> None:
+        self.dead_lettered += len(batch.items)
+        self._settle(batch)
+
+    def _dead_letter_failed(self, batch: Batch, exc: BaseException) -> None:
+        self.failed.extend(zip(batch.positions, batch.items, strict=True))
+        if not self.errors:
+            self.errors.append(exc)
+            self.sender.stop()
+
+    # -- the pump -----------------------------------------------------------------------
+
+    async def run(self, source: Any) -> StreamSummary:
+        started = time.monotonic()
+        options = self.options
+        sender, acc = self.sender, self.accumulator
+        items = aiter_source(source, buffer=options.source_buffer)
+        max_item = options.max_batch_bytes
+        try:
+            while not self.errors:
+                await sender.wait_for_room()
+                if self.errors:
+                    break
+                if self.results is not None and self.results.error is not None:
+                    self.errors.append(self.results.error)
+                    break
+                try:
+                    item = await anext(items)
+                except StopAsyncIteration:
+                    break
+                position = self.pulled
+                self.pulled += 1
+                is_delete = isinstance(item, Delete)
+                value = item.item if is_delete else item
+                try:
+                    p = partition_of(self.key(value), self.partitions)
+                    packed = pack_item(value)
+                except Exception as exc:
+                    self.failed.append((position, item))
+                    raise UsageError(
+                        f"source item #{position} cannot be sent ({exc!r}); items must be "
+                        "msgpack values (dict, list, str, int, float, bool, None, bytes, "
+                        "datetime) and carry the key"
+                    ) from exc
+                if len(packed) > max_item:
+                    self.failed.append((position, item))
+                    # Handled below like every other failure: stop the sender, account for items.
+                    raise FrameTooLargeError(  # noqa: TRY301
+                        f"source item #{position} packs to {len(packed)} bytes, more than "
+                        f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
+                    )
+                for batch in acc.add(p, position, item, packed, is_delete):
+                    sender.submit(batch)
+            if not self.errors:
+                for batch in acc.drain():
+                    sender.submit(batch)
+            await sender.join()
+            if self._dead_letters is not None:
+                await self._dead_letters.join()
+        except BaseException as exc:  # noqa: BLE001 - recorded in `errors`, re-raised below
+            # Our own failure (bad item, subscriber error, cancellation): stop everything and
+            # account for every item that did not make it.
             sender.stop()
+            if not isinstance(exc, DataStreamerError):
+                self.errors.insert(0, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                await sender.cancel()
+                if self._dead_letters is not None:
+                    await self._dead_letters.cancel()
+            else:
+                await sender.join()
+        finally:
+            for batch in acc.discard():
+                self.failed.extend(zip(batch.positions, batch.items, strict=True))
+            if hasattr(items, "aclose"):
+                await items.aclose()
+            await self.client._close_stream(self.sid)
+        if self.results is not None:
+            await self.results.finish(self.errors[0] if self.errors else None)
+            if self.results.error is not None and self.results.error not in self.errors:
+                self.errors.insert(0, self.results.error)
+        return self._outcome(time.monotonic() - started)
 
-    sender = Sender(
-        client,
-        sid=sid,
-        receiver=(receiver, receiver_args),
-        options=options,
-        on_acked=(lambda batch: on_ack(batch.items)) if on_ack is not None else (lambda b: None),
-        on_failed=on_failed,
-        results=results.put if results is not None else None,
-    )
-    acc = Accumulator(
-        page_size=options.page_size,
-        max_batch_bytes=options.max_batch_bytes,
-        flush_interval=options.auto_flush_interval,
-        on_timer_cut=sender.submit,
-        call_later=loop.call_later,
-    )
-    max_item = options.max_batch_bytes
-    items = aiter_source(source, buffer=options.source_buffer)
-    position = 0
+    def _outcome(self, duration: float) -> StreamSummary:
+        counters = self.sender.counters
+        if self.errors:
+            self.failed.sort(key=lambda pair: pair[0])
+            self.in_doubt.sort(key=lambda pair: pair[0])
+            cause = self.errors[0]
+            if isinstance(cause, asyncio.CancelledError):
+                # Cancellation stays a CancelledError; it says what became of the items.
+                cause.not_applied = [item for _, item in self.failed]  # type: ignore[attr-defined]
+                cause.in_doubt = [item for _, item in self.in_doubt]  # type: ignore[attr-defined]
+                cause.applied = counters.acked_items  # type: ignore[attr-defined]
+                raise cause
+            raise DataStreamerError(
+                f"stream {self.sid} failed: {cause}; {len(self.failed)} item(s) not applied "
+                f"({counters.acked_items} applied)",
+                [item for _, item in self.failed],
+                cause,
+            ) from cause
+        return StreamSummary(
+            stream_id=self.sid,
+            items_sent=counters.sent_items,
+            items_acked=counters.acked_items,
+            items_failed=counters.failed_items - self.dead_lettered,
+            items_dead_lettered=self.dead_lettered,
+            batches_retried=counters.retried_batches,
+            results=self.results.delivered if self.results is not None else 0,
+            duration=duration,
+            per_node=counters.per_node,
+        )
+
+
+async def run_stream(client: Client, source: Any, **kwargs: Any) -> StreamSummary:
+    """Stream ``source`` to the cluster; see :meth:`deltaflow.client.Client.stream_data`."""
+    run = StreamRun(client, **kwargs)
+    client._active[run.sid] = run
     try:
-        while not errors:
-            await sender.wait_for_room()
-            if errors:
-                break
-            if results is not None and results.error is not None:
-                errors.append(results.error)
-                break
-            try:
-                item = await anext(items)
-            except StopAsyncIteration:
-                break
-            is_delete = isinstance(item, Delete)
-            value = item.item if is_delete else item
-            try:
-                p = partition_of(key(value), partitions)
-                packed = pack_item(value)
-            except Exception as exc:
-                failed.append((position, item))
-                raise UsageError(
-                    f"source item #{position} cannot be sent ({exc!r}); items must be msgpack "
-                    "values (dict, list, str, int, float, bool, None, bytes, datetime) and carry "
-                    "the key"
-                ) from exc
-            if len(packed) > max_item:
-                failed.append((position, item))
-                # Handled below like every other failure: stop the sender, account for items.
-                raise FrameTooLargeError(  # noqa: TRY301
-                    f"source item #{position} packs to {len(packed)} bytes, more than "
-                    f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
-                )
-            for batch in acc.add(p, position, item, packed, is_delete):
-                sender.submit(batch)
-            position += 1
-        if not errors:
-            for batch in acc.drain():
-                sender.submit(batch)
-        await sender.join()
-    except BaseException as exc:  # noqa: BLE001 - recorded in `errors`, re-raised below
-        # Our own failure (bad item, subscriber error, cancellation): stop everything and
-        # account for every item that did not make it.
-        sender.stop()
-        if not isinstance(exc, DataStreamerError):
-            errors.insert(0, exc)
-        await sender.cancel() if isinstance(exc, asyncio.CancelledError) else await sender.join()
+        return await run.run(source)
     finally:
-        for batch in acc.discard():
-            failed.extend(zip(batch.positions, batch.items, strict=True))
-        if hasattr(items, "aclose"):
-            await items.aclose()
-        await client._close_stream(sid)
-    if results is not None:
-        await results.finish(errors[0] if errors else None)
-        if results.error is not None and results.error not in errors:
-            errors.insert(0, results.error)
-
-    counters = sender.counters
-    duration = time.monotonic() - started
-    if errors:
-        if isinstance(errors[0], asyncio.CancelledError):
-            raise errors[0]
-        failed.sort(key=lambda pair: pair[0])
-        cause = errors[0]
-        raise DataStreamerError(
-            f"stream {sid} failed: {cause}; {len(failed)} item(s) not applied "
-            f"({counters.acked_items} applied)",
-            [item for _, item in failed],
-            cause,
-        ) from cause
-    return StreamSummary(
-        stream_id=sid,
-        items_sent=counters.sent_items,
-        items_acked=counters.acked_items,
-        items_failed=counters.failed_items,
-        batches_retried=counters.retried_batches,
-        results=results.delivered if results is not None else 0,
-        duration=duration,
-        per_node=counters.per_node,
-    )
+        del client._active[run.sid]

@@ -10,7 +10,7 @@ from ..errors import UsageError
 from .client import connect
 from .options import StreamerOptions
 from .results import OnResult
-from .stream import KeyFn, StreamSummary
+from .stream import CommitPosition, KeyFn, StreamSummary
 
 __all__ = ["stream_data"]
 
@@ -26,6 +26,7 @@ def stream_data(
     receiver_args: Any = None,
     on_result: OnResult | None = None,
     on_ack: Callable[[list[Any]], Any] | None = None,
+    on_commit: Callable[[CommitPosition], Any] | None = None,
     options: StreamerOptions | None = None,
 ) -> StreamSummary:
     """Connect, stream ``source`` and return its summary, blocking the calling thread.
@@ -54,6 +55,7 @@ def stream_data(
                 receiver_args=receiver_args,
                 on_result=on_result,
                 on_ack=on_ack,
+                on_commit=on_commit,
                 options=options,
             )
 

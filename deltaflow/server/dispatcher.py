@@ -221,10 +221,14 @@ class Dispatcher:
                 frame,
             )
         lane = stream.lanes.setdefault(p, _Lane())
+        base = frame.get("base", 0)
+        if lane.failed_at is not None and base > lane.failed_at:
+            # The client settled the failed batch another way (dead-letter table, or dropped):
+            # nothing before ``base`` is pending any more, so the lane may go on from there.
+            lane.failed_at = lane.failure = None
         if lane.failed_at is not None and seq >= lane.failed_at:
             err = lane.failure if seq == lane.failed_at else None
             return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
-        base = frame.get("base", 0)
         if base > lane.next_seq:
             # The client has every batch below ``base`` acknowledged (by this node before, or by
             # a previous owner): start the lane there instead of waiting for them.
@@ -268,7 +272,8 @@ class Dispatcher:
                         return
                     self._fail_lane(stream, p, lane, seq, err, peer, frame)
                     return
-                lane.next_seq = max(lane.next_seq, seq + 1)
+                if lane.failed_at is None:  # else the lane restarts from its failed batch
+                    lane.next_seq = max(lane.next_seq, seq + 1)
                 self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
         finally:
             lane.task = None
@@ -408,10 +413,15 @@ class Dispatcher:
         peer: Peer,
         frame: Frame,
     ) -> None:
-        # The lane is closed for good: resending any of its batches cannot succeed.
+        # The lane is closed: resending its batches cannot succeed until the client settles the
+        # failed one (a later ``base`` past it reopens the lane). Nothing from ``seq`` on counts
+        # as applied: later batches' staged writes are abandoned before they commit.
         err.details["retriable"] = False
         if lane.failed_at is None or seq < lane.failed_at:
             lane.failed_at, lane.failure = seq, err
+            lane.next_seq = min(lane.next_seq, seq)
+            for later in [s for s in lane.results if s >= seq]:
+                del lane.results[later]
         self.stats.batches_failed += 1
         self._reply_error(peer, err, frame)
         for later in sorted(lane.pending):

@@ -16,6 +16,7 @@ from aiohttp import web
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
+from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.table import TableUpsert
 from ..spark_integration.engine import EngineStatistics, SparkTableEngine
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT: Final = 7700
 TABLE_RECEIVER_NAME: Final = "deltaflow.receivers.TableUpsert"
+DEAD_LETTER_RECEIVER_NAME: Final = "deltaflow.receivers.DeadLetter"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,6 +121,7 @@ class Node:
         self.max_frame_bytes = config.max_frame_bytes
         self.registry = registry or ReceiverRegistry()
         self.registry.register(TableUpsert, TABLE_RECEIVER_NAME)
+        self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
         self.registry.register_names(config.receivers)
         self.engine = SparkTableEngine(
             Path(config.warehouse),

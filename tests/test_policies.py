@@ -1,0 +1,136 @@
+"""What happens to items whose batch fails: fail, fallback (dead-letter table), drop; the
+upstream commit position; a subscriber that raises."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from deltalake import DeltaTable
+
+import deltaflow
+from deltaflow import CommitPosition, DataStreamerError, StreamerOptions
+from deltaflow.server import Node
+
+# One partition, ten items a batch: item 35 fails batch 3 of the only lane.
+ONE_LANE = {
+    "key": lambda x: 0,
+    "receiver": "deltaflow.testing.FailOn",
+    "receiver_args": {"fail_on": 35},
+}
+ITEMS = list(range(100))
+BAD_BATCH = list(range(30, 40))
+
+
+def opts(policy: str) -> StreamerOptions:
+    return StreamerOptions(page_size=10, on_failure=policy, retry_initial_backoff=0.01)
+
+
+async def test_fallback_writes_the_failed_batch_to_the_dead_letter_table_and_goes_on(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    results: list[int] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        summary = await client.stream_data(
+            ITEMS, on_result=results.append, options=opts("fallback"), **ONE_LANE
+        )
+    assert summary.items_dead_lettered == 10
+    assert summary.items_failed == 0
+    # Batches behind the failed one in the same partition were still applied, in order.
+    assert results == [i for i in ITEMS if i not in BAD_BATCH]
+    rows = DeltaTable(str(warehouse / "deltaflow_dead_letters")).to_pyarrow_table().to_pylist()
+    assert sorted(msgpack.unpackb(r["payload"]) for r in rows) == BAD_BATCH
+    assert sorted(r["position"] for r in rows) == BAD_BATCH
+    assert all(r["stream_id"] == summary.stream_id for r in rows)
+    assert all(r["error_code"] == "RECEIVER_FAILED" for r in rows)
+    assert all("injected failure on item 35" in r["error"] for r in rows)
+
+
+async def test_drop_counts_the_failed_batch_and_goes_on(cluster: list[Node]) -> None:
+    results: list[int] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        summary = await client.stream_data(
+            ITEMS, on_result=results.append, options=opts("drop"), **ONE_LANE
+        )
+    assert summary.items_failed == 10
+    assert summary.items_acked == 90
+    assert results == [i for i in ITEMS if i not in BAD_BATCH]
+
+
+async def test_fail_stops_and_reports_the_batch_and_everything_behind_it(
+    cluster: list[Node],
+) -> None:
+    positions: list[CommitPosition] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                ITEMS, on_commit=positions.append, options=opts("fail"), **ONE_LANE
+            )
+    assert info.value.failed_items == list(range(30, 100))
+    # The upstream may commit up to the failed item, never past it.
+    assert positions[-1].count == 30 and positions[-1].last == 29
+
+
+async def test_commit_position_only_moves_over_a_contiguous_settled_prefix(
+    cluster: list[Node],
+) -> None:
+    positions: list[CommitPosition] = []
+    acked: set[int] = set()
+
+    def on_ack(items: list[Any]) -> None:
+        acked.update(i["n"] for i in items)
+
+    def on_commit(position: CommitPosition) -> None:
+        # Everything before the position is acknowledged at the moment it is offered.
+        assert acked >= set(range(position.count))
+        positions.append(position)
+
+    async with deltaflow.connect([cluster[1].address]) as client:
+        await client.stream_data(
+            [{"n": i} for i in range(5000)],
+            key="n",
+            receiver="deltaflow.testing.Echo",
+            on_ack=on_ack,
+            on_commit=on_commit,
+            options=StreamerOptions(page_size=50),
+        )
+    counts = [p.count for p in positions]
+    assert counts == sorted(counts) and counts[-1] == 5000
+    assert positions[-1].last == {"n": 4999}
+    assert len(positions) > 1
+
+
+async def test_a_raising_subscriber_fails_the_stream_with_its_error(cluster: list[Node]) -> None:
+    seen: list[int] = []
+
+    def on_result(value: int) -> None:
+        if len(seen) == 50:
+            raise RuntimeError("subscriber gave up")
+        seen.append(value)
+
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                range(100_000),
+                key=lambda x: x,
+                receiver="deltaflow.testing.Echo",
+                on_result=on_result,
+                options=StreamerOptions(page_size=100, max_in_flight=4),
+            )
+    assert isinstance(info.value.cause, RuntimeError)
+    assert "subscriber gave up" in str(info.value)
+    assert len(seen) == 50
+    # It stopped pulling early: the source was not drained into failed_items.
+    assert 0 < len(info.value.failed_items) < 50_000
+
+
+async def test_the_queue_example_commits_only_the_safe_offset(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    from examples.queue_commit import main
+
+    queue = await main([cluster[0].address], messages=5_000)
+    assert queue.committed == 4_999
+    assert len(DeltaTable(str(warehouse / "payments")).to_pyarrow_table()) == 1000
