@@ -35,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat_interval,
         failure_timeout=args.failure_timeout,
         max_group_rows=args.max_group_rows,
+        engine=args.engine,
         spark=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory),
     )
 
@@ -84,7 +85,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(rows=args.rows, warehouse=args.warehouse)
+    return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine)
 
 
 def _jars(args: argparse.Namespace) -> int:
@@ -115,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         default="local[*]",
         help="local[*] (default), a Spark master URL or an sc:// Connect URL",
     )
+    serve.add_argument(
+        "--engine",
+        choices=["spark", "delta-rs"],
+        default="spark",
+        help="table engine (default: spark)",
+    )
     serve.add_argument("--driver-memory", default="2g", help="embedded Spark driver heap")
     serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
     demo.add_argument("--rows", type=int, default=200_000)
     demo.add_argument("--warehouse", default=None, help="default: a temporary directory")
+    demo.add_argument("--engine", choices=["spark", "delta-rs"], default="spark")
     demo.set_defaults(func=_demo)
 
     jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")

@@ -49,7 +49,7 @@ def _expected(count: int) -> int:
     return len(live)
 
 
-def run_demo(*, rows: int = 200_000, warehouse: str | None = None) -> int:
+def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str = "spark") -> int:
     from tqdm import tqdm
 
     import deltaflow
@@ -60,10 +60,12 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None) -> int:
     wh = Path(warehouse or tmp or ".")
 
     async def main() -> tuple[deltaflow.StreamSummary, float]:
-        print("starting Spark with Delta and two nodes on 127.0.0.1 ...", flush=True)
-        n1 = Node(NodeConfig(node_id="node-1", warehouse=wh, port=0))
+        print(f"starting two nodes on 127.0.0.1 ({engine} engine) ...", flush=True)
+        n1 = Node(NodeConfig(node_id="node-1", warehouse=wh, port=0, engine=engine))
         await n1.start()
-        n2 = Node(NodeConfig(node_id="node-2", warehouse=wh, port=0, peers=[n1.address]))
+        n2 = Node(
+            NodeConfig(node_id="node-2", warehouse=wh, port=0, peers=[n1.address], engine=engine)
+        )
         await n2.start()
         # Both nodes see each other before the stream starts.
         await n1.wait_for_members(2)

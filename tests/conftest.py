@@ -56,9 +56,15 @@ async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[
 
 
 @pytest.fixture
-async def cluster(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
+def engine() -> str:
+    """The table engine of the ``cluster`` nodes; a module overrides it to run on both."""
+    return "spark"
+
+
+@pytest.fixture
+async def cluster(spark: Any, warehouse: Path, engine: str) -> AsyncIterator[list[Node]]:
     """Two real nodes sharing one warehouse."""
-    nodes = await start_cluster(warehouse)
+    nodes = await start_cluster(warehouse, engine=engine)
     yield nodes
     for node in reversed(nodes):
         await node.stop()

@@ -141,6 +141,7 @@ async def test_wrong_token_is_refused_and_good_clients_go_on(guarded: list[Node]
     assert (await good).items_acked == 3000
 
 
+@pytest.mark.parametrize("engine", ["spark", "delta-rs"])
 async def test_rows_that_do_not_fit_the_schema_fail_only_their_batch(
     cluster: list[Node], warehouse: Path
 ) -> None:

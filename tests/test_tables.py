@@ -16,6 +16,13 @@ from deltaflow.server import Node
 
 from .conftest import read_delta, read_spark, start_cluster
 
+
+@pytest.fixture(params=["spark", "delta-rs"])
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every table test runs against both engines: their semantics must be identical."""
+    return str(request.param)
+
+
 OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_interval=0.5)
 
 
@@ -138,11 +145,11 @@ async def test_delete_then_reinsert_in_one_batch_keeps_source_order(
 
 
 async def test_first_write_takes_every_column_and_a_leading_delete(
-    spark: Any, warehouse: Path
+    spark: Any, warehouse: Path, engine: str
 ) -> None:
     # One partition: one batch makes the table. (A column new to an existing table is schema
     # evolution, which is not allowed yet.)
-    [node] = await start_cluster(warehouse, count=1, partitions=1)
+    [node] = await start_cluster(warehouse, count=1, partitions=1, engine=engine)
     items: list[Any] = [
         Delete({"id": 9}),
         {"id": 1, "name": "a"},

@@ -113,7 +113,8 @@ class StreamStatistics:
         failed: items that failed (or were dropped).
         dead_lettered: items written to the dead-letter table.
         retried: batch resends.
-        commit_position: :class:`CommitPosition` count (contiguous settled prefix).
+        commit_position: :class:`CommitPosition` count (contiguous settled prefix; tracked
+            only when ``on_commit`` is given).
         per_node: per-node acknowledged batches/items and errors.
     """
 
@@ -248,8 +249,12 @@ class StreamRun:
         self._settle(batch)
 
     def _settle(self, batch: Batch) -> None:
+        # Tracked only when asked for: while one batch is slow, the positions settled after it
+        # are held until it settles (bounded by what the window lets through meanwhile).
+        if self.on_commit is None:
+            return
         position = self.watermark.settle(batch.positions, batch.items)
-        if position is not None and self.on_commit is not None:
+        if position is not None:
             self.on_commit(position)
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:

@@ -19,8 +19,10 @@ from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
 from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.table import TableUpsert
-from ..spark_integration.engine import EngineStatistics, SparkTableEngine
+from ..spark_integration.deltars_engine import DeltaRsTableEngine
+from ..spark_integration.engine import EngineStatistics, TableEngine
 from ..spark_integration.session import SparkConfig
+from ..spark_integration.spark_engine import SparkTableEngine
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .topology import Membership
@@ -53,7 +55,9 @@ class NodeConfig:
         max_frame_bytes: largest frame accepted. Default 16 MiB.
         heartbeat_interval: seconds between peer liveness polls. Default 0.5.
         failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
-        spark: Spark settings for the table engine (``local[*]`` by default).
+        engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
+            ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
+        spark: Spark settings for the Spark engine (``local[*]`` by default).
         max_group_rows: largest group commit, rows. Default 500,000.
     """
 
@@ -69,6 +73,7 @@ class NodeConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     heartbeat_interval: float = 0.5
     failure_timeout: float = 3.0
+    engine: str = "spark"
     spark: SparkConfig = field(default_factory=SparkConfig)
     max_group_rows: int = 500_000
 
@@ -84,6 +89,8 @@ class NodeConfig:
                 f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
                 "advertise='host:port' (--advertise) so clients and peers can reach it"
             )
+        if self.engine not in ("spark", "delta-rs"):
+            raise UsageError(f"engine must be 'spark' or 'delta-rs', got {self.engine!r}")
         if self.failure_timeout <= self.heartbeat_interval:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
 
@@ -123,12 +130,18 @@ class Node:
         self.registry.register(TableUpsert, TABLE_RECEIVER_NAME)
         self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
         self.registry.register_names(config.receivers)
-        self.engine = SparkTableEngine(
-            Path(config.warehouse),
-            node_id=config.node_id,
-            spark=config.spark,
-            max_group_rows=config.max_group_rows,
-        )
+        self.engine: TableEngine
+        if config.engine == "spark":
+            self.engine = SparkTableEngine(
+                Path(config.warehouse),
+                node_id=config.node_id,
+                spark=config.spark,
+                max_group_rows=config.max_group_rows,
+            )
+        else:
+            self.engine = DeltaRsTableEngine(
+                Path(config.warehouse), node_id=config.node_id, max_group_rows=config.max_group_rows
+            )
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()

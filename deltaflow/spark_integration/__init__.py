@@ -1,11 +1,28 @@
-"""Spark and Delta: the process's SparkSession, Delta jars, and the table engine.
+"""Delta tables: the table engine seam and its Spark and delta-rs engines, the process's
+SparkSession and Delta jars.
 
 Importing this package does not import PySpark; :func:`get_spark` does, with a clear
 ImportError naming the extra to install.
 """
 
-from .engine import SparkTableEngine
+from .deltars_engine import DeltaRsTableEngine
+from .engine import TableEngine
 from .jars import ensure_jars
 from .session import SparkConfig, get_spark
+from .spark_engine import SparkTableEngine
 
-__all__ = ["SparkConfig", "SparkTableEngine", "ensure_jars", "get_spark"]
+#: Engines a node can be started with (``NodeConfig.engine`` / ``deltaflow serve --engine``).
+ENGINES: dict[str, type[TableEngine]] = {
+    SparkTableEngine.name: SparkTableEngine,
+    DeltaRsTableEngine.name: DeltaRsTableEngine,
+}
+
+__all__ = [
+    "ENGINES",
+    "DeltaRsTableEngine",
+    "SparkConfig",
+    "SparkTableEngine",
+    "TableEngine",
+    "ensure_jars",
+    "get_spark",
+]

@@ -1,6 +1,6 @@
-"""The Delta table engine: validate rows, group batches per table, one MERGE per group.
+"""The table engine seam: validate rows, group batches per table, one commit per group.
 
-A Spark MERGE costs one to two seconds whatever its size, so the engine never commits batch by
+A Delta MERGE has a fixed cost (one to two seconds with Spark), so no engine commits batch by
 batch. Each table has a committer task: while one commit runs, newly staged batches queue up,
 and the next commit takes all of them (up to ``max_group_rows``). Under load commits grow and
 amortise the fixed cost; under light load a lone batch commits at once.
@@ -10,9 +10,11 @@ included), which is the order the node's lanes staged them: per (stream, partiti
 order. The result equals applying the batches one by one.
 
 Rows are validated and converted to Arrow when staged, so a bad row fails only its own batch
-(with the item and column named) and never poisons a group. A group is written to a Parquet
-staging file that Spark reads as the MERGE source; every commit holds the table's
-cross-process lock (:mod:`.lock`).
+(with the item and column named) and never poisons a group. Every commit holds the table's
+cross-process lock (:mod:`.lock`) and records the group's lane marks (:mod:`.marks`).
+
+Engines (subclasses of :class:`TableEngine`): Spark (:mod:`.spark_engine`, the default) and
+delta-rs (:mod:`.deltars_engine`), selectable per node.
 """
 
 from __future__ import annotations
@@ -22,32 +24,25 @@ import contextlib
 import logging
 import shutil
 import time
-import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 from .._faults import fault_point
-from ..errors import (
-    CommitConflictError,
-    DeltaflowError,
-    LaneFailedError,
-    SchemaError,
-    ServerError,
-)
+from ..errors import CommitConflictError, LaneFailedError, SchemaError, ServerError
 from .lock import table_lock
 from .marks import LaneMarks, Mark
-from .session import SparkConfig, get_spark
 
 __all__ = [
     "DEFAULT_MAX_GROUP_ROWS",
     "DEFAULT_MAX_QUEUED_ROWS",
     "DELETE_COLUMN",
     "EngineStatistics",
-    "SparkTableEngine",
+    "TableEngine",
+    "to_arrow_rows",
 ]
 
 log = logging.getLogger(__name__)
@@ -56,7 +51,6 @@ DELETE_COLUMN: Final = "__deltaflow_delete"
 DEFAULT_MAX_GROUP_ROWS: Final = 500_000
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
 _COMMIT_ATTEMPTS: Final = 5
-_USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
 
 
 @dataclass(slots=True)
@@ -85,34 +79,10 @@ class _Staged:
         return int(self.table.num_rows)
 
 
-@contextlib.contextmanager
-def map_spark_errors(table: str, node: str) -> Iterator[None]:
-    """Translate PySpark/Delta errors at the engine boundary into deltaflow errors."""
-    try:
-        yield
-    except DeltaflowError:
-        raise
-    except Exception as exc:
-        text = f"{type(exc).__name__}: {exc}"
-        if "Concurrent" in text or "ProtocolChanged" in text or "MetadataChanged" in text:
-            raise CommitConflictError(
-                f"commit to table {table!r} conflicted with another writer: {text[:500]}", node=node
-            ) from exc
-        if "AnalysisException" in text or ("DELTA_" in text and "SCHEMA" in text):
-            raise SchemaError(
-                f"table {table!r} rejected the rows: {text[:800]}", node=node
-            ) from exc
-        raise ServerError(f"commit to table {table!r} failed: {text[:800]}", node=node) from exc
-
-
-def _quote(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 class _TableCommitter:
     """Owns one table on this node: its schema, key, staging queue and commit task."""
 
-    def __init__(self, engine: SparkTableEngine, name: str) -> None:
+    def __init__(self, engine: TableEngine, name: str) -> None:
         self.engine = engine
         self.name = name
         self.path = engine.warehouse / name
@@ -136,12 +106,7 @@ class _TableCommitter:
     def _read_schema(self) -> Any:
         if not (self.path / "_delta_log").is_dir():
             return None
-        from pyspark.sql.pandas.types import to_arrow_schema
-
-        spark = self.engine.spark
-        with map_spark_errors(self.name, self.engine.node_id):
-            schema = spark.read.format("delta").load(str(self.path)).schema
-        return to_arrow_schema(schema)
+        return self.engine.read_schema(self.name, self.path)
 
     async def _run(self) -> None:
         while True:
@@ -237,7 +202,6 @@ class _TableCommitter:
 
     def _commit_rows(self, group: list[_Staged], metadata: str) -> int:
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
         table = pa.concat_tables([s.table for s in group], promote_options="permissive")
         if self.key:
@@ -245,63 +209,10 @@ class _TableCommitter:
         exists = (self.path / "_delta_log").is_dir()
         if not exists and all(table.column(DELETE_COLUMN).to_pylist()):
             return 0  # only deletes, and no table: nothing exists to delete
-        staging = self.engine.staging_dir / f"{uuid.uuid4().hex}.parquet"
-        staging.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, staging)
-        session = self._session()
-        columns = [c for c in table.column_names if c != DELETE_COLUMN]
-        try:
-            with map_spark_errors(self.name, self.engine.node_id):
-                if not exists:
-                    (
-                        session.read.parquet(str(staging))
-                        .where(f"NOT {_quote(DELETE_COLUMN)}")
-                        .select(*[_quote(c) for c in columns])
-                        .write.format("delta")
-                        .option("userMetadata", metadata)
-                        .mode("append")
-                        .save(str(self.path))
-                    )
-                    self.arrow_schema = None  # reloaded as Delta stored it
-                else:
-                    session.conf.set(_USER_METADATA_CONF, metadata)
-                    try:
-                        source = f"parquet.{_quote(str(staging))}"
-                        if self.key:
-                            session.sql(self._merge_sql(source, table.column_names))
-                        else:
-                            cols = ", ".join(_quote(c) for c in columns)
-                            session.sql(
-                                f"INSERT INTO delta.{_quote(str(self.path))} ({cols}) "
-                                f"SELECT {cols} FROM {source}"
-                            )
-                    finally:
-                        session.conf.unset(_USER_METADATA_CONF)
-        finally:
-            staging.unlink(missing_ok=True)
+        self.engine.write(self.name, self.path, self.key or [], table, exists, metadata)
+        if not exists:
+            self.arrow_schema = None  # reloaded as the engine stored it
         return int(table.num_rows)
-
-    def _session(self) -> Any:
-        # A session of our own: its SQL conf (commit metadata) is not shared with the commits
-        # other tables run at the same time on other threads.
-        if self.session is None:
-            self.session = self.engine.spark.newSession()
-        return self.session
-
-    def _merge_sql(self, source: str, columns: Sequence[str]) -> str:
-        assert self.key is not None
-        data = [c for c in columns if c != DELETE_COLUMN]
-        on = " AND ".join(f"t.{_quote(k)} = s.{_quote(k)}" for k in self.key)
-        sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data)
-        cols = ", ".join(_quote(c) for c in data)
-        vals = ", ".join(f"s.{_quote(c)}" for c in data)
-        flag = f"s.{_quote(DELETE_COLUMN)}"
-        return (
-            f"MERGE INTO delta.{_quote(str(self.path))} AS t USING {source} AS s ON {on} "
-            f"WHEN MATCHED AND {flag} THEN DELETE "
-            f"WHEN MATCHED THEN UPDATE SET {sets} "
-            f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
-        )
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
@@ -424,47 +335,74 @@ def _locate_bad_row(
     return SchemaError(f"rows do not fit table {table!r}: {exc}", node=node)
 
 
-class SparkTableEngine:
-    """Applies staged rows to Delta tables under ``warehouse`` through Spark.
+class TableEngine:
+    """Applies staged rows to Delta tables under ``warehouse``; the seam between the node and a
+    Delta implementation (Spark: :class:`~.spark_engine.SparkTableEngine`; delta-rs:
+    :class:`~.deltars_engine.DeltaRsTableEngine`).
+
+    The base class owns everything that must not differ between engines: validation, group
+    commit, the per-table commit lock, lane marks (exactly-once) and statistics. A subclass
+    supplies three blocking methods run in worker threads: :meth:`_start_engine`,
+    :meth:`read_schema` and :meth:`write`.
 
     Args:
         warehouse: directory holding one Delta table per sub-directory.
         node_id: for error messages and logs.
-        spark: Spark settings (the process's session is shared).
         max_group_rows: rows per commit at most. Default 500,000.
         max_queued_rows: rows staged per table and not yet committed; staging waits beyond it
             (backpressure reaches the client through the unacknowledged window). Default
             1,000,000.
-        threads: worker threads for Spark calls (the event loop never blocks on Spark).
+        threads: worker threads for engine calls (the event loop never blocks on them).
     """
+
+    #: The name nodes select the engine by (``--engine``).
+    name: ClassVar[str] = ""
 
     def __init__(
         self,
         warehouse: Path,
         *,
         node_id: str,
-        spark: SparkConfig | None = None,
         max_group_rows: int = DEFAULT_MAX_GROUP_ROWS,
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
         threads: int = 2,
     ) -> None:
         self.warehouse = Path(warehouse)
         self.node_id = node_id
-        self.spark_config = spark
         self.max_group_rows = max_group_rows
         self.max_queued_rows = max_queued_rows
         self.stats = EngineStatistics()
         self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="deltaflow-spark")
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
         self._tables: dict[str, _TableCommitter] = {}
-        self.spark: Any = None
 
     async def start(self) -> None:
-        """Start (or join) the process's SparkSession."""
+        """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
         self.warehouse.mkdir(parents=True, exist_ok=True)
         # Leftovers of this node's earlier run (other nodes may share the warehouse).
         shutil.rmtree(self.staging_dir, ignore_errors=True)
-        self.spark = await self._in_thread(get_spark, self.spark_config)
+        await self._in_thread(self._start_engine)
+
+    def _start_engine(self) -> None:
+        """Blocking: start the engine."""
+
+    def read_schema(self, table: str, path: Path) -> Any:
+        """Blocking: the Arrow schema of the existing table at ``path``."""
+        raise NotImplementedError
+
+    def write(
+        self, table: str, path: Path, key: list[str], data: Any, exists: bool, metadata: str
+    ) -> None:
+        """Blocking, under the table's lock: apply ``data`` in one commit.
+
+        Args:
+            key: merge key columns, or empty to append.
+            data: a pyarrow Table with the ``DELETE_COLUMN`` flag, at most one row per key.
+            exists: whether the table exists (else create it from the non-deleted rows).
+            metadata: the commit's ``userMetadata`` (lane marks): it must land in the same
+                commit as the data.
+        """
+        raise NotImplementedError
 
     async def stop(self) -> None:
         for committer in self._tables.values():
