@@ -88,6 +88,30 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine)
 
 
+def _table(args: argparse.Namespace) -> int:
+    from .spark_integration import maintenance
+
+    warehouse = Path(args.warehouse)
+    if args.table_command == "optimize":
+        metrics = maintenance.optimize(warehouse, args.table)
+        print(
+            f"table {args.table}: {metrics.get('numFilesRemoved', 0)} files compacted into "
+            f"{metrics.get('numFilesAdded', 0)}"
+        )
+    elif args.table_command == "history":
+        for row in maintenance.history(warehouse, args.table, limit=args.limit):
+            print(
+                f"v{row['version']:<6} {row['operation']:<10} node={row['node'] or '-':<12} "
+                f"rows={row['rows_written']}"
+            )
+    else:
+        count, rows = maintenance.show(warehouse, args.table, limit=args.limit)
+        print(f"table {args.table}: {count} rows")
+        for row in rows:
+            print(f"  {row}")
+    return 0
+
+
 def _jars(args: argparse.Namespace) -> int:
     from .spark_integration.jars import ensure_jars
 
@@ -141,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--warehouse", default=None, help="default: a temporary directory")
     demo.add_argument("--engine", choices=["spark", "delta-rs"], default="spark")
     demo.set_defaults(func=_demo)
+
+    table = sub.add_parser("table", help="inspect and maintain a deltaflow table")
+    tsub = table.add_subparsers(dest="table_command", required=True)
+    for name, text in (
+        ("optimize", "compact small files (holds the table's commit lock)"),
+        ("history", "latest commits, with the node that wrote each"),
+        ("show", "row count and first rows"),
+    ):
+        cmd = tsub.add_parser(name, help=text)
+        cmd.add_argument("--warehouse", required=True)
+        cmd.add_argument("--table", required=True)
+        cmd.add_argument("--limit", type=int, default=10)
+        cmd.set_defaults(func=_table)
 
     jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
     jars.set_defaults(func=_jars)

@@ -103,3 +103,41 @@ def test_importing_the_client_does_not_import_spark() -> None:
         "assert 'deltaflow.server' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_table_cli_compacts_and_shows_history(cluster: list[Node], warehouse: Path) -> None:
+    async with deltaflow.connect([cluster[0].address]) as client:
+        for round_ in range(3):  # three streams: at least three commits, several files
+            await client.stream_data(
+                [{"id": i, "v": round_} for i in range(200)], table="small", key="id"
+            )
+
+    async def cli(*args: str) -> str:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [
+                sys.executable,
+                "-m",
+                "deltaflow.cli",
+                "table",
+                *args,
+                "--warehouse",
+                str(warehouse),
+                "--table",
+                "small",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    history = cli("history")
+    assert "node=node-1" in history or "node=node-2" in history
+    before = read_delta(warehouse / "small")
+    out = await cli("optimize")
+    assert "files compacted into 1" in out
+    assert read_delta(warehouse / "small") == before
+    assert "table small: 200 rows" in await cli("show")

@@ -146,3 +146,61 @@ async def test_a_retriable_failure_keeps_the_lane_for_the_resend(dispatcher: Dis
     await peer.wait_for("ack", 0)
     await peer.wait_for("ack", 1)
     assert Recorder.applied == [0, 1]
+
+
+class FakeEngine:
+    """Stages writes and commits them one by one like the engine's isolation path: each entry
+    checks ``abandoned`` right before its commit, with no pause after the previous one."""
+
+    def __init__(self, fail_seq: int) -> None:
+        self.fail_seq = fail_seq
+        self.entries: list[tuple[int, Any, asyncio.Future[None]]] = []
+        self.committed: list[int] = []
+        self.three_staged = asyncio.Event()
+
+    async def stage(
+        self, table: str, key: Any, rows: Any, deletes: Any, *, abandoned: Any, mark: Any = None
+    ) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.entries.append((mark[1][0], abandoned, fut))
+        if len(self.entries) == 3:
+            self.three_staged.set()
+        return fut
+
+    def commit_all(self) -> None:
+        for seq, abandoned, fut in self.entries:
+            if abandoned():
+                fut.set_exception(OverloadedError("abandoned"))
+            elif seq == self.fail_seq:
+                fut.set_exception(ValueError("commit failed"))
+            else:
+                self.committed.append(seq)
+                fut.set_result(None)
+
+
+class TableWriterReceiver(Receiver):
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+        await ctx.table("t", key="id").upsert([{"id": i} for i in items])
+
+
+async def test_a_failed_commit_abandons_later_batches_of_its_lane_before_they_commit() -> None:
+    engine = FakeEngine(fail_seq=0)
+    registry = ReceiverRegistry()
+    registry.register(TableWriterReceiver, "tw")
+    d = Dispatcher(
+        node_id="n1",
+        registry=registry,
+        writer=engine,
+        owns=lambda p: True,
+        map_wire=dict,
+        partitions=4,
+    )
+    d.open("s", "tw", None)
+    peer = Peer()
+    for seq in (0, 1, 2):
+        d.submit(peer, batch(seq))
+    await engine.three_staged.wait()  # all staged: the lane does not wait for commits
+    engine.commit_all()
+    assert engine.committed == []
+    for seq in (0, 1, 2):
+        assert (await peer.wait_for("error", seq))["retriable"] is False

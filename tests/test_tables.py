@@ -167,3 +167,29 @@ async def test_first_write_takes_every_column_and_a_leading_delete(
         1: {"id": 1, "name": "a", "value": None},
         2: {"id": 2, "name": "b", "value": 2.5},
     }
+
+
+async def test_interleaved_streams_in_one_group_equal_one_by_one_application(
+    cluster: list[Node], spark: Any, warehouse: Path
+) -> None:
+    def stream_items(offset: int) -> list[Any]:
+        items: list[Any] = []
+        for r in range(4):
+            items += [
+                {"id": offset + k, "name": f"s{offset}-r{r}", "value": float(r)} for k in range(300)
+            ]
+            items += [Delete({"id": offset + k}) for k in range(r, 300, 7)]
+        return items
+
+    a, b = stream_items(0), stream_items(10_000)
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await asyncio.gather(
+            client.stream_data(a, table="mixed", key="id", options=OPTIONS),
+            client.stream_data(b, table="mixed", key="id", options=OPTIONS),
+        )
+    # Keys of the two streams are disjoint, so applying one stream after the other, item by
+    # item, is the reference result.
+    assert_table(spark, warehouse / "mixed", expected(a + b))
+    grouped = sum(n.statistics().engine.batches_committed for n in cluster)
+    commits = sum(n.statistics().engine.commits for n in cluster)
+    assert commits < grouped  # batches of both streams shared commits

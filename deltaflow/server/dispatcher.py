@@ -92,6 +92,9 @@ class _Lane:
     next_seq: int = 0
     pending: dict[int, tuple[Peer, Frame]] = field(default_factory=dict)
     committing: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    # Table writes each applied batch staged, until they are durable: a failed one makes the
+    # writes of later batches of the lane abandoned at once, before any of them commits.
+    staged: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Results of the latest batches, replayed when a batch is resent after a lost ack.
     results: OrderedDict[int, list[Any]] = field(default_factory=OrderedDict)
     failed_at: int | None = None
@@ -274,6 +277,8 @@ class Dispatcher:
                     return
                 if lane.failed_at is None:  # else the lane restarts from its failed batch
                     lane.next_seq = max(lane.next_seq, seq + 1)
+                if ctx._durable:
+                    lane.staged[seq] = list(ctx._durable)
                 self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
         finally:
             lane.task = None
@@ -294,7 +299,12 @@ class Dispatcher:
         def abandoned() -> bool:
             # Read at commit time: writes of a batch that failed, or of batches behind a failed
             # one in the lane, must not land.
-            return batch_failed.is_set() or (lane.failed_at is not None and seq > lane.failed_at)
+            if batch_failed.is_set() or (lane.failed_at is not None and seq > lane.failed_at):
+                return True
+            return any(
+                earlier < seq and any(f.done() and f.exception() is not None for f in futures)
+                for earlier, futures in lane.staged.items()
+            )
 
         ctx = ReceiverContext(
             stream_id=stream.sid,
@@ -381,9 +391,11 @@ class Dispatcher:
             durable.exception()
             lane.committing.pop(seq, None)
             self._fail_lane(stream, p, lane, seq, err, peer, frame)
+            lane.staged.pop(seq, None)
             return
         durable.set_result(None)
         lane.committing.pop(seq, None)
+        lane.staged.pop(seq, None)
         self.stats.batches_acked += 1
         self.stats.items_applied += frame["n"]
         await peer.send(_ack(frame))
