@@ -134,7 +134,7 @@ async def test_table_cli_compacts_and_shows_history(cluster: list[Node], warehou
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    history = cli("history")
+    history = await cli("history")
     assert "node=node-1" in history or "node=node-2" in history
     before = read_delta(warehouse / "small")
     out = await cli("optimize")
