@@ -52,22 +52,27 @@ class Peer:
         return [f["t"] for f in self.frames if f.get("seq") == seq and f["t"] != "result"]
 
 
-@pytest.fixture
-def dispatcher() -> Dispatcher:
-    Recorder.applied, Recorder.gate, Recorder.fail = [], None, {}
-    Recorder.entered = asyncio.Event()
+def make_dispatcher(receiver: type[Receiver], writer: Any = None) -> Dispatcher:
+    """A dispatcher owning every partition, with stream "s" open on ``receiver``."""
     registry = ReceiverRegistry()
-    registry.register(Recorder, "rec")
+    registry.register(receiver, "r")
     d = Dispatcher(
         node_id="n1",
         registry=registry,
-        writer=None,
+        writer=writer,
         owns=lambda p: True,
         map_wire=dict,
         partitions=4,
     )
-    d.open("s", "rec", None)
+    d.open("s", "r", None)
     return d
+
+
+@pytest.fixture
+def dispatcher() -> Dispatcher:
+    Recorder.applied, Recorder.gate, Recorder.fail = [], None, {}
+    Recorder.entered = asyncio.Event()
+    return make_dispatcher(Recorder)
 
 
 def batch(seq: int, *, base: int = 0, p: int = 0) -> dict[str, Any]:
@@ -185,17 +190,7 @@ class TableWriterReceiver(Receiver):
 
 async def test_a_failed_commit_abandons_later_batches_of_its_lane_before_they_commit() -> None:
     engine = FakeEngine(fail_seq=0)
-    registry = ReceiverRegistry()
-    registry.register(TableWriterReceiver, "tw")
-    d = Dispatcher(
-        node_id="n1",
-        registry=registry,
-        writer=engine,
-        owns=lambda p: True,
-        map_wire=dict,
-        partitions=4,
-    )
-    d.open("s", "tw", None)
+    d = make_dispatcher(TableWriterReceiver, engine)
     peer = Peer()
     for seq in (0, 1, 2):
         d.submit(peer, batch(seq))
