@@ -41,7 +41,9 @@ async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[
         port=0,
         spark=TEST_SPARK,
         heartbeat_interval=0.2,
-        failure_timeout=2.0,
+        # Generous: in-process nodes share the test's event loop with Spark-heavy work, and a
+        # stall must not look like a dead peer (failover has its own tests with processes).
+        failure_timeout=10.0,
         **config,
     )
     nodes: list[Node] = []

@@ -20,7 +20,11 @@ from deltaflow.partitioning import partition_of
 
 from .procs import NodeProcess, free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(900),  # three JVMs on two cores: cluster start-up counts in the first
+]
 
 NODE_FLAGS = [
     "--receiver",
@@ -123,6 +127,7 @@ async def test_upserts_survive_a_sigkilled_node_with_last_values(cluster: Cluste
     assert len(table) == 100_000
     assert table == {k: 200_000 + k for k in range(100_000)}  # the last write of every key
     assert kill.killed_at is not None
+    assert failover_acks, "no batch of the killed node's partitions was acked afterwards"
     failover = failover_acks[0] - kill.killed_at
     print(f"\nfailover: kill to first batch acked by a new owner = {failover:.2f}s")  # noqa: T201
     assert failover < 30

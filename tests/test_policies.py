@@ -134,3 +134,49 @@ async def test_the_queue_example_commits_only_the_safe_offset(
     queue = await main([cluster[0].address], messages=5_000)
     assert queue.committed == 4_999
     assert len(DeltaTable(str(warehouse / "payments")).to_pyarrow_table()) == 1000
+
+
+async def test_a_failure_while_the_source_is_idle_ends_the_stream(cluster: list[Node]) -> None:
+    import asyncio
+
+    async def trickle() -> Any:
+        for i in range(10):
+            yield i
+        await asyncio.Event().wait()  # an idle queue: nothing more for now
+
+    async with deltaflow.connect([cluster[0].address]) as client, asyncio.timeout(60):
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                trickle(),
+                key=lambda x: 0,
+                receiver="deltaflow.testing.FailOn",
+                receiver_args={"fail_on": 3},
+                options=StreamerOptions(auto_flush_interval=0.1),
+            )
+    assert info.value.failed_items == list(range(10))
+
+
+async def test_items_taken_from_a_blocking_iterator_are_all_accounted_for(
+    cluster: list[Node],
+) -> None:
+    yielded = 0
+
+    def numbers() -> Any:
+        nonlocal yielded
+        for i in range(10_000):
+            yielded += 1
+            yield i
+
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                numbers(),
+                key=lambda x: 0,
+                receiver="deltaflow.testing.FailOn",
+                receiver_args={"fail_on": 25},
+                options=StreamerOptions(page_size=10, max_in_flight=1),
+            )
+    failed = info.value.failed_items
+    # Applied (0-19) + everything else taken from the iterator, even items still in a chunk.
+    assert failed == list(range(20, yielded))
+    assert yielded < 10_000

@@ -218,7 +218,7 @@ class Client:
 
     async def _connection_for(self, partition: int) -> Connection:
         if self._stale:
-            await self._refresh_map()
+            await self._refresh_map(only_if_stale=True)
         address = self.partition_map.owner_address(partition)
         try:
             return await self._connection(address)
@@ -269,8 +269,12 @@ class Client:
                 self._conns[address] = conn
             return conn
 
-    async def _refresh_map(self, candidates: Sequence[str] | None = None) -> None:
+    async def _refresh_map(
+        self, candidates: Sequence[str] | None = None, *, only_if_stale: bool = False
+    ) -> None:
         async with self._refresh_lock:
+            if only_if_stale and not self._stale:
+                return  # another batch refreshed it while we waited for the lock
             addresses = list(candidates or [])
             if self._map is not None:
                 addresses += [a for a in self._map.addresses.values() if a not in addresses]

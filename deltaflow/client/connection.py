@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 
 ResultSink = Callable[[list[Any]], Awaitable[None]]
 BatchKey = tuple[str, int, int]
-
-
-class _Transport(Protocol):  # the seam deltaflow.testing wraps
-    async def send_bytes(self, data: bytes) -> None: ...
 
 
 @contextlib.contextmanager

@@ -31,7 +31,13 @@ class _Observer(Protocol):
 class ResultDispatcher:
     """Delivers result values to ``on_result`` in arrival order on its own task."""
 
-    def __init__(self, on_result: OnResult, *, buffer: int) -> None:
+    def __init__(
+        self,
+        on_result: OnResult,
+        *,
+        buffer: int,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self._observer: _Observer | None = (
             cast(_Observer, on_result) if hasattr(on_result, "on_next") else None
         )
@@ -43,6 +49,7 @@ class ResultDispatcher:
         self.delivered = 0
         self.error: BaseException | None = None
         self._failed = asyncio.Event()
+        self._on_error = on_error
         self._task = asyncio.create_task(self._run(), name="deltaflow-results")
 
     async def put(self, values: list[Any]) -> None:
@@ -72,6 +79,8 @@ class ResultDispatcher:
             except Exception as exc:  # noqa: BLE001
                 self.error = exc
                 self._failed.set()
+                if self._on_error is not None:
+                    self._on_error(exc)
                 return
 
     async def finish(self, error: BaseException | None) -> None:

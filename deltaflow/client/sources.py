@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
@@ -42,7 +43,7 @@ def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
             f"source is a {type(source).__name__}; pass an iterable of items (e.g. a list of rows)"
         )
     if isinstance(source, Iterable):
-        return _iterate_in_thread(iter(source))
+        return _ChunkedIterator(iter(source))
     raise UsageError(
         f"source of type {type(source).__name__} is not an async iterable, an iterable or a "
         "reactivex Observable"
@@ -57,13 +58,47 @@ def _is_observable(source: Any) -> bool:
     return isinstance(source, Observable)
 
 
-async def _iterate_in_thread(it: Iterator[Any]) -> AsyncIterator[Any]:
-    while True:
-        chunk = await asyncio.to_thread(lambda: list(itertools.islice(it, _CHUNK)))
-        for item in chunk:
-            yield item
-        if len(chunk) < _CHUNK:
-            return
+class _ChunkedIterator:
+    """Pulls a blocking iterator in chunks on a worker thread.
+
+    Items taken from the source but not yet handed out are never lost: :meth:`leftovers`
+    returns them (the stream reports them as not applied when it stops early).
+    """
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._chunk: collections.deque[Any] = collections.deque()
+        self._pending: asyncio.Future[list[Any]] | None = None
+        self._exhausted = False
+
+    def __aiter__(self) -> _ChunkedIterator:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self._chunk:
+            if self._exhausted:
+                raise StopAsyncIteration
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(
+                    asyncio.to_thread(lambda: list(itertools.islice(self._it, _CHUNK)))
+                )
+            # Shielded: a cancelled pull keeps its chunk for the next call or for leftovers().
+            chunk = await asyncio.shield(self._pending)
+            self._pending = None
+            self._exhausted = len(chunk) < _CHUNK
+            self._chunk.extend(chunk)
+            if not self._chunk:
+                raise StopAsyncIteration
+        return self._chunk.popleft()
+
+    async def leftovers(self) -> list[Any]:
+        """Items taken from the source and not handed out (waits for a pull under way)."""
+        if self._pending is not None:
+            self._chunk.extend(await self._pending)
+            self._pending = None
+        items = list(self._chunk)
+        self._chunk.clear()
+        return items
 
 
 class _ObservableBridge:
@@ -97,6 +132,8 @@ class _ObservableBridge:
                 return
             fut = asyncio.run_coroutine_threadsafe(queue.put(value), loop)
             waits.add(fut)
+            if stopped.is_set():  # stopped while we registered: nobody will cancel it for us
+                fut.cancel()
             try:
                 fut.result()  # blocks the emitting thread while the buffer is full
             except FutureCancelledError:

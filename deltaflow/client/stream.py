@@ -18,7 +18,7 @@ from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
 from .sender import NodeStatistics, Sender, StreamStoppedError
-from .sources import aiter_source
+from .sources import _ChunkedIterator, aiter_source
 
 if TYPE_CHECKING:
     from .client import Client
@@ -188,7 +188,7 @@ class StreamRun:
         self.on_commit = on_commit
         self.partitions = client._partition_count()
         self.results = (
-            ResultDispatcher(on_result, buffer=options.result_buffer)
+            ResultDispatcher(on_result, buffer=options.result_buffer, on_error=self._stop)
             if on_result is not None
             else None
         )
@@ -217,6 +217,9 @@ class StreamRun:
             call_later=asyncio.get_running_loop().call_later,
         )
         self._dead_letters: Sender | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._awaiting_source = False
+        self._interrupted = False
         self._dead_letter_seq: dict[int, int] = {}
 
     def __repr__(self) -> str:
@@ -243,9 +246,22 @@ class StreamRun:
 
     # -- outcomes of batches (synchronous, on the loop) ------------------------------------
 
+    def _stop(self, exc: BaseException) -> None:
+        """Fail the stream with ``exc``: send nothing new, stop waiting for the source."""
+        if not self.errors:
+            self.errors.append(exc)
+        self.sender.stop()
+        if self._awaiting_source and self._task is not None and not self._interrupted:
+            # The pump is parked on an idle source; wake it (see the CancelledError in run()).
+            self._interrupted = True
+            self._task.cancel()
+
     def _acked(self, batch: Batch) -> None:
         if self.on_ack is not None:
-            self.on_ack(batch.items)
+            try:
+                self.on_ack(batch.items)
+            except Exception as exc:  # noqa: BLE001 - the user's hook fails the stream
+                self._stop(exc)
         self._settle(batch)
 
     def _settle(self, batch: Batch) -> None:
@@ -255,7 +271,10 @@ class StreamRun:
             return
         position = self.watermark.settle(batch.positions, batch.items)
         if position is not None:
-            self.on_commit(position)
+            try:
+                self.on_commit(position)
+            except Exception as exc:  # noqa: BLE001 - the user's hook fails the stream
+                self._stop(exc)
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
         policy = self.options.on_failure
@@ -263,9 +282,8 @@ class StreamRun:
         if stopping or policy == "fail":
             pairs = list(zip(batch.positions, batch.items, strict=True))
             (self.in_doubt if batch.attempts and stopping else self.failed).extend(pairs)
-            if not self.errors and not stopping:
-                self.errors.append(exc)
-                self.sender.stop()
+            if not stopping:
+                self._stop(exc)
             return
         if policy == "drop":
             log.warning(
@@ -326,9 +344,8 @@ class StreamRun:
 
     def _dead_letter_failed(self, batch: Batch, exc: BaseException) -> None:
         self.failed.extend(zip(batch.positions, batch.items, strict=True))
-        if not self.errors:
-            self.errors.append(exc)
-            self.sender.stop()
+        if not isinstance(exc, (asyncio.CancelledError, StreamStoppedError)):
+            self._stop(exc)
 
     # -- the pump -----------------------------------------------------------------------
 
@@ -338,6 +355,7 @@ class StreamRun:
         sender, acc = self.sender, self.accumulator
         items = aiter_source(source, buffer=options.source_buffer)
         max_item = options.max_batch_bytes
+        self._task = asyncio.current_task()
         try:
             while not self.errors:
                 await sender.wait_for_room()
@@ -346,10 +364,13 @@ class StreamRun:
                 if self.results is not None and self.results.error is not None:
                     self.errors.append(self.results.error)
                     break
+                self._awaiting_source = True
                 try:
                     item = await anext(items)
                 except StopAsyncIteration:
                     break
+                finally:
+                    self._awaiting_source = False
                 position = self.pulled
                 self.pulled += 1
                 is_delete = isinstance(item, Delete)
@@ -383,20 +404,35 @@ class StreamRun:
             # Our own failure (bad item, subscriber error, cancellation): stop everything and
             # account for every item that did not make it.
             sender.stop()
-            if not isinstance(exc, DataStreamerError):
+            woken = (
+                isinstance(exc, asyncio.CancelledError)
+                and self._interrupted
+                and self._task is not None
+                and self._task.uncancel() == 0
+            )  # our own wake-up from an idle source, not a cancellation of stream_data
+            if not woken and not isinstance(exc, DataStreamerError):
                 self.errors.insert(0, exc)
-            if isinstance(exc, asyncio.CancelledError):
+            dead = self._dead_letters
+            if isinstance(exc, asyncio.CancelledError) and not woken:
                 await sender.cancel()
-                if self._dead_letters is not None:
-                    await self._dead_letters.cancel()
+                if dead is not None:
+                    await dead.cancel()
             else:
                 await sender.join()
+                if dead is not None:
+                    await dead.join()
         finally:
             for batch in acc.discard():
                 self.failed.extend(zip(batch.positions, batch.items, strict=True))
-            if hasattr(items, "aclose"):
+            if isinstance(items, _ChunkedIterator):
+                for item in await items.leftovers():  # taken from the source, never sent
+                    self.failed.append((self.pulled, item))
+                    self.pulled += 1
+            elif hasattr(items, "aclose"):
                 await items.aclose()
             await self.client._close_stream(self.sid)
+            if self._dead_letters is not None:
+                await self.client._close_stream(self.sid + "-dead-letters")
         if self.results is not None:
             await self.results.finish(self.errors[0] if self.errors else None)
             if self.results.error is not None and self.results.error not in self.errors:

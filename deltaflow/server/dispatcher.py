@@ -161,7 +161,14 @@ class Dispatcher:
                 )
             return
         cls = self._registry.get(receiver, node=self.node_id)
-        self._streams[sid] = _Stream(sid, receiver, cls(), args)
+        try:
+            instance = cls()
+        except Exception as exc:
+            raise ReceiverError(
+                f"receiver {receiver} could not be created: {type(exc).__name__}: {exc}",
+                node=self.node_id,
+            ) from exc
+        self._streams[sid] = _Stream(sid, receiver, instance, args)
         self.stats.streams = len(self._streams)
 
     def close(self, sid: str) -> None:
