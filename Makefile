@@ -6,7 +6,7 @@ export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test bench lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,12 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
+bench: setup
+	$(PY) bench/ingest.py
+
 lint: setup
-	$(VENV)/bin/ruff check deltaflow tests examples
-	$(VENV)/bin/ruff format --check deltaflow tests examples
+	$(VENV)/bin/ruff check deltaflow tests examples bench
+	$(VENV)/bin/ruff format --check deltaflow tests examples bench
 	$(VENV)/bin/mypy
 
 clean:

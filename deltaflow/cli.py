@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.error
@@ -109,7 +109,11 @@ def _table(args: argparse.Namespace) -> int:
         print(f"table {args.table}: {count} rows")
         for row in rows:
             print(f"  {row}")
-    return 0
+    # delta-rs's runtime threads can abort the interpreter's teardown on a busy machine
+    # ("terminate called without an active exception") after the work is done; leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _jars(args: argparse.Namespace) -> int:
@@ -187,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    with contextlib.suppress(KeyboardInterrupt):
+    from .errors import DeltaflowError
+
+    try:
         return int(args.func(args))
-    return 130
+    except KeyboardInterrupt:
+        return 130
+    except DeltaflowError as exc:  # a clear message, not a traceback
+        print(f"deltaflow: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

