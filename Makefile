@@ -6,7 +6,7 @@ export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup demo test bench bench-transport lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: setup
 
 bench: setup
 	$(PY) bench/ingest.py
+
+bench-transport: setup
+	$(PY) bench/transport.py
 
 lint: setup
 	$(VENV)/bin/ruff check deltaflow tests examples bench

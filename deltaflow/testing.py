@@ -10,14 +10,23 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from .client.connection import Connection
-from .errors import OverloadedError
+from .errors import ConnectionLostError, OverloadedError
 from .receivers.base import Receiver, ReceiverContext
 
-__all__ = ["AppendRows", "ConnectionDropper", "Echo", "EchoStream", "FailOn"]
+__all__ = [
+    "AppendRows",
+    "ConnectionDropper",
+    "Discard",
+    "Echo",
+    "EchoStream",
+    "FailOn",
+    "RequestDropper",
+]
 
 
 class ConnectionDropper:
@@ -54,6 +63,45 @@ class ConnectionDropper:
 
         conn.send_batch = send_batch  # type: ignore[method-assign]
         return conn
+
+
+class RequestDropper:
+    """Opens real connections and loses every ``every``-th batch request on the way: the frame
+    is never sent, so no ack comes and the client's ``ack_timeout`` expires, as on a lossy
+    network. (Use a short ``StreamerOptions.ack_timeout`` with it.)
+
+    Attributes:
+        dropped: requests lost so far (counted across all connections it opened).
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.sent = 0
+        self.dropped = 0
+
+    async def __call__(self, address: str, **kwargs: Any) -> Connection:
+        conn = await Connection.open(address, **kwargs)
+        original = conn.send_batch
+
+        async def send_batch(frame: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+            self.sent += 1
+            if self.sent % self.every == 0:
+                self.dropped += 1
+                await asyncio.sleep(timeout)  # the ack that never comes
+                raise ConnectionLostError(
+                    f"no ack from {address} within {timeout}s (request lost by deltaflow.testing)"
+                )
+            return await original(frame, timeout=timeout)
+
+        conn.send_batch = send_batch  # type: ignore[method-assign]
+        return conn
+
+
+class Discard(Receiver):
+    """Accepts every item and does nothing (a no-op receiver, for load tests)."""
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+        return None
 
 
 class Echo(Receiver):

@@ -118,6 +118,10 @@ class Sender:
         if len(self._tasks) >= self._options.max_in_flight:
             self._room.clear()
 
+    @property
+    def has_room(self) -> bool:
+        return self._room.is_set()
+
     async def wait_for_room(self) -> None:
         await self._room.wait()
 

@@ -220,6 +220,7 @@ class StreamRun:
         self._task: asyncio.Task[Any] | None = None
         self._awaiting_source = False
         self._interrupted = False
+        self._closing: asyncio.Future[None] | None = None
         self._dead_letter_seq: dict[int, int] = {}
 
     def __repr__(self) -> str:
@@ -248,8 +249,12 @@ class StreamRun:
 
     def _stop(self, exc: BaseException) -> None:
         """Fail the stream with ``exc``: send nothing new, stop waiting for the source."""
-        if not self.errors:
+        first = not self.errors
+        if first:
             self.errors.append(exc)
+            # Nodes answer batches still queued behind a stuck one, so none is awaited until
+            # its ack timeout.
+            self._closing = asyncio.ensure_future(self.client._close_stream(self.sid))
         self.sender.stop()
         if self._awaiting_source and self._task is not None and not self._interrupted:
             # The pump is parked on an idle source; wake it (see the CancelledError in run()).
@@ -358,7 +363,8 @@ class StreamRun:
         self._task = asyncio.current_task()
         try:
             while not self.errors:
-                await sender.wait_for_room()
+                if not sender.has_room:  # (no await per item while the window has room)
+                    await sender.wait_for_room()
                 if self.errors:
                     break
                 if self.results is not None and self.results.error is not None:
@@ -430,6 +436,8 @@ class StreamRun:
                     self.pulled += 1
             elif hasattr(items, "aclose"):
                 await items.aclose()
+            if self._closing is not None:
+                await self._closing
             await self.client._close_stream(self.sid)
             if self._dead_letters is not None:
                 await self.client._close_stream(self.sid + "-dead-letters")

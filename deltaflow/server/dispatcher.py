@@ -175,6 +175,20 @@ class Dispatcher:
         stream = self._streams.get(sid)
         if stream is None:
             return
+        # Batches still waiting for their turn will not get it: tell their senders they were not
+        # applied (a stopping client waits for an answer to every batch it sent).
+        for p, lane in stream.lanes.items():
+            for seq in sorted(lane.pending):
+                peer, frame = lane.pending.pop(seq)
+                self._reply_error(
+                    peer,
+                    LaneFailedError(
+                        f"not applied: stream closed by the client before batch {seq} of "
+                        f"partition {p} could run",
+                        node=self.node_id,
+                    ),
+                    frame,
+                )
         committing = [f for lane in stream.lanes.values() for f in lane.committing.values()]
         if committing:  # let running commits finish (and ack) before forgetting the stream
             self._spawn(self._forget_after(sid, committing))
