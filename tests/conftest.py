@@ -72,6 +72,24 @@ async def cluster(spark: Any, warehouse: Path, engine: str) -> AsyncIterator[lis
         await node.stop()
 
 
+async def echo_stream(
+    address: str, items: list[Any], options: Any, connection_factory: Any = None
+) -> tuple[Any, list[Any]]:
+    """Stream ``items`` (each its own key) through the Echo receiver; summary and results."""
+    import deltaflow
+
+    results: list[Any] = []
+    async with deltaflow.connect([address], connection_factory=connection_factory) as client:
+        summary = await client.stream_data(
+            items,
+            key=lambda x: x,
+            receiver="deltaflow.testing.Echo",
+            on_result=results.append,
+            options=options,
+        )
+    return summary, results
+
+
 def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
     """The table as {key: row}, read by delta-rs (independent of Spark)."""
     from deltalake import DeltaTable

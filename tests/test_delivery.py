@@ -6,28 +6,20 @@ import asyncio
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.server import Node
 from deltaflow.testing import ConnectionDropper
 
-from .conftest import read_delta
+from .conftest import echo_stream, read_delta
 
 
 async def test_lost_ack_is_resent_and_not_applied_twice(cluster: list[Node]) -> None:
     dropper = ConnectionDropper(after_batches=3, limit=2)
-    results: list[Any] = []
     items = list(range(3000))
-    async with deltaflow.connect([cluster[0].address], connection_factory=dropper) as client:
-        summary = await client.stream_data(
-            items,
-            key=lambda x: x,
-            receiver="deltaflow.testing.Echo",
-            on_result=results.append,
-            options=StreamerOptions(page_size=100, retry_initial_backoff=0.01),
-        )
+    opts = StreamerOptions(page_size=100, retry_initial_backoff=0.01)
+    summary, results = await echo_stream(cluster[0].address, items, opts, dropper)
     assert dropper.dropped == 2
     assert summary.items_acked == len(items)
     assert summary.batches_retried >= 2

@@ -13,7 +13,7 @@ from deltaflow import DataStreamerError, Delete, StreamerOptions
 from deltaflow.server import Node
 from deltaflow.testing import FailOn, RequestDropper
 
-from .conftest import read_delta
+from .conftest import echo_stream, read_delta
 
 FAST_RETRY = {"retry_initial_backoff": 0.01, "retry_max_backoff": 0.1}
 LOSSY = {**FAST_RETRY, "ack_timeout": 1.0}  # a lost request costs one ack timeout
@@ -27,15 +27,8 @@ def engine() -> str:
 async def test_every_fifth_request_lost_and_every_item_lands_once(cluster: list[Node]) -> None:
     dropper = RequestDropper(every=5)
     items = list(range(5000))
-    results: list[int] = []
-    async with deltaflow.connect([cluster[0].address], connection_factory=dropper) as client:
-        summary = await client.stream_data(
-            items,
-            key=lambda x: x,
-            receiver="deltaflow.testing.Echo",
-            on_result=results.append,
-            options=StreamerOptions(page_size=100, **LOSSY),
-        )
+    opts = StreamerOptions(page_size=100, **LOSSY)
+    summary, results = await echo_stream(cluster[0].address, items, opts, dropper)
     assert dropper.dropped >= 10
     assert summary.items_acked == 5000 and summary.batches_retried == dropper.dropped
     assert sorted(results) == items

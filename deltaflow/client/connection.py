@@ -79,7 +79,6 @@ class Connection:
         self.node_id: str = welcome["node"]
         self.partition_map: dict[str, Any] = welcome["map"]
         self.max_frame_bytes: int = welcome["max"]
-        self.capabilities = frozenset(welcome["caps"])
         self._session = session
         self._ws = ws
         self._pending: dict[BatchKey, asyncio.Future[Frame]] = {}

@@ -96,6 +96,3 @@ class ResultDispatcher:
                 self._observer.on_completed()
             else:
                 self._observer.on_error(final)
-
-    async def wait_failed(self) -> None:
-        await self._failed.wait()

@@ -104,11 +104,6 @@ class Sender:
         self._stopped = False
         self.counters = _Counters()
 
-    @property
-    def outstanding(self) -> int:
-        """Batches handed to the sender and not yet settled."""
-        return len(self._tasks)
-
     def submit(self, batch: Batch) -> None:
         """Take a cut batch (synchronous; the send happens on a task)."""
         self._unacked.setdefault(batch.partition, set()).add(batch.seq)

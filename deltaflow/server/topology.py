@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,6 @@ class Membership:
         heartbeat_interval: seconds between polls of each peer.
         failure_timeout: seconds without an answer after which a peer is considered dead.
         headers: sent with every poll (the cluster token).
-        on_change: called with the new map whenever it changes.
     """
 
     def __init__(
@@ -56,7 +55,6 @@ class Membership:
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
         headers: dict[str, str] | None = None,
-        on_change: Callable[[PartitionMap], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -65,7 +63,6 @@ class Membership:
         self.failure_timeout = failure_timeout
         self._headers = headers or {}
         self._peers = {a: Member(a) for a in peers if a != address}
-        self._on_change = on_change
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, partitions)
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -171,8 +168,6 @@ class Membership:
         log.info("partition map v%d: members %s", self._map.version, sorted(live))
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
-        if self._on_change is not None:
-            self._on_change(self._map)
 
 
 def _now_ms() -> int:

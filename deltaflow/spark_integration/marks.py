@@ -44,10 +44,6 @@ class LaneMarks:
         self._marks: dict[str, Mark] = {}
         self._scanned = -1
 
-    @property
-    def scanned_version(self) -> int:
-        return self._scanned
-
     def applied(self, lane: str, mark: Mark) -> bool:
         held = self._marks.get(lane)
         return held is not None and mark <= held
