@@ -46,6 +46,7 @@ __all__ = [
     "ReceiverError",
     "SchemaError",
     "ServerError",
+    "SideInputError",
     "TransportError",
     "UnknownReceiverError",
     "UsageError",
@@ -69,6 +70,7 @@ class ErrorCode:
     SCHEMA_MISMATCH = "SCHEMA_MISMATCH"
     RECEIVER_FAILED = "RECEIVER_FAILED"
     LANE_FAILED = "LANE_FAILED"
+    SIDE_INPUT = "SIDE_INPUT"
     INTERNAL = "INTERNAL"
 
 
@@ -181,6 +183,13 @@ class LaneFailedError(ServerError):
     retriable = False
 
 
+class SideInputError(ServerError):
+    """A side input is unknown on this node, or has no value yet (see docs/side-inputs.md)."""
+
+    code = ErrorCode.SIDE_INPUT
+    retriable = False
+
+
 class _BadFrameError(ServerError):
     code = ErrorCode.BAD_FRAME
     retriable = False
@@ -226,6 +235,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
         SchemaError,
         ReceiverError,
         LaneFailedError,
+        SideInputError,
         _BadFrameError,
         _FrameTooLargeServerError,
         _UnsupportedVersionError,

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import SchemaError
 
-__all__ = ["Receiver", "ReceiverContext", "TableHandle", "TableWriter", "check_table_name"]
+__all__ = [
+    "Receiver",
+    "ReceiverContext",
+    "SideInputReader",
+    "TableHandle",
+    "TableWriter",
+    "check_table_name",
+]
 
 _TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
@@ -23,6 +30,14 @@ def check_table_name(name: Any) -> str:
             "starting with a letter or '_'"
         )
     return name
+
+
+class SideInputReader(Protocol):
+    """What the node's side-input store offers receivers (see ``server.side_inputs``)."""
+
+    def get(self, name: str, parse: Callable[[bytes], Any] | None = None) -> Any:
+        """The current value of side input ``name``, parsed by ``parse`` (cached per version)."""
+        ...
 
 
 class TableWriter(Protocol):
@@ -63,6 +78,7 @@ class ReceiverContext:
     args: Any
     deletes: frozenset[int] = frozenset()
     _writer: TableWriter | None = None
+    _side_inputs: SideInputReader | None = None
     _durable: list[asyncio.Future[None]] = field(default_factory=list)
     _abandoned: Any = None
     _writes: dict[str, int] = field(default_factory=dict)
@@ -72,6 +88,22 @@ class ReceiverContext:
         k = self._writes.get(table, 0)
         self._writes[table] = k + 1
         return f"{self.stream_id}/{self.partition}", (self.seq, k)
+
+    def side_input(self, name: str, *, parse: Callable[[bytes], Any] | None = None) -> Any:
+        """The current value of the side input ``name`` (see ``docs/side-inputs.md``).
+
+        Without ``parse`` the raw bytes are returned; with it, ``parse(bytes)`` is computed once
+        per version and cached, so calling this for every item is cheap. The value never changes
+        under a running call: read it once per batch for a consistent view.
+
+        Raises:
+            SideInputError: the node has no side input of that name.
+        """
+        if self._side_inputs is None:
+            from ..errors import SideInputError
+
+            raise SideInputError(f"node {self.node_id} has no side inputs configured")
+        return self._side_inputs.get(name, parse)
 
     def is_delete(self, index: int) -> bool:
         return index in self.deletes

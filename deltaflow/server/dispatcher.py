@@ -40,7 +40,7 @@ from ..errors import (
     is_retriable,
 )
 from ..protocol import Frame, unpack_items
-from ..receivers.base import Receiver, ReceiverContext, TableWriter
+from ..receivers.base import Receiver, ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
 
 __all__ = ["Dispatcher", "DispatcherStatistics", "Peer", "error_frame"]
@@ -121,6 +121,7 @@ class Dispatcher:
         owns: whether this node currently owns a partition.
         map_wire: the current partition map (sent with ``NOT_OWNER``).
         partitions: the partition count.
+        side_inputs: the node's side-input store, read by receivers through the context.
     """
 
     def __init__(
@@ -132,6 +133,7 @@ class Dispatcher:
         owns: Callable[[int], bool],
         map_wire: Callable[[], dict[str, Any]],
         partitions: int,
+        side_inputs: SideInputReader | None = None,
     ) -> None:
         self.node_id = node_id
         self._registry = registry
@@ -139,6 +141,7 @@ class Dispatcher:
         self._owns = owns
         self._map_wire = map_wire
         self._partitions = partitions
+        self._side_inputs = side_inputs
         self._streams: dict[str, _Stream] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = DispatcherStatistics()
@@ -335,6 +338,7 @@ class Dispatcher:
             args=stream.args,
             deletes=deletes,
             _writer=self._writer,
+            _side_inputs=self._side_inputs,
             _abandoned=abandoned,
         )
         produced: list[Any] = []
