@@ -29,12 +29,21 @@ def _serve(args: argparse.Namespace) -> int:
         warehouse=Path(args.warehouse),
         peers=[p for p in (args.peers or "").split(",") if p],
         receivers=args.receiver or [],
+        receiver_concurrency=dict(args.receiver_concurrency or []),
         token=token,
         partitions=args.partitions,
         max_frame_bytes=args.max_frame_bytes,
         heartbeat_interval=args.heartbeat_interval,
         failure_timeout=args.failure_timeout,
         max_group_rows=args.max_group_rows,
+        max_group_bytes=args.max_group_bytes,
+        table_buckets=args.table_buckets,
+        schema_evolution=args.schema_evolution,
+        deletion_vectors=args.deletion_vectors,
+        side_inputs=args.side_input or [],
+        side_input_timeout=args.side_input_timeout,
+        side_input_lease=args.side_input_lease,
+        side_input_poll_interval=args.side_input_poll_interval,
         engine=args.engine,
         spark=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory),
     )
@@ -88,11 +97,40 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine)
 
 
+def _table_create(args: argparse.Namespace) -> int:
+    from .errors import UsageError
+    from .spark_integration.session import SparkConfig
+    from .spark_integration.tables import create_table
+
+    name = args.name or args.table
+    if not name or (args.name and args.table and args.name != args.table):
+        raise UsageError("name the table once: deltaflow table create --warehouse W NAME ...")
+    spark = None
+    if args.engine == "spark":
+        spark = SparkConfig(master=args.spark_master, driver_memory=args.driver_memory)
+    settings = create_table(
+        Path(args.warehouse),
+        name,
+        schema=args.schema,
+        key=[k for k in (args.key or "").split(",") if k],
+        buckets=args.buckets,
+        allow_schema_evolution=args.allow_schema_evolution,
+        deletion_vectors=args.deletion_vectors,
+        engine=args.engine,
+        spark=spark,
+    )
+    print(f"table {name} created: {settings.describe()}")
+    return 0
+
+
 def _table(args: argparse.Namespace) -> int:
     from .spark_integration import maintenance
+    from .spark_integration.tables import read_table_settings
 
     warehouse = Path(args.warehouse)
-    if args.table_command == "optimize":
+    if args.table_command == "create":
+        _table_create(args)
+    elif args.table_command == "optimize":
         metrics = maintenance.optimize(warehouse, args.table)
         print(
             f"table {args.table}: {metrics.get('numFilesRemoved', 0)} files compacted into "
@@ -105,8 +143,11 @@ def _table(args: argparse.Namespace) -> int:
                 f"rows={row['rows_written']}"
             )
     else:
-        count, rows = maintenance.show(warehouse, args.table, limit=args.limit)
+        count, rows = maintenance.show(
+            warehouse, args.table, limit=args.limit, all_columns=args.all_columns
+        )
         print(f"table {args.table}: {count} rows")
+        print(f"settings: {read_table_settings(warehouse, args.table).describe()}")
         for row in rows:
             print(f"  {row}")
     # delta-rs's runtime threads can abort the interpreter's teardown on a busy machine
@@ -124,6 +165,13 @@ def _jars(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_and_bound(text: str) -> tuple[str, int]:
+    name, sep, bound = text.partition("=")
+    if not sep or not name or not bound.isdigit() or int(bound) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1, got {text!r}")
+    return name, int(bound)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaflow", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -137,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--warehouse", required=True, help="directory of the Delta tables")
     serve.add_argument("--peers", help="other nodes as host:port,host:port")
     serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
+    serve.add_argument(
+        "--receiver-concurrency",
+        action="append",
+        type=_name_and_bound,
+        metavar="NAME=N",
+        help="at most N receive() calls of receiver NAME at once on this node (repeatable)",
+    )
     serve.add_argument("--token-file", help="file holding the shared cluster token")
     serve.add_argument("--partitions", type=int, default=64)
     serve.add_argument(
@@ -155,6 +210,53 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     serve.add_argument("--failure-timeout", type=float, default=3.0, help="seconds")
     serve.add_argument("--max-group-rows", type=int, default=500_000)
+    serve.add_argument(
+        "--max-group-bytes",
+        type=int,
+        default=256 * 1024 * 1024,
+        help="largest group commit in bytes of Arrow data (default 256 MiB)",
+    )
+    serve.add_argument(
+        "--table-buckets",
+        type=int,
+        default=None,
+        help="buckets of keyed tables created on first write (default: the partition count "
+        "up to 64; 0: no bucket layout)",
+    )
+    serve.add_argument(
+        "--schema-evolution",
+        action="store_true",
+        help="tables created on first write accept new columns",
+    )
+    serve.add_argument(
+        "--deletion-vectors",
+        action="store_true",
+        help="tables created on first write get Delta deletion vectors (spark engine only)",
+    )
+    serve.add_argument(
+        "--side-input",
+        action="append",
+        metavar="module.Class",
+        help="serve a side input class to the receivers (repeatable)",
+    )
+    serve.add_argument(
+        "--side-input-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait at start for every side input's value (default 60)",
+    )
+    serve.add_argument(
+        "--side-input-lease",
+        type=float,
+        default=10.0,
+        help="seconds a side input's leader lease lasts unrenewed (default 10)",
+    )
+    serve.add_argument(
+        "--side-input-poll-interval",
+        type=float,
+        default=0.5,
+        help="seconds between checks for new side-input versions (default 0.5)",
+    )
     serve.set_defaults(func=_serve)
 
     cluster = sub.add_parser("cluster", help="inspect a cluster")
@@ -181,7 +283,41 @@ def main(argv: list[str] | None = None) -> int:
         cmd.add_argument("--warehouse", required=True)
         cmd.add_argument("--table", required=True)
         cmd.add_argument("--limit", type=int, default=10)
+        if name == "show":
+            cmd.add_argument(
+                "--all-columns",
+                action="store_true",
+                help="also show deltaflow's bucket column (_deltaflow_bucket)",
+            )
         cmd.set_defaults(func=_table)
+    create = tsub.add_parser(
+        "create", help="create an empty table with a schema, key, layout and settings"
+    )
+    create.add_argument("name", nargs="?", help="the table name")
+    create.add_argument("--table", help="the table name (instead of NAME)")
+    create.add_argument("--warehouse", required=True)
+    create.add_argument(
+        "--schema", required=True, help="columns as 'id:long,name:string,price:decimal(10,2)'"
+    )
+    create.add_argument("--key", help="merge key column(s), comma-separated; none: append table")
+    create.add_argument(
+        "--buckets", type=int, default=None, help="bucket layout (default 64 with a key; 0: off)"
+    )
+    create.add_argument(
+        "--allow-schema-evolution", action="store_true", help="writes may add columns"
+    )
+    create.add_argument(
+        "--deletion-vectors", action="store_true", help="Delta deletion vectors (--engine spark)"
+    )
+    create.add_argument(
+        "--engine",
+        choices=["delta-rs", "spark"],
+        default="delta-rs",
+        help="what creates the table (default delta-rs: no JVM)",
+    )
+    create.add_argument("--spark-master", default="local[*]")
+    create.add_argument("--driver-memory", default="2g")
+    create.set_defaults(func=_table)
 
     jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
     jars.set_defaults(func=_jars)

@@ -38,6 +38,7 @@ __all__ = [
     "DeltaflowError",
     "ErrorCode",
     "FrameTooLargeError",
+    "ItemFailedError",
     "LaneFailedError",
     "NodeUnavailableError",
     "NotOwnerError",
@@ -71,6 +72,7 @@ class ErrorCode:
     RECEIVER_FAILED = "RECEIVER_FAILED"
     LANE_FAILED = "LANE_FAILED"
     SIDE_INPUT = "SIDE_INPUT"
+    ITEM_FAILED = "ITEM_FAILED"
     INTERNAL = "INTERNAL"
 
 
@@ -190,6 +192,14 @@ class SideInputError(ServerError):
     retriable = False
 
 
+class ItemFailedError(ServerError):
+    """The receiver marked single items of a batch failed (``ctx.fail``); the rest of the
+    batch was applied. ``details["items"]`` lists ``(index in batch, reason)`` pairs."""
+
+    code = ErrorCode.ITEM_FAILED
+    retriable = False
+
+
 class _BadFrameError(ServerError):
     code = ErrorCode.BAD_FRAME
     retriable = False
@@ -236,6 +246,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
         ReceiverError,
         LaneFailedError,
         SideInputError,
+        ItemFailedError,
         _BadFrameError,
         _FrameTooLargeServerError,
         _UnsupportedVersionError,

@@ -12,7 +12,8 @@ fixed field table, and refuses frames larger than the agreed limit. See ``docs/p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import itertools
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import msgpack
@@ -59,9 +60,17 @@ _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
         "items": (bytes,),
         "del?": (list,),
         "base?": (int,),
+        "att?": (int,),
     },
     "result": {"sid": (str,), "p": (int,), "seq": (int,), "values": (list,)},
-    "ack": {"sid": (str,), "p": (int,), "seq": (int,), "n": (int,), "dup?": (bool,)},
+    "ack": {
+        "sid": (str,),
+        "p": (int,),
+        "seq": (int,),
+        "n": (int,),
+        "dup?": (bool,),
+        "failed?": (list,),
+    },
     "error": {
         "code": (str,),
         "msg": (str,),
@@ -168,7 +177,7 @@ def unpack_items(blob: bytes, count: int, *, max_bytes: int = DEFAULT_MAX_FRAME_
     unpacker.feed(blob)
     items: list[Any] = []
     try:
-        items.extend(_bounded(unpacker, count + 1))
+        items.extend(itertools.islice(unpacker, count + 1))
     except ProtocolError:
         raise
     except Exception as exc:
@@ -176,10 +185,3 @@ def unpack_items(blob: bytes, count: int, *, max_bytes: int = DEFAULT_MAX_FRAME_
     if len(items) != count:
         raise ProtocolError(f"batch declares {count} items but carries {len(items)}")
     return items
-
-
-def _bounded(it: Iterator[Any], limit: int) -> Iterator[Any]:
-    for i, value in enumerate(it):
-        if i >= limit:
-            return
-        yield value

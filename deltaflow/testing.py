@@ -2,30 +2,54 @@
 
 - :class:`ConnectionDropper`: a ``connection_factory`` for :func:`deltaflow.connect` that cuts
   real connections after a number of batch frames, as a network failure would.
-- :class:`Echo`, :class:`EchoStream`, :class:`FailOn`, :class:`AppendRows`: receivers to
-  register on a node (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
+- :class:`Echo`, :class:`EchoStream`, :class:`FailOn`, :class:`AppendRows`, :class:`Validate`,
+  :class:`Flaky`, :class:`Concurrency`, :class:`Gated`: receivers to register on a node
+  (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
 - ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` in a node's environment: the node SIGKILLs itself
   right after its N-th table commit, before acknowledging it (crash between commit and ack).
+- :class:`KillOnKey`: a ``key=`` function that SIGKILLs the process streaming (a Spark
+  executor's Python worker, say) when it meets a given key, once: a client crash mid-stream.
+- :class:`FileSideInput` and :class:`FailingSideInput`: side inputs (``--side-input
+  deltaflow.testing.FileSideInput``); :class:`SideInputEcho` returns what a side input held for
+  each item, and :func:`stamped_value`/:func:`check_stamped` make and check values whose
+  tearing would show.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from .client.connection import Connection
 from .errors import ConnectionLostError, OverloadedError
 from .receivers.base import Receiver, ReceiverContext
+from .receivers.side_input import SideInput
 
 __all__ = [
+    "SIDE_INPUT_FILE_ENV",
     "AppendRows",
+    "Concurrency",
     "ConnectionDropper",
     "Discard",
     "Echo",
     "EchoStream",
     "FailOn",
+    "FailingSideInput",
+    "FileSideInput",
+    "Flaky",
+    "Gated",
+    "KillOnKey",
     "RequestDropper",
+    "SideInputEcho",
+    "Validate",
+    "check_stamped",
+    "stamped_value",
 ]
 
 
@@ -148,3 +172,174 @@ class AppendRows(Receiver):
 
     async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
         await ctx.table(ctx.args["table"]).append(items)
+
+
+class Validate(Receiver):
+    """Echoes dict items, but marks failed (``ctx.fail``) every item whose ``"ok"`` is false:
+    the rest of the batch is applied."""
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+        out = []
+        for i, item in enumerate(items):
+            if item.get("ok", True):
+                out.append(item)
+            else:
+                ctx.fail(i, f"item {item.get('id')!r} is not ok")
+        return out
+
+
+class Flaky(Receiver):
+    """An idempotent receiver that raises a retriable error on its first ``args["times"]`` calls
+    (counted per node in ``Flaky.calls``), then returns ``{"item": x, "attempt": n}`` results."""
+
+    idempotent = True
+    calls = 0
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+        Flaky.calls += 1
+        if Flaky.calls <= (ctx.args or {}).get("times", 1):
+            raise OverloadedError(f"injected retriable failure {Flaky.calls}")
+        return [{"item": x, "attempt": ctx.attempt} for x in items]
+
+
+class Concurrency(Receiver):
+    """Echoes items after a short await, recording how many calls ran at once (``peak``); at
+    most ``max_concurrency`` = 2 unless the node overrides it."""
+
+    max_concurrency = 2
+    running = 0
+    peak = 0
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+        Concurrency.running += 1
+        Concurrency.peak = max(Concurrency.peak, Concurrency.running)
+        try:
+            await asyncio.sleep(0.01)  # stands for work; lets other lanes start meanwhile
+        finally:
+            Concurrency.running -= 1
+        return items
+
+
+class Gated(Receiver):
+    """Yields its first item's result, then waits for ``Gated.gate`` (an asyncio.Event the test
+    sets) before yielding the rest: shows results stream back before the batch completes."""
+
+    gate: asyncio.Event | None = None
+
+    async def receive(  # type: ignore[override]
+        self, items: list[Any], ctx: ReceiverContext
+    ) -> AsyncIterator[Any]:
+        for i, item in enumerate(items):
+            yield item
+            if i == 0 and Gated.gate is not None:
+                await Gated.gate.wait()
+
+
+class KillOnKey:
+    """A ``key=`` function that SIGKILLs its own process when it meets ``value`` in ``column``.
+
+    It kills only once: it first creates ``marker`` (a file path), and never kills while the
+    marker exists. Pass it as ``key=`` to :func:`deltaflow.stream_data` or to the Spark helpers
+    (it pickles, so it travels to Spark executors) to crash a client in the middle of a
+    stream, after the items before ``value`` were pulled and some of their batches acked, as an
+    executor lost mid-task would. Otherwise it returns ``item[column]``.
+    """
+
+    def __init__(self, column: str, value: Any, marker: str | os.PathLike[str]) -> None:
+        self.column = column
+        self.value = value
+        self.marker = str(marker)
+
+    def __repr__(self) -> str:
+        return f"<KillOnKey {self.column}={self.value!r} marker={self.marker}>"
+
+    def __call__(self, item: Any) -> Any:
+        key = item[self.column]
+        if key == self.value:
+            try:
+                Path(self.marker).touch(exist_ok=False)
+            except FileExistsError:
+                return key
+            os.kill(os.getpid(), signal.SIGKILL)
+        return key
+
+
+#: The environment variable :class:`FileSideInput` reads its file's path from.
+SIDE_INPUT_FILE_ENV = "DELTAFLOW_SIDE_INPUT_FILE"
+
+
+class FileSideInput(SideInput):
+    """Side input ``"file"``: the bytes of the file named by ``$DELTAFLOW_SIDE_INPUT_FILE``,
+    read every 0.1 s; it declines (returns None, no new version) while the file is missing.
+
+    Replace the file atomically (write a temporary file, then ``os.replace``) so it is never
+    read half-written.
+    """
+
+    name = "file"
+    interval = 0.1
+
+    def retrieve(self) -> bytes | None:
+        path = os.environ.get(SIDE_INPUT_FILE_ENV)
+        if not path:
+            raise RuntimeError(f"set ${SIDE_INPUT_FILE_ENV} to the file holding side input 'file'")
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+
+
+class FailingSideInput(SideInput):
+    """Side input ``"failing"``: every retrieval raises, like a source that is down."""
+
+    name = "failing"
+    interval = 0.2
+
+    def retrieve(self) -> bytes | None:
+        raise ConnectionError("injected: the side input's source is down")
+
+
+def _stamp_blob(stamp: int, size: int) -> str:
+    unit = f"{stamp}-"
+    return (unit * (size // len(unit) + 1))[:size]
+
+
+def stamped_value(stamp: int, size: int = 100_000) -> bytes:
+    """A JSON side-input value of about ``size`` bytes, every part of which depends on
+    ``stamp``, with its own checksum: :func:`check_stamped` tells whether it is whole."""
+    blob = _stamp_blob(stamp, size)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    return json.dumps({"stamp": stamp, "blob": blob, "sha256": digest}).encode()
+
+
+def check_stamped(raw: bytes) -> dict[str, Any]:
+    """``{"stamp": int | None, "ok": bool}``: whether ``raw`` is one whole
+    :func:`stamped_value` (a parse function for ``ctx.side_input``)."""
+    try:
+        value = json.loads(raw)
+        stamp, blob = value["stamp"], value["blob"]
+        whole = hashlib.sha256(blob.encode()).hexdigest() == value["sha256"]
+        ok = whole and blob == _stamp_blob(stamp, len(blob))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return {"stamp": None, "ok": False}
+    return {"stamp": stamp, "ok": ok}
+
+
+class SideInputEcho(Receiver):
+    """For every item, what side input ``args["name"]`` (default ``"file"``) held when the
+    item was processed: ``{"item", "stamp", "ok", "node"}``, read per item from a worker
+    thread through ``ctx.side_input(name, parse=check_stamped)``."""
+
+    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[dict[str, Any]]:
+        name = (ctx.args or {}).get("name", "file")
+
+        def read() -> list[dict[str, Any]]:
+            out = []
+            for item in items:
+                seen = ctx.side_input(name, parse=check_stamped)
+                out.append(
+                    {"item": item, "stamp": seen["stamp"], "ok": seen["ok"], "node": ctx.node_id}
+                )
+            return out
+
+        return await asyncio.to_thread(read)

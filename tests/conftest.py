@@ -19,6 +19,10 @@ TEST_RECEIVERS = (
     "deltaflow.testing.EchoStream",
     "deltaflow.testing.FailOn",
     "deltaflow.testing.AppendRows",
+    "deltaflow.testing.Validate",
+    "deltaflow.testing.Flaky",
+    "deltaflow.testing.Concurrency",
+    "deltaflow.testing.Gated",
 )
 
 

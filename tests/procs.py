@@ -51,8 +51,8 @@ class NodeProcess:
         if peers:
             self.args += ["--peers", ",".join(peers)]
         self.env = env or {}
-        self.env = env or {}
         self.proc: asyncio.subprocess.Process | None = None
+        self._drain: asyncio.Task[None] | None = None
         self.output: list[str] = []
 
     async def start(self, timeout: float = 120.0) -> NodeProcess:
@@ -97,5 +97,6 @@ class NodeProcess:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._drain
+        if self._drain is not None:  # None when start() failed before the node was ready
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain

@@ -36,21 +36,20 @@ class FakeTimer:
 
 def make(page_size: int = 3, max_bytes: int = 1000, interval: float = 5.0):
     clock = FakeClock()
-    timed: list[Batch] = []
+    cuts: list[Batch] = []
     acc = Accumulator(
         batch_creator=SizeBatchCreator(page_size, max_bytes),
         flush_interval=interval,
-        on_timer_cut=timed.append,
+        on_cut=cuts.append,
         call_later=clock.call_later,
     )
-    return acc, clock, timed
+    return acc, clock, cuts
 
 
 def test_cuts_on_count_with_per_partition_sequence_numbers() -> None:
-    acc, _, _ = make(page_size=2)
-    cut = []
+    acc, _, cut = make(page_size=2)
     for i in range(5):
-        cut += acc.add(i % 2, i, f"item{i}", b"xx", is_delete=False)
+        acc.add(i % 2, i, f"item{i}", b"xx", is_delete=False)
     assert [(b.partition, b.seq, b.items) for b in cut] == [
         (0, 0, ["item0", "item2"]),
         (1, 0, ["item1", "item3"]),
@@ -61,9 +60,11 @@ def test_cuts_on_count_with_per_partition_sequence_numbers() -> None:
 
 
 def test_cuts_before_exceeding_bytes() -> None:
-    acc, _, _ = make(page_size=100, max_bytes=10)
-    assert acc.add(0, 0, "a", b"123456", is_delete=False) == []
-    [batch] = acc.add(0, 1, "b", b"123456", is_delete=False)
+    acc, _, cuts = make(page_size=100, max_bytes=10)
+    acc.add(0, 0, "a", b"123456", is_delete=False)
+    assert cuts == []
+    acc.add(0, 1, "b", b"123456", is_delete=False)
+    [batch] = cuts
     assert batch.items == ["a"] and batch.nbytes == 6
     assert len(acc) == 1
 
@@ -78,14 +79,15 @@ def test_timer_cuts_a_partly_filled_buffer_and_is_cancelled_by_a_count_cut() -> 
     acc.add(1, 1, "b", b"x", is_delete=False)
     acc.add(1, 2, "c", b"x", is_delete=False)  # count cut cancels partition 1's timer
     clock.advance(10)
-    assert [b.items for b in timed] == [["a"]]
+    assert [b.items for b in timed] == [["a"], ["b", "c"]]  # no second, timed cut of it
 
 
 def test_deletes_and_positions_are_tracked() -> None:
-    acc, _, _ = make(page_size=3)
+    acc, _, cuts = make(page_size=3)
     acc.add(7, 10, "u", b"x", is_delete=False)
     acc.add(7, 11, "d", b"x", is_delete=True)
-    [batch] = acc.add(7, 12, "u2", b"x", is_delete=False)
+    acc.add(7, 12, "u2", b"x", is_delete=False)
+    [batch] = cuts
     assert batch.deletes == [1]
     assert batch.positions == [10, 11, 12]
 
@@ -96,13 +98,13 @@ def test_a_custom_batch_creator_cuts_at_transaction_boundaries() -> None:
             return batch.items[-1].get("commit", False) or super().cut_after(batch)
 
     clock = FakeClock()
+    cut: list[Batch] = []
     acc = Accumulator(
         batch_creator=EndOfTransaction(100, 1 << 20),
         flush_interval=0,
-        on_timer_cut=lambda b: None,
+        on_cut=cut.append,
         call_later=clock.call_later,
     )
-    cut = []
     for i, item in enumerate([{"n": 1}, {"n": 2, "commit": True}, {"n": 3}]):
-        cut += acc.add(0, i, item, b"x", is_delete=False)
+        acc.add(0, i, item, b"x", is_delete=False)
     assert [[i["n"] for i in b.items] for b in cut] == [[1, 2]]

@@ -10,7 +10,7 @@ import reactivex
 
 import deltaflow
 from deltaflow import DataStreamerError, StreamerOptions
-from deltaflow.errors import ReceiverError, UnknownReceiverError
+from deltaflow.errors import ItemFailedError, ReceiverError, UnknownReceiverError
 from deltaflow.partitioning import partition_of
 from deltaflow.server import Node
 
@@ -123,16 +123,28 @@ async def test_unknown_receiver_is_a_clear_error_and_other_streams_go_on(
     assert "os.system" not in cluster[0].registry
 
 
-async def test_a_custom_receiver_writes_a_table_and_streams_results(
-    spark: Any, warehouse: Any
+async def test_the_enrichment_example_reads_a_side_input_writes_a_table_and_streams_results(
+    warehouse: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import json
+
     from deltaflow import Delete
 
     from .conftest import read_delta, start_cluster
 
-    nodes = await start_cluster(warehouse, receivers=["examples.receivers.EnrichOrders"])
+    rates = tmp_path / "vat.json"
+    rates.write_text(json.dumps({"default": 0.5, "DE": 0.19}))
+    monkeypatch.setenv("VAT_RATES_FILE", str(rates))
+    nodes = await start_cluster(
+        warehouse,
+        engine="delta-rs",
+        receivers=["examples.receivers.EnrichOrders"],
+        side_inputs=["examples.receivers.VatRates"],
+    )
     try:
-        orders: list[Any] = [{"id": i, "amount": 10.0 * i} for i in range(100)]
+        orders: list[Any] = [
+            {"id": i, "amount": 10.0 * i, "country": "DE" if i % 2 else "FR"} for i in range(100)
+        ]
         orders.append(Delete({"id": 5}))
         results: list[Any] = []
         async with deltaflow.connect([nodes[0].address]) as client:
@@ -140,14 +152,231 @@ async def test_a_custom_receiver_writes_a_table_and_streams_results(
                 orders,
                 key="id",
                 receiver="examples.receivers.EnrichOrders",
-                receiver_args={"vat": 0.5},
                 on_result=results.append,
             )
     finally:
         for node in nodes:
             await node.stop()
     assert sorted(r["id"] for r in results) == list(range(100))
-    assert {r["id"]: r["gross"] for r in results}[10] == 150.0
+    by_id = {r["id"]: r for r in results}
+    assert by_id[10]["gross"] == 150.0 and by_id[10]["rate"] == 0.5  # FR: the default
+    assert by_id[11]["gross"] == 130.9 and by_id[11]["rate"] == 0.19  # DE
     table = read_delta(warehouse / "orders")
     assert set(table) == set(range(100)) - {5}
     assert table[10]["gross"] == 150.0
+
+
+# -- the receiver API: single items failed, retries and attempts, concurrency, streaming -----
+
+ITEMS_SOME_NOT_OK = [{"id": i, "ok": i % 20 != 3} for i in range(200)]
+NOT_OK = [item for item in ITEMS_SOME_NOT_OK if not item["ok"]]
+
+
+async def test_items_marked_failed_are_dropped_alone_and_the_rest_applied(
+    cluster: list[Node],
+) -> None:
+    results: list[Any] = []
+    acked: list[Any] = []
+    positions: list[int] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        summary = await client.stream_data(
+            ITEMS_SOME_NOT_OK,
+            key="id",
+            receiver="deltaflow.testing.Validate",
+            on_result=results.append,
+            on_ack=acked.extend,
+            on_commit=lambda pos: positions.append(pos.count),
+            options=StreamerOptions(on_failure="drop", page_size=50),
+        )
+    ok = [item for item in ITEMS_SOME_NOT_OK if item["ok"]]
+    assert summary.items_failed == len(NOT_OK) == 10
+    assert summary.items_acked == len(ok)
+    key = lambda r: r["id"]  # noqa: E731
+    assert sorted(results, key=key) == ok
+    assert sorted(acked, key=key) == ok  # on_ack sees only the applied items
+    assert positions[-1] == len(ITEMS_SOME_NOT_OK)  # the rejected items settle too
+
+
+async def test_items_marked_failed_stop_the_stream_under_fail(cluster: list[Node]) -> None:
+    results: list[Any] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                ITEMS_SOME_NOT_OK,
+                key="id",
+                receiver="deltaflow.testing.Validate",
+                on_result=results.append,
+                options=StreamerOptions(page_size=50, max_in_flight=1),
+            )
+    err = info.value
+    assert isinstance(err.cause, ItemFailedError)
+    assert "is not ok" in str(err.cause) and err.cause.node in {"node-1", "node-2"}
+    failed_ids = {item["id"] for item in err.failed_items}
+    applied_ids = {item["id"] for item in results}
+    # Exactly the items not applied are reported: rejected ones, and those never sent.
+    assert failed_ids.isdisjoint(applied_ids)
+    assert failed_ids | applied_ids == {item["id"] for item in ITEMS_SOME_NOT_OK}
+    assert any(item in err.failed_items for item in NOT_OK)
+    assert not any(item in results for item in NOT_OK)
+
+
+async def test_items_marked_failed_reach_the_dead_letter_table_with_their_reason(
+    cluster: list[Node], warehouse: Any
+) -> None:
+    from .conftest import read_delta
+
+    async with deltaflow.connect([cluster[1].address]) as client:
+        summary = await client.stream_data(
+            ITEMS_SOME_NOT_OK,
+            key="id",
+            receiver="deltaflow.testing.Validate",
+            options=StreamerOptions(on_failure="fallback", dead_letter_table="rejects"),
+        )
+    assert summary.items_dead_lettered == len(NOT_OK)
+    assert summary.items_acked == len(ITEMS_SOME_NOT_OK) - len(NOT_OK)
+    rows = read_delta(warehouse / "rejects", key="position")
+    assert sorted(rows) == [item["id"] for item in NOT_OK]  # source position == id here
+    assert {r["error_code"] for r in rows.values()} == {"ITEM_FAILED"}
+    assert rows[3]["error"] == "item 3 is not ok"
+
+
+async def test_an_idempotent_receiver_is_retried_on_the_node_before_the_client_resends(
+    cluster: list[Node],
+) -> None:
+    from deltaflow.testing import Flaky
+
+    options = StreamerOptions(page_size=1000, auto_flush_interval=0)
+    async with deltaflow.connect([cluster[0].address]) as client:
+        Flaky.calls = 0
+        results: list[Any] = []
+        summary = await client.stream_data(
+            [7],
+            key=lambda x: x,
+            receiver="deltaflow.testing.Flaky",
+            receiver_args={"times": 2},
+            on_result=results.append,
+            options=options,
+        )
+        # Two failures absorbed on the node: the client never resent, the third run succeeded.
+        assert summary.batches_retried == 0
+        assert results == [{"item": 7, "attempt": 3}]
+        # Three failures exhaust the node's retries (node_retries = 2): the client resends, and
+        # the receiver sees that delivery's attempt number.
+        Flaky.calls = 0
+        results.clear()
+        summary = await client.stream_data(
+            [7],
+            key=lambda x: x,
+            receiver="deltaflow.testing.Flaky",
+            receiver_args={"times": 3},
+            on_result=results.append,
+            options=options,
+        )
+        assert summary.batches_retried == 1
+        assert results == [{"item": 7, "attempt": 2}]
+    assert sum(n.dispatcher.stats.node_retries for n in cluster) == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "bound"), [({}, 2), ({"deltaflow.testing.Concurrency": 3}, 3)]
+)
+async def test_receiver_concurrency_is_bounded_across_streams_and_partitions(
+    warehouse: Any, override: dict[str, int], bound: int
+) -> None:
+    from deltaflow.testing import Concurrency
+
+    from .conftest import start_cluster
+
+    (node,) = await start_cluster(
+        warehouse, count=1, engine="delta-rs", receiver_concurrency=override
+    )
+    Concurrency.peak = 0
+    try:
+        async with deltaflow.connect([node.address]) as client:
+            summaries = await asyncio.gather(
+                *(
+                    client.stream_data(
+                        range(s * 1000, (s + 1) * 1000),
+                        key=lambda x: x,
+                        receiver="deltaflow.testing.Concurrency",
+                        options=StreamerOptions(page_size=20, max_in_flight=32),
+                    )
+                    for s in range(3)
+                )
+            )
+    finally:
+        await node.stop()
+    assert [s.items_acked for s in summaries] == [1000, 1000, 1000]
+    assert Concurrency.peak == bound  # the class's max_concurrency, or the node's override
+
+
+async def test_streamed_results_arrive_before_the_batch_is_acked(cluster: list[Node]) -> None:
+    from deltaflow.testing import Gated
+
+    Gated.gate = asyncio.Event()
+    events: list[str] = []
+
+    def on_result(value: Any) -> None:
+        events.append(f"result {value}")
+        # The batch cannot complete before this: its receiver waits for the gate.
+        assert Gated.gate is not None
+        Gated.gate.set()
+
+    try:
+        async with deltaflow.connect([cluster[0].address]) as client:
+            await client.stream_data(
+                [1, 2, 3],
+                key=lambda x: "one key",
+                receiver="deltaflow.testing.Gated",
+                on_result=on_result,
+                on_ack=lambda items: events.append(f"ack {items}"),
+            )
+    finally:
+        Gated.gate = None
+    # The first result reached the caller while the batch was still running; the others are
+    # delivered through the result buffer, in order.
+    assert events[0] == "result 1"
+    assert [e for e in events if e.startswith("result")] == ["result 1", "result 2", "result 3"]
+    assert "ack [1, 2, 3]" in events
+
+
+async def test_a_receiver_writes_two_tables_returns_results_and_rejects_single_items(
+    warehouse: Any,
+) -> None:
+    import deltalake
+
+    from .conftest import read_delta, start_cluster
+
+    payments = [
+        {"id": i, "payer": f"acct-{i % 7}", "payee": f"acct-{(i + 1) % 7}", "amount": 10.0 + i}
+        for i in range(300)
+    ]
+    for bad in (3, 150):
+        payments[bad]["amount"] = -1.0
+    payments[200]["payee"] = payments[200]["payer"]
+    nodes = await start_cluster(
+        warehouse, engine="delta-rs", receivers=["examples.receivers.SettlePayments"]
+    )
+    results: list[Any] = []
+    try:
+        async with deltaflow.connect([nodes[0].address]) as client:
+            summary = await client.stream_data(
+                payments,
+                key="id",
+                receiver="examples.receivers.SettlePayments",
+                receiver_args={"fee_rate": 0.1},
+                on_result=results.append,
+                options=StreamerOptions(on_failure="drop"),
+            )
+    finally:
+        for node in nodes:
+            await node.stop()
+    assert summary.items_failed == 3 and summary.items_acked == 297
+    settled = read_delta(warehouse / "payments")
+    assert sorted(settled) == sorted(set(range(300)) - {3, 150, 200})
+    assert settled[10]["fee"] == 2.0 and settled[10]["net"] == 18.0
+    assert {r["id"]: (r["fee"], r["net"]) for r in results}[10] == (2.0, 18.0)
+    ledger = deltalake.DeltaTable(str(warehouse / "account_ledger")).to_pyarrow_table().to_pylist()
+    assert len(ledger) == 2 * 297  # one debit and one credit per settled payment, once each
+    fees = sum(row["fee"] for row in settled.values())
+    assert round(sum(row["delta"] for row in ledger), 6) == round(-fees, 6)

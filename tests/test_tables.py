@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 import reactivex
+from deltalake import DeltaTable, QueryBuilder
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
+from deltaflow.errors import SchemaError, UsageError
+from deltaflow.partitioning import partition_of
 from deltaflow.server import Node
+from deltaflow.spark_integration import BUCKET_COLUMN, create_table, read_table_settings
+from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
+from deltaflow.spark_integration.engine import TableEngine
+from deltaflow.spark_integration.lock import table_lock
+from deltaflow.spark_integration.spark_engine import SparkTableEngine
+from deltaflow.spark_integration.tables import TableSettings
 
-from .conftest import read_delta, read_spark, start_cluster
+from .conftest import TEST_SPARK, read_delta, read_spark, start_cluster
 
 
 @pytest.fixture(params=["spark", "delta-rs"])
@@ -148,7 +162,7 @@ async def test_first_write_takes_every_column_and_a_leading_delete(
     spark: Any, warehouse: Path, engine: str
 ) -> None:
     # One partition: one batch makes the table. (A column new to an existing table is schema
-    # evolution, which is not allowed yet.)
+    # evolution, which such a table does not allow.)
     [node] = await start_cluster(warehouse, count=1, partitions=1, engine=engine)
     items: list[Any] = [
         Delete({"id": 9}),
@@ -163,9 +177,10 @@ async def test_first_write_takes_every_column_and_a_leading_delete(
     finally:
         await node.stop()
     table = read_delta(warehouse / "wide")
+    # One partition: one bucket, 0 (the layout column is the table's last).
     assert table == {
-        1: {"id": 1, "name": "a", "value": None},
-        2: {"id": 2, "name": "b", "value": 2.5},
+        1: {"id": 1, "name": "a", "value": None, BUCKET_COLUMN: 0},
+        2: {"id": 2, "name": "b", "value": 2.5, BUCKET_COLUMN: 0},
     }
 
 
@@ -193,3 +208,268 @@ async def test_interleaved_streams_in_one_group_equal_one_by_one_application(
     grouped = sum(n.statistics().engine.batches_committed for n in cluster)
     commits = sum(n.statistics().engine.commits for n in cluster)
     assert commits < grouped  # batches of both streams shared commits
+
+
+# --- Table management: layout, explicit creation, schema rules, deletion vectors -------------
+
+
+@contextlib.asynccontextmanager
+async def table_engine(engine: str, warehouse: Path, **kwargs: Any) -> AsyncIterator[TableEngine]:
+    """A node's table engine alone (no server): staging and commits, as a node runs them."""
+    eng: TableEngine
+    if engine == "spark":
+        eng = SparkTableEngine(warehouse, node_id="t1", spark=TEST_SPARK, **kwargs)
+    else:
+        eng = DeltaRsTableEngine(warehouse, node_id="t1", **kwargs)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+async def upsert(
+    eng: TableEngine, table: str, rows: list[Any], deletes: frozenset[int] = frozenset()
+) -> None:
+    await (await eng.stage(table, ["id"], rows, deletes))
+
+
+def read_all(path: Path) -> list[dict[str, Any]]:
+    """Every row through delta-rs's query engine, which applies deletion vectors (its
+    ``to_pyarrow_table`` refuses tables that have them)."""
+    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    return sorted(pa.table(reader.read_all()).to_pylist(), key=lambda r: r["id"])
+
+
+def commit_actions(path: Path, version: int) -> tuple[str, list[dict[str, Any]]]:
+    """The node that made a commit (from its lane marks) and its add and remove actions."""
+    node, files = "", []
+    for line in (path / "_delta_log" / f"{version:020d}.json").read_text().splitlines():
+        action = json.loads(line)
+        if "commitInfo" in action:
+            meta = action["commitInfo"].get("userMetadata") or "{}"
+            node = json.loads(meta).get("deltaflow", {}).get("node", "")
+        files += [action[k] for k in ("add", "remove") if k in action]
+    return node, files
+
+
+async def test_explicit_create_stores_schema_layout_and_settings(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    settings = await asyncio.to_thread(
+        create_table,
+        warehouse,
+        "people",
+        schema="id:long,name:string,score:double",
+        key="id",
+        buckets=16,
+        allow_schema_evolution=True,
+        engine=engine,
+        spark=TEST_SPARK,
+    )
+    assert settings == TableSettings(key=("id",), buckets=16, schema_evolution=True)
+    table = DeltaTable(str(warehouse / "people"))
+    meta = table.metadata()
+    assert meta.partition_columns == [BUCKET_COLUMN]
+    assert meta.configuration["deltaflow.key"] == '["id"]'
+    assert meta.configuration["deltaflow.buckets"] == "16"
+    assert meta.configuration["deltaflow.schemaEvolution"] == "true"
+    assert pa.schema(table.schema().to_arrow()).names == ["id", "name", "score", BUCKET_COLUMN]
+    assert read_table_settings(warehouse, "people") == settings
+    with pytest.raises(UsageError, match="exists already"):
+        create_table(warehouse, "people", schema="id:long", key="id")
+    with pytest.raises(UsageError, match="not in the schema"):
+        create_table(warehouse, "other", schema="id:long", key="uid")
+    # Any node writes it with its stored settings, whatever its own defaults.
+    async with table_engine(engine, warehouse, table_buckets=0) as eng:
+        await upsert(eng, "people", [{"id": i, "name": f"p{i}", "score": 1.0} for i in range(50)])
+    rows = read_all(warehouse / "people")
+    assert [r["id"] for r in rows] == list(range(50))
+    assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 16) for r in rows)
+
+
+async def test_group_touches_only_the_buckets_its_node_owns(
+    cluster: list[Node], spark: Any, warehouse: Path
+) -> None:
+    items = [{"id": k, "name": f"r{r}", "value": float(r)} for r in range(2) for k in range(800)]
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await client.stream_data(items, table="owned", key="id", options=OPTIONS)
+        owners = client.partition_map.owners
+    path = warehouse / "owned"
+    rows = read_all(path)
+    assert len(rows) == 800
+    # The bucket is the partition the client routed the row by (64 buckets, 64 partitions).
+    assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 64) for r in rows)
+    writers = set()
+    for version in range(1, DeltaTable(str(path)).version() + 1):
+        node, files = commit_actions(path, version)
+        assert node in ("node-1", "node-2")
+        writers.add(node)
+        touched = {int(f["partitionValues"][BUCKET_COLUMN]) for f in files}
+        assert touched and all(owners[b] == node for b in touched), (version, node, touched)
+    assert writers == {"node-1", "node-2"}
+    assert_table(spark, path, expected(items))
+
+
+async def test_rows_that_do_not_fit_name_item_and_column(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "fit", [{"id": 1, "name": "a", "value": 1.0}])
+        for rows, item, column, text in [
+            ([{"id": 2, "value": 2.0}, {"id": 3, "value": "x"}], 1, "value", "is double"),
+            ([{"id": 2}, {"id": 3, "name": "c", "colour": "red"}], 1, "colour", "allow_schema"),
+            ([{"id": 2}, {"name": "no key"}], 1, "id", "no value for key column"),
+            ([{"id": 2, BUCKET_COLUMN: 3}], 0, BUCKET_COLUMN, "reserves"),
+        ]:
+            with pytest.raises(SchemaError, match=text) as info:
+                await eng.stage("fit", ["id"], rows, frozenset())
+            assert info.value.details == {"item": item, "column": column}
+            assert f"item #{item}" in str(info.value)
+        # Rows staged before the table existed are checked against it at commit: here another
+        # node creates it (without the column) while this node waits for the lock.
+        with table_lock(warehouse, "late"):
+            write = await eng.stage("late", ["id"], [{"id": 1, "colour": "red"}], frozenset())
+            await asyncio.sleep(0.2)  # the commit is waiting for the lock
+            eng.create(
+                "late",
+                warehouse / "late",
+                pa.schema([("id", pa.int64())]),
+                TableSettings(key=("id",), buckets=4),
+            )
+        with pytest.raises(SchemaError, match=r"colour.*allow_schema_evolution"):
+            await write
+    assert read_all(warehouse / "fit") == [
+        {"id": 1, "name": "a", "value": 1.0, BUCKET_COLUMN: partition_of(1, 64)}
+    ]
+    assert read_all(warehouse / "late") == []
+
+
+async def test_schema_evolution_only_on_tables_that_allow_it(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    await asyncio.to_thread(
+        create_table,
+        warehouse,
+        "evolving",
+        schema={"id": "long", "name": "string"},
+        key="id",
+        allow_schema_evolution=True,
+    )
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "evolving", [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}])
+        await upsert(eng, "evolving", [{"id": 2, "name": "b2", "size": 7}, {"id": 3, "size": 9}])
+        with pytest.raises(SchemaError, match=r"item #0.*'size'.*int64") as info:
+            await eng.stage("evolving", ["id"], [{"id": 4, "size": "big"}], frozenset())
+        assert info.value.details == {"item": 0, "column": "size"}
+        # A table created on first write takes the node's default: no evolution.
+        await upsert(eng, "fixed", [{"id": 1, "name": "a"}])
+        with pytest.raises(SchemaError, match="does not allow schema evolution"):
+            await eng.stage("fixed", ["id"], [{"id": 2, "size": 1}], frozenset())
+        # The operator allows it (as the error says): the node sees it at the next write.
+        DeltaTable(str(warehouse / "fixed")).alter.set_table_properties(
+            {"deltaflow.schemaEvolution": "true"}, raise_if_not_exists=False
+        )
+        await upsert(eng, "fixed", [{"id": 2, "size": 1}])
+        assert eng.stats.columns_added == 2
+    rows = {r["id"]: (r["name"], r["size"]) for r in read_all(warehouse / "evolving")}
+    assert rows == {1: ("a", None), 2: ("b2", 7), 3: (None, 9)}
+    assert read_spark(spark, warehouse / "evolving")[3]["size"] == 9
+    assert [(r["id"], r["size"]) for r in read_all(warehouse / "fixed")] == [(1, None), (2, 1)]
+
+
+async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: str) -> None:
+    if engine == "delta-rs":
+        # delta-rs cannot create a deletion-vector table Spark reads: refused, clearly.
+        with pytest.raises(UsageError, match="deletion vectors"):
+            DeltaRsTableEngine(warehouse, node_id="t1", deletion_vectors=True)
+        with pytest.raises(UsageError, match="engine='spark'"):
+            create_table(warehouse, "dv", schema="id:long", key="id", deletion_vectors=True)
+    # Created by Spark, the table is written by either engine.
+    await asyncio.to_thread(
+        create_table,
+        warehouse,
+        "dv",
+        schema="id:long,name:string",
+        key="id",
+        buckets=2,
+        deletion_vectors=True,
+        engine="spark",
+        spark=TEST_SPARK,
+    )
+    assert (
+        DeltaTable(str(warehouse / "dv")).metadata().configuration["delta.enableDeletionVectors"]
+        == "true"
+    )
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "dv", [{"id": i, "name": "a"} for i in range(100)])
+        await upsert(eng, "dv", [{"id": 1, "name": "b"}, {"id": 2}], frozenset({1}))
+    metrics = DeltaTable(str(warehouse / "dv")).history(1)[0]["operationMetrics"]
+    if engine == "spark":
+        # The MERGE marked the replaced rows instead of rewriting their files.
+        assert int(metrics["numTargetDeletionVectorsAdded"]) > 0
+        assert int(metrics["numTargetFilesRemoved"]) == 0
+    want = {i: "a" for i in range(100) if i != 2} | {1: "b"}
+    assert {r["id"]: r["name"] for r in read_all(warehouse / "dv")} == want
+    assert {k: r["name"] for k, r in read_spark(spark, warehouse / "dv").items()} == want
+
+
+async def test_max_group_bytes_bounds_a_group(warehouse: Path) -> None:
+    """Engine-independent (the base class cuts groups): delta-rs only, for speed."""
+    async with table_engine("delta-rs", warehouse, max_group_bytes=1) as eng:
+        futures = [
+            await eng.stage("small_groups", ["id"], [{"id": i, "v": 1.0}], frozenset())
+            for i in range(4)
+        ]
+        await asyncio.gather(*futures)
+        assert eng.stats.commits == eng.stats.batches_committed == 4
+        assert eng.stats.largest_group_rows == 1
+    async with table_engine("delta-rs", warehouse) as eng:
+        with table_lock(warehouse, "big_groups"):
+            futures = [
+                await eng.stage("big_groups", ["id"], [{"id": i, "v": 1.0}], frozenset())
+                for i in range(4)
+            ]
+        await asyncio.gather(*futures)
+        # The first batch committed alone (while the lock was held, the rest queued up).
+        assert eng.stats.commits == 2 and eng.stats.largest_group_rows == 3
+
+
+async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(
+    warehouse: Path,
+) -> None:
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "deltaflow.cli", "table", *args, "--warehouse", str(warehouse)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = await asyncio.to_thread(
+        cli,
+        "create",
+        "pairs",
+        "--schema",
+        "region:string,id:long,note:string",
+        "--key",
+        "region,id",
+    )
+    assert "table pairs created: key ['region', 'id'], 64 buckets" in out
+    async with table_engine("delta-rs", warehouse) as eng:
+        rows = [{"region": "eu", "id": i, "note": "n"} for i in range(5)]
+        await (await eng.stage("pairs", ["region", "id"], rows, frozenset()))
+    # A composite key is bucketed as the client routes it: by the tuple of its values.
+    assert {(r["id"], r[BUCKET_COLUMN]) for r in read_all(warehouse / "pairs")} == {
+        (i, partition_of(("eu", i), 64)) for i in range(5)
+    }
+    shown = await asyncio.to_thread(cli, "show", "--table", "pairs")
+    assert "table pairs: 5 rows" in shown
+    assert "settings: key ['region', 'id'], 64 buckets, schema evolution off" in shown
+    assert "'note': 'n'" in shown and BUCKET_COLUMN not in shown
+    assert BUCKET_COLUMN in await asyncio.to_thread(
+        cli, "show", "--table", "pairs", "--all-columns"
+    )

@@ -7,7 +7,7 @@ hands it to a callback, it never does I/O itself.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +27,8 @@ class Batch:
         deletes: indexes (into ``items``) of items marked as deletes.
         nbytes: sum of ``len(packed)``.
         attempts: sends so far.
+        failures: after the ack, the items the receiver marked failed: index -> reason.
+        node: the node that acknowledged the batch.
     """
 
     partition: int
@@ -37,6 +39,24 @@ class Batch:
     deletes: list[int] = field(default_factory=list)
     nbytes: int = 0
     attempts: int = 0
+    failures: dict[int, str] | None = None
+    node: str | None = None
+
+    def subset(self, indexes: Iterable[int]) -> Batch:
+        """The batch's items at ``indexes`` (ascending), as a batch of the same lane."""
+        picked = list(indexes)
+        at = {i: j for j, i in enumerate(picked)}
+        part = Batch(
+            self.partition,
+            self.seq,
+            items=[self.items[i] for i in picked],
+            positions=[self.positions[i] for i in picked],
+            packed=[self.packed[i] for i in picked],
+            deletes=[at[i] for i in self.deletes if i in at],
+            attempts=self.attempts,
+        )
+        part.nbytes = sum(len(x) for x in part.packed)
+        return part
 
 
 class BatchCreator(Protocol):
@@ -83,7 +103,7 @@ class Accumulator:
     Args:
         batch_creator: decides where buffers are cut (:class:`SizeBatchCreator` by default).
         flush_interval: seconds after a buffer's first item when it is cut anyway (0: never).
-        on_timer_cut: receives batches cut by the timer.
+        on_cut: receives every batch cut by count, bytes, the creator or the timer.
         call_later: the clock (``loop.call_later``); injectable for tests.
     """
 
@@ -92,28 +112,37 @@ class Accumulator:
         *,
         batch_creator: BatchCreator,
         flush_interval: float,
-        on_timer_cut: Callable[[Batch], None],
+        on_cut: Callable[[Batch], None],
         call_later: Callable[..., asyncio.TimerHandle],
     ) -> None:
         self._creator = batch_creator
         self._interval = flush_interval
-        self._on_timer_cut = on_timer_cut
+        self._on_cut = on_cut
         self._call_later = call_later
         self._buffers: dict[int, _Buffer] = {}
         self._next_seq: dict[int, int] = {}
+        # The default creator's rule, inlined in add(): it runs for every item.
+        self._limits = (
+            (batch_creator.page_size, batch_creator.max_batch_bytes)
+            if type(batch_creator) is SizeBatchCreator
+            else None
+        )
 
     def __len__(self) -> int:
         """Items buffered and not yet cut."""
         return sum(len(b.batch.items) for b in self._buffers.values())
 
-    def add(
-        self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool
-    ) -> list[Batch]:
-        """Buffer one item; returns the batches this cut (zero, one or two)."""
-        cut: list[Batch] = []
+    def add(self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool) -> None:
+        """Buffer one item; batches it completes go to ``on_cut`` (zero, one or two)."""
+        nbytes = len(packed)
+        limits = self._limits
         buf = self._buffers.get(partition)
-        if buf is not None and self._creator.cut_before(buf.batch, item, len(packed)):
-            cut.append(self._cut(partition))
+        if buf is not None and (
+            buf.batch.nbytes + nbytes > limits[1]
+            if limits is not None
+            else self._creator.cut_before(buf.batch, item, nbytes)
+        ):
+            self._on_cut(self._cut(partition))
             buf = None
         if buf is None:
             buf = self._buffers[partition] = _Buffer(Batch(partition, -1))
@@ -125,10 +154,47 @@ class Accumulator:
         batch.items.append(item)
         batch.positions.append(position)
         batch.packed.append(packed)
-        batch.nbytes += len(packed)
-        if self._creator.cut_after(batch):
-            cut.append(self._cut(partition))
-        return cut
+        batch.nbytes += nbytes
+        if len(batch.items) >= limits[0] if limits is not None else self._creator.cut_after(batch):
+            self._on_cut(self._cut(partition))
+
+    def add_many(
+        self,
+        position: int,
+        items: list[Any],
+        partitions: list[int],
+        packed: list[bytes],
+        deletes: frozenset[int],
+    ) -> None:
+        """Buffer ``items`` (source positions from ``position`` on) as :meth:`add` would, one by
+        one; the default creator's rule is inlined, as this runs for every item of a chunk."""
+        if self._limits is None:
+            for j, item in enumerate(items):
+                self.add(partitions[j], position + j, item, packed[j], j in deletes)
+            return
+        page_size, max_bytes = self._limits
+        buffers, interval = self._buffers, self._interval
+        for j, item in enumerate(items):
+            partition = partitions[j]
+            data = packed[j]
+            nbytes = len(data)
+            buf = buffers.get(partition)
+            if buf is not None and buf.batch.nbytes + nbytes > max_bytes:
+                self._on_cut(self._cut(partition))
+                buf = None
+            if buf is None:
+                buf = buffers[partition] = _Buffer(Batch(partition, -1))
+                if interval > 0:
+                    buf.timer = self._call_later(interval, self._timer_fired, partition)
+            batch = buf.batch
+            if deletes and j in deletes:
+                batch.deletes.append(len(batch.items))
+            batch.items.append(item)
+            batch.positions.append(position + j)
+            batch.packed.append(data)
+            batch.nbytes += nbytes
+            if len(batch.items) >= page_size:
+                self._on_cut(self._cut(partition))
 
     def drain(self) -> list[Batch]:
         """Cut every non-empty buffer (end of stream or explicit flush)."""
@@ -140,7 +206,7 @@ class Accumulator:
 
     def _timer_fired(self, partition: int) -> None:
         if partition in self._buffers:
-            self._on_timer_cut(self._cut(partition))
+            self._on_cut(self._cut(partition))
 
     def _cut(self, partition: int) -> Batch:
         buf = self._buffers.pop(partition)

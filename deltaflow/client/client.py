@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
 ConnectionFactory = Callable[..., Awaitable[Connection]]
+
+#: What a caller-chosen stream id may look like (it names lanes in Delta commit metadata).
+_STREAM_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +147,7 @@ class Client:
         on_ack: Callable[[list[Any]], Any] | None = None,
         on_commit: Callable[[CommitPosition], Any] | None = None,
         options: StreamerOptions | None = None,
+        stream_id: str | None = None,
     ) -> StreamSummary:
         """Stream ``source`` to the cluster and wait until every item is applied.
 
@@ -163,6 +168,14 @@ class Client:
                 settled source items grows: the position an upstream that commits cumulatively
                 (Kafka offsets) may safely commit.
             options: batching, window and retry settings (:class:`StreamerOptions`).
+            stream_id: the stream's id, 1 to 128 characters of ``A-Z a-z 0-9 . _ : -``.
+                Default None: a random id. A deterministic id makes a replay of the same input
+                exactly-once: the nodes skip every table write whose lane mark (stream id,
+                partition, batch sequence) a table already holds, so a stream re-run with the
+                same id after a crash writes only what the first run did not. The replay must
+                cut the same batches: the same items in the same order, the same options, and
+                ``auto_flush_interval=0`` (batches cut by count and bytes only, never by time).
+                Two streams running at the same time must not share an id.
 
         Returns:
             A :class:`StreamSummary` once every item is acknowledged as applied.
@@ -180,6 +193,22 @@ class Client:
             raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
         if (table is None) == (receiver is None):
             raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
+        if stream_id is not None:
+            if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
+                raise UsageError(
+                    f"stream_id={stream_id!r} is not allowed; use 1 to 128 characters of "
+                    "A-Z a-z 0-9 . _ : -"
+                )
+            if stream_id.endswith("-dead-letters"):
+                raise UsageError(
+                    f"stream_id={stream_id!r} ends with '-dead-letters', which names the "
+                    "dead-letter stream of another stream; choose another id"
+                )
+            if stream_id in self._active:
+                raise UsageError(
+                    f"a stream with id {stream_id!r} is already running on this client; "
+                    "streams running at the same time need different ids"
+                )
         if table is not None:
             if not isinstance(key, (str, tuple, list)):
                 raise UsageError(
@@ -199,6 +228,7 @@ class Client:
             on_ack=on_ack,
             on_commit=on_commit,
             options=options or StreamerOptions(),
+            stream_id=stream_id,
         )
 
     def statistics(self) -> ClientStatistics:
@@ -246,9 +276,9 @@ class Client:
     def _map_is_stale(self) -> None:
         self._stale = True
 
-    async def _close_stream(self, sid: str) -> None:
+    async def _close_stream(self, sid: str, *, keep_results: bool = False) -> None:
         for conn in list(self._conns.values()):
-            await conn.close_stream(sid)
+            await conn.close_stream(sid, keep_results=keep_results)
 
     async def _connection(self, address: str) -> Connection:
         conn = self._conns.get(address)

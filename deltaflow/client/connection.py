@@ -175,8 +175,11 @@ class Connection:
                 raise
         await asyncio.shield(fut)
 
-    async def close_stream(self, sid: str) -> None:
-        self._result_sinks.pop(sid, None)
+    async def close_stream(self, sid: str, *, keep_results: bool = False) -> None:
+        """Tell the node the stream ends. ``keep_results``: a stopping stream still takes the
+        results of batches the node goes on to finish (they are applied: their results count)."""
+        if not keep_results:
+            self._result_sinks.pop(sid, None)
         if self._opening.pop(sid, None) is not None and not self.closed:
             with contextlib.suppress(DeltaflowError):
                 await self._send({"t": "close", "sid": sid})

@@ -54,10 +54,14 @@ class ResultDispatcher:
 
     async def put(self, values: list[Any]) -> None:
         """Queue values (waits while the buffer is full; drops them once the subscriber failed)."""
+        queue = self._queue
         for value in values:
             if self.error is not None:
                 return
-            put = asyncio.ensure_future(self._queue.put(value))
+            if not queue.full():  # the common case: no task, no wait
+                queue.put_nowait(value)
+                continue
+            put = asyncio.ensure_future(queue.put(value))
             failed = asyncio.ensure_future(self._failed.wait())
             try:
                 await asyncio.wait((put, failed), return_when=asyncio.FIRST_COMPLETED)

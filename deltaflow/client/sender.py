@@ -24,7 +24,13 @@ from tenacity import (
     wait_random,
 )
 
-from ..errors import LaneFailedError, NotOwnerError, TransportError, is_retriable
+from ..errors import (
+    LaneFailedError,
+    NotOwnerError,
+    ProtocolError,
+    TransportError,
+    is_retriable,
+)
 from ..protocol import join_items
 from .accumulator import Batch
 from .options import StreamerOptions
@@ -169,7 +175,9 @@ class Sender:
             self.counters.failed_items += len(batch.items)
             self._on_failed(batch, exc)
         else:
-            self.counters.acked_items += len(batch.items)
+            rejected = len(batch.failures or ())
+            self.counters.acked_items += len(batch.items) - rejected
+            self.counters.failed_items += rejected
             self._on_acked(batch)
 
     async def _send_with_retries(self, batch: Batch) -> None:
@@ -196,14 +204,17 @@ class Sender:
         async for attempt in retrying:
             with attempt:
                 batch.attempts += 1
+                frame["att"] = batch.attempts
                 conn = await self._client._connection_for(batch.partition)
                 await conn.open_stream(self._sid, *self._receiver, self._results)
                 await self._claim(batch.partition, conn.node_id)
                 try:
                     frame["base"] = min(self._unacked[batch.partition])
-                    await conn.send_batch(frame, timeout=opts.ack_timeout)
+                    ack = await conn.send_batch(frame, timeout=opts.ack_timeout)
                 finally:
                     await self._release(batch.partition)
+                batch.node = conn.node_id
+                batch.failures = item_failures(ack, len(batch.items), conn.node_id)
                 stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
                 stats.batches_acked += 1
                 stats.items_acked += len(batch.items)
@@ -247,6 +258,25 @@ class Sender:
         log.info(
             "retrying stream %s batch after %r (attempt %d)", self._sid, exc, state.attempt_number
         )
+
+
+def item_failures(ack: dict[str, Any], size: int, node: str) -> dict[int, str] | None:
+    """The ``failed`` field of an ack: the items the receiver marked failed (index -> reason)."""
+    entries = ack.get("failed")
+    if not entries:
+        return None
+    failures: dict[int, str] = {}
+    for entry in entries:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 2
+            or not isinstance(entry[0], int)
+            or not 0 <= entry[0] < size
+            or not isinstance(entry[1], str)
+        ):
+            raise ProtocolError(f"node {node} sent a malformed 'failed' entry {entry!r} in an ack")
+        failures[entry[0]] = entry[1]
+    return failures
 
 
 class StreamStoppedError(Exception):

@@ -2,7 +2,8 @@
 
 - async iterable: pulled directly, one item at a time, only when the streamer asks.
 - iterable: pulled in small chunks on a worker thread, so a blocking iterator (a file, a
-  cursor) never blocks the event loop.
+  cursor) never blocks the event loop; a list, tuple or range is already in memory and is
+  chunked on the loop itself.
 - reactivex Observable: subscribed on a dedicated thread and bridged through a bounded queue.
   ``on_next`` called off the event loop blocks the emitting thread while the queue is full (real
   backpressure); ``on_next`` called *on* the event loop cannot block, so overflowing the queue
@@ -42,6 +43,9 @@ def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
         raise UsageError(
             f"source is a {type(source).__name__}; pass an iterable of items (e.g. a list of rows)"
         )
+    if isinstance(source, (list, tuple, range)):
+        # Already in memory: nothing can block, so no worker thread (a hop per chunk).
+        return _ChunkedIterator(iter(source), blocking=False)
     if isinstance(source, Iterable):
         return _ChunkedIterator(iter(source))
     raise UsageError(
@@ -65,8 +69,9 @@ class _ChunkedIterator:
     returns them (the stream reports them as not applied when it stops early).
     """
 
-    def __init__(self, it: Iterator[Any]) -> None:
+    def __init__(self, it: Iterator[Any], *, blocking: bool = True) -> None:
         self._it = it
+        self._blocking = blocking
         self._chunk: collections.deque[Any] = collections.deque()
         self._pending: asyncio.Future[list[Any]] | None = None
         self._exhausted = False
@@ -78,6 +83,13 @@ class _ChunkedIterator:
         if not self._chunk:
             if self._exhausted:
                 raise StopAsyncIteration
+            if not self._blocking:
+                await asyncio.sleep(0)  # one yield per chunk keeps the loop fair
+                self._chunk.extend(itertools.islice(self._it, _CHUNK))
+                self._exhausted = len(self._chunk) < _CHUNK
+                if not self._chunk:
+                    raise StopAsyncIteration
+                return self._chunk.popleft()
             if self._pending is None:
                 self._pending = asyncio.ensure_future(
                     asyncio.to_thread(lambda: list(itertools.islice(self._it, _CHUNK)))
@@ -90,6 +102,17 @@ class _ChunkedIterator:
             if not self._chunk:
                 raise StopAsyncIteration
         return self._chunk.popleft()
+
+    def take_buffered(self) -> list[Any]:
+        """The items already pulled and not yet handed out, all at once (no await): the pump
+        admits a chunk in one go instead of awaiting each item."""
+        items = list(self._chunk)
+        self._chunk.clear()
+        return items
+
+    def put_back(self, items: list[Any]) -> None:
+        """Return items taken with :meth:`take_buffered` but not admitted (they come first)."""
+        self._chunk.extendleft(reversed(items))
 
     async def leftovers(self) -> list[Any]:
         """Items taken from the source and not handed out (waits for a pull under way)."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import operator
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DataStreamerError, FrameTooLargeError, UsageError
+from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, UsageError
 from ..partitioning import partition_of
 from ..protocol import pack_item
 from .accumulator import Accumulator, Batch, SizeBatchCreator
@@ -137,16 +138,13 @@ def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
     if callable(key):
         return key
     if isinstance(key, str):
-        column = key
-
-        def by_column(item: Any) -> Any:
-            return item[column]
-
-        return by_column
+        return operator.itemgetter(key)
     columns = tuple(key)
     if not columns or not all(isinstance(c, str) for c in columns):
         raise UsageError(f"key= must name columns as strings, got {key!r}")
-    return lambda item: tuple(item[c] for c in columns)
+    if len(columns) == 1:
+        return lambda item: (item[columns[0]],)
+    return operator.itemgetter(*columns)  # a tuple of the columns' values
 
 
 class _Watermark:
@@ -179,9 +177,11 @@ class StreamRun:
         on_ack: Callable[[list[Any]], Any] | None,
         on_commit: Callable[[CommitPosition], Any] | None,
         options: StreamerOptions,
+        stream_id: str | None = None,
     ) -> None:
         self.client = client
-        self.sid = uuid.uuid4().hex
+        # A caller-chosen id (validated by the facade) makes a replay hit the same lane marks.
+        self.sid = stream_id or uuid.uuid4().hex
         self.options = options
         self.key = key
         self.on_ack = on_ack
@@ -213,7 +213,7 @@ class StreamRun:
                 page_size=options.page_size, max_batch_bytes=options.max_batch_bytes
             ),
             flush_interval=options.auto_flush_interval,
-            on_timer_cut=self.sender.submit,
+            on_cut=self.sender.submit,
             call_later=asyncio.get_running_loop().call_later,
         )
         self._dead_letters: Sender | None = None
@@ -254,7 +254,9 @@ class StreamRun:
             self.errors.append(exc)
             # Nodes answer batches still queued behind a stuck one, so none is awaited until
             # its ack timeout.
-            self._closing = asyncio.ensure_future(self.client._close_stream(self.sid))
+            self._closing = asyncio.ensure_future(
+                self.client._close_stream(self.sid, keep_results=True)
+            )
         self.sender.stop()
         if self._awaiting_source and self._task is not None and not self._interrupted:
             # The pump is parked on an idle source; wake it (see the CancelledError in run()).
@@ -262,12 +264,31 @@ class StreamRun:
             self._task.cancel()
 
     def _acked(self, batch: Batch) -> None:
-        if self.on_ack is not None:
+        rejected = batch.failures
+        applied = batch
+        if rejected:
+            applied = batch.subset(i for i in range(len(batch.items)) if i not in rejected)
+        if self.on_ack is not None and applied.items:
             try:
-                self.on_ack(batch.items)
+                self.on_ack(applied.items)
             except Exception as exc:  # noqa: BLE001 - the user's hook fails the stream
                 self._stop(exc)
-        self._settle(batch)
+        self._settle(applied)
+        if rejected:
+            self._items_rejected(batch, rejected)
+
+    def _items_rejected(self, batch: Batch, rejected: dict[int, str]) -> None:
+        """Items the receiver marked failed (``ctx.fail``) follow ``on_failure`` on their own."""
+        indexes = sorted(rejected)
+        first = indexes[0]
+        err = ItemFailedError(
+            f"receiver rejected {len(indexes)} item(s) of partition {batch.partition} batch "
+            f"{batch.seq}; first: item at source position {batch.positions[first]}: "
+            f"{rejected[first]}",
+            node=batch.node,
+            details={"items": [[batch.positions[i], rejected[i]] for i in indexes]},
+        )
+        self._failed(batch.subset(indexes), err, reasons=[rejected[i] for i in indexes])
 
     def _settle(self, batch: Batch) -> None:
         # Tracked only when asked for: while one batch is slow, the positions settled after it
@@ -281,7 +302,7 @@ class StreamRun:
             except Exception as exc:  # noqa: BLE001 - the user's hook fails the stream
                 self._stop(exc)
 
-    def _failed(self, batch: Batch, exc: BaseException) -> None:
+    def _failed(self, batch: Batch, exc: BaseException, reasons: list[str] | None = None) -> None:
         policy = self.options.on_failure
         stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
         if stopping or policy == "fail":
@@ -300,9 +321,11 @@ class StreamRun:
             )
             self._settle(batch)
             return
-        self._dead_letter(batch, exc)
+        self._dead_letter(batch, exc, reasons)
 
-    def _dead_letter(self, batch: Batch, exc: BaseException) -> None:
+    def _dead_letter(
+        self, batch: Batch, exc: BaseException, reasons: list[str] | None = None
+    ) -> None:
         """Send a failed batch's items, with its error, to the dead-letter table."""
         if self._dead_letters is None:
             self._dead_letters = Sender(
@@ -324,7 +347,7 @@ class StreamRun:
                 "partition": batch.partition,
                 "seq": batch.seq,
                 "error_code": str(code),
-                "error": str(exc)[:2000],
+                "error": (reasons[i] if reasons is not None else str(exc))[:2000],
                 "node": getattr(exc, "node", None),
                 "payload": packed,
                 "deleted": i in batch.deletes,
@@ -354,52 +377,85 @@ class StreamRun:
 
     # -- the pump -----------------------------------------------------------------------
 
+    def _admit(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+        """Key, partition, pack and buffer items just taken from the source (synchronous).
+
+        Raises:
+            UsageError: an item cannot be sent; it is reported failed, the items before it are
+                buffered, and those after it go back to the source's leftovers.
+            FrameTooLargeError: an item alone is larger than ``max_batch_bytes``.
+        """
+        position = self.pulled
+        values = [x.item if isinstance(x, Delete) else x for x in taken]
+        deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
+        key, partitions = self.key, self.partitions
+        try:
+            parts = [partition_of(key(v), partitions) for v in values]
+            packed = [pack_item(v) for v in values]
+            bad, cause = None, None
+        except Exception:  # noqa: BLE001 - find which item, below
+            parts, packed, bad, cause = [], [], None, None
+            for j, v in enumerate(values):
+                try:
+                    parts.append(partition_of(key(v), partitions))
+                    packed.append(pack_item(v))
+                except Exception as exc:  # noqa: BLE001 - reported below with the item
+                    bad, cause = j, exc
+                    break
+        max_item = self.options.max_batch_bytes
+        if max(map(len, packed), default=0) > max_item:
+            big = next(j for j, data in enumerate(packed) if len(data) > max_item)
+            if bad is None or big < bad:
+                bad, cause = big, None
+        good = len(taken) if bad is None else bad
+        self.accumulator.add_many(
+            position, taken[:good] if bad is not None else taken, parts, packed, deletes
+        )
+        self.pulled += good
+        if bad is None:
+            return
+        self.failed.append((self.pulled, taken[bad]))
+        self.pulled += 1
+        if chunked is not None:
+            chunked.put_back(taken[bad + 1 :])  # never sent: accounted as leftovers
+        if cause is None:
+            raise FrameTooLargeError(
+                f"source item #{position + bad} packs to {len(packed[bad])} bytes, more than "
+                f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
+            )
+        raise UsageError(
+            f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
+            "msgpack values (dict, list, str, int, float, bool, None, bytes, "
+            "datetime) and carry the key"
+        ) from cause
+
     async def run(self, source: Any) -> StreamSummary:
         started = time.monotonic()
         options = self.options
         sender, acc = self.sender, self.accumulator
         items = aiter_source(source, buffer=options.source_buffer)
-        max_item = options.max_batch_bytes
+        chunked = items if isinstance(items, _ChunkedIterator) else None
         self._task = asyncio.current_task()
         try:
             while not self.errors:
-                if not sender.has_room:  # (no await per item while the window has room)
+                if not sender.has_room:
                     await sender.wait_for_room()
-                if self.errors:
-                    break
+                    if self.errors:
+                        break
                 if self.results is not None and self.results.error is not None:
                     self.errors.append(self.results.error)
                     break
                 self._awaiting_source = True
                 try:
-                    item = await anext(items)
+                    first = await anext(items)
                 except StopAsyncIteration:
                     break
                 finally:
                     self._awaiting_source = False
-                position = self.pulled
-                self.pulled += 1
-                is_delete = isinstance(item, Delete)
-                value = item.item if is_delete else item
-                try:
-                    p = partition_of(self.key(value), self.partitions)
-                    packed = pack_item(value)
-                except Exception as exc:
-                    self.failed.append((position, item))
-                    raise UsageError(
-                        f"source item #{position} cannot be sent ({exc!r}); items must be "
-                        "msgpack values (dict, list, str, int, float, bool, None, bytes, "
-                        "datetime) and carry the key"
-                    ) from exc
-                if len(packed) > max_item:
-                    self.failed.append((position, item))
-                    # Handled below like every other failure: stop the sender, account for items.
-                    raise FrameTooLargeError(  # noqa: TRY301
-                        f"source item #{position} packs to {len(packed)} bytes, more than "
-                        f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
-                    )
-                for batch in acc.add(p, position, item, packed, is_delete):
-                    sender.submit(batch)
+                # A blocking iterable is pulled a chunk at a time: admit the whole chunk at
+                # once (the window is checked per chunk; memory stays bounded by the chunk).
+                taken = [first] if chunked is None else [first, *chunked.take_buffered()]
+                self._admit(taken, chunked)
             if not self.errors:
                 for batch in acc.drain():
                     sender.submit(batch)

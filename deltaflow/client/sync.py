@@ -28,12 +28,17 @@ def stream_data(
     on_ack: Callable[[list[Any]], Any] | None = None,
     on_commit: Callable[[CommitPosition], Any] | None = None,
     options: StreamerOptions | None = None,
+    stream_id: str | None = None,
 ) -> StreamSummary:
     """Connect, stream ``source`` and return its summary, blocking the calling thread.
 
     Arguments and errors are those of :meth:`deltaflow.client.Client.stream_data`; ``on_result``
     may be a plain callable. Must not be called from a thread running an event loop (use the
     async client there).
+
+    ``stream_id`` (default: random) names the stream; a deterministic id makes a replay of the
+    same input exactly-once (see :meth:`~deltaflow.client.Client.stream_data` for what a
+    replay must keep the same).
     """
     try:
         asyncio.get_running_loop()
@@ -57,6 +62,7 @@ def stream_data(
                 on_ack=on_ack,
                 on_commit=on_commit,
                 options=options,
+                stream_id=stream_id,
             )
 
     return asyncio.run(main())

@@ -6,7 +6,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from ..errors import SchemaError
 
@@ -69,6 +69,9 @@ class ReceiverContext:
         node_id: the node applying the batch.
         args: the ``receiver_args`` the client passed (a msgpack value).
         deletes: indexes of items the client marked as deletes (:class:`deltaflow.Delete`).
+        attempt: the delivery attempt of this batch, from 1: higher when the client resent it
+            (after a lost ack, a reconnect, a retriable error or a failover) or when the node
+            retried an idempotent receiver (see :attr:`Receiver.idempotent`).
     """
 
     stream_id: str
@@ -77,6 +80,9 @@ class ReceiverContext:
     node_id: str
     args: Any
     deletes: frozenset[int] = frozenset()
+    attempt: int = 1
+    _failed: dict[int, str] = field(default_factory=dict)
+    _size: int = 0
     _writer: TableWriter | None = None
     _side_inputs: SideInputReader | None = None
     _durable: list[asyncio.Future[None]] = field(default_factory=list)
@@ -104,6 +110,28 @@ class ReceiverContext:
 
             raise SideInputError(f"node {self.node_id} has no side inputs configured")
         return self._side_inputs.get(name, parse)
+
+    @property
+    def redelivered(self) -> bool:
+        """Whether this batch may have been seen before (``attempt > 1``): key effects outside
+        the node's tables by ``(stream_id, partition, seq)`` or skip them."""
+        return self.attempt > 1
+
+    def fail(self, index: int, reason: str | BaseException) -> None:
+        """Mark item ``index`` of the batch failed without failing the batch.
+
+        The rest of the batch is applied and acknowledged; the client reports the marked items
+        with ``reason`` under its ``on_failure`` policy (``"fail"`` stops the stream with them
+        among ``failed_items``, ``"fallback"`` writes them to the dead-letter table, ``"drop"``
+        counts them). Do not write a failed item to a table: marking does not undo a write.
+
+        Raises:
+            IndexError: ``index`` is not an index of the batch.
+        """
+        if not isinstance(index, int) or not 0 <= index < self._size:
+            raise IndexError(f"item index {index!r} is outside the batch of {self._size} items")
+        text = f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else reason
+        self._failed[index] = str(text)[:2000]
 
     def is_delete(self, index: int) -> bool:
         return index in self.deletes
@@ -194,12 +222,28 @@ class Receiver:
 
     **Errors.** Raising fails the whole batch: its items are reported to the client as not
     applied and later batches of the same partition are refused. Raise an error whose class
-    has ``retriable = True`` (e.g. :class:`deltaflow.errors.OverloadedError`) to have the client
-    resend the batch instead.
+    has ``retriable = True`` (e.g. :class:`deltaflow.errors.OverloadedError`) to have the batch
+    retried instead. To reject single items and apply the rest, call ``ctx.fail(index, reason)``.
+
+    **Declarations** (class attributes):
+
+    - ``idempotent`` (default ``False``): running a batch twice has the effect of running it
+      once. Only an idempotent receiver is re-run by the node itself when it raises a
+      retriable error (up to ``node_retries`` times, with backoff, before the client is told);
+      a non-idempotent one is re-run only when the client resends the batch, with
+      ``ctx.attempt`` raised, and relies on deltaflow's exactly-once dedup of table writes.
+    - ``max_concurrency`` (default ``None``: unbounded): at most this many ``receive`` calls of
+      the class run at once on a node, across all streams and partitions. A node's
+      ``receiver_concurrency`` setting overrides it.
 
     **Blocking.** ``receive`` runs on the node's event loop: do blocking work with
     ``await asyncio.to_thread(...)``.
     """
+
+    idempotent: ClassVar[bool] = False
+    max_concurrency: ClassVar[int | None] = None
+    #: Node-side retries of a retriable error, for idempotent receivers only.
+    node_retries: ClassVar[int] = 2
 
     async def receive(
         self, items: list[Any], ctx: ReceiverContext

@@ -21,6 +21,9 @@ class DeadLetter(Receiver):
     ``payload`` back with ``msgpack.unpackb(payload, timestamp=3)``.
     """
 
+    # Its only effects are table writes, which are exactly-once: re-running is safe.
+    idempotent = True
+
     async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
         args = ctx.args if isinstance(ctx.args, dict) else {}
         if not isinstance(args.get("table"), str):

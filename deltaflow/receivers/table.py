@@ -18,6 +18,9 @@ class TableUpsert(Receiver):
     first write. Produces no per-item results.
     """
 
+    # Its only effects are table writes, which are exactly-once: re-running is safe.
+    idempotent = True
+
     async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
         args = ctx.args
         if not isinstance(args, dict) or not isinstance(args.get("key"), list):

@@ -20,12 +20,21 @@ later write can never overtake an earlier one that was not applied.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, cast
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential,
+)
 
 from ..errors import (
     DeltaflowError,
@@ -85,6 +94,8 @@ class DispatcherStatistics:
     batches_failed: int = 0
     duplicates: int = 0
     items_applied: int = 0
+    items_failed: int = 0
+    node_retries: int = 0
 
 
 @dataclass(slots=True)
@@ -96,7 +107,8 @@ class _Lane:
     # writes of later batches of the lane abandoned at once, before any of them commits.
     staged: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Results of the latest batches, replayed when a batch is resent after a lost ack.
-    results: OrderedDict[int, list[Any]] = field(default_factory=OrderedDict)
+    # Each: (results produced, items the receiver marked failed by index).
+    results: OrderedDict[int, tuple[list[Any], dict[int, str]]] = field(default_factory=OrderedDict)
     failed_at: int | None = None
     failure: ServerError | None = None
     task: asyncio.Task[None] | None = None
@@ -108,6 +120,7 @@ class _Stream:
     receiver_name: str
     receiver: Receiver
     args: Any
+    limit: asyncio.Semaphore | contextlib.nullcontext[None]
     lanes: dict[int, _Lane] = field(default_factory=dict)
 
 
@@ -122,6 +135,8 @@ class Dispatcher:
         map_wire: the current partition map (sent with ``NOT_OWNER``).
         partitions: the partition count.
         side_inputs: the node's side-input store, read by receivers through the context.
+        concurrency: receiver name -> the most ``receive`` calls of it running at once,
+            overriding the class's ``max_concurrency``.
     """
 
     def __init__(
@@ -134,6 +149,7 @@ class Dispatcher:
         map_wire: Callable[[], dict[str, Any]],
         partitions: int,
         side_inputs: SideInputReader | None = None,
+        concurrency: Mapping[str, int] | None = None,
     ) -> None:
         self.node_id = node_id
         self._registry = registry
@@ -142,6 +158,8 @@ class Dispatcher:
         self._map_wire = map_wire
         self._partitions = partitions
         self._side_inputs = side_inputs
+        self._concurrency = dict(concurrency or {})
+        self._limits: dict[str, asyncio.Semaphore] = {}
         self._streams: dict[str, _Stream] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = DispatcherStatistics()
@@ -171,8 +189,19 @@ class Dispatcher:
                 f"receiver {receiver} could not be created: {type(exc).__name__}: {exc}",
                 node=self.node_id,
             ) from exc
-        self._streams[sid] = _Stream(sid, receiver, instance, args)
+        self._streams[sid] = _Stream(sid, receiver, instance, args, self._limit(receiver, cls))
         self.stats.streams = len(self._streams)
+
+    def _limit(
+        self, name: str, cls: type[Receiver]
+    ) -> asyncio.Semaphore | contextlib.nullcontext[None]:
+        """The bound on concurrent ``receive`` calls of one receiver class on this node."""
+        bound = self._concurrency.get(name, cls.max_concurrency)
+        if bound is None:
+            return contextlib.nullcontext()
+        if name not in self._limits:
+            self._limits[name] = asyncio.Semaphore(bound)
+        return self._limits[name]
 
     def close(self, sid: str) -> None:
         stream = self._streams.get(sid)
@@ -318,6 +347,43 @@ class Dispatcher:
                 raise ProtocolError("'del' holds indexes outside the batch")  # noqa: TRY301
         except ProtocolError as exc:
             raise _BadFrameError(str(exc), node=self.node_id) from exc
+        first = max(1, frame.get("att", 1))
+        if not stream.receiver.idempotent:
+            return await self._run_receiver(
+                stream, p, seq, peer, frame, lane, items, deletes, first
+            )
+        # An idempotent receiver is re-run here on a retriable error: cheaper than a round trip
+        # to the client, and safe by its own declaration (the failed run's writes are abandoned).
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(stream.receiver.node_retries + 1),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            retry=retry_if_exception(is_retriable),
+            before_sleep=self._count_node_retry,
+            reraise=True,
+        )
+        async for node_try in retrying:
+            with node_try:
+                attempt = first + node_try.retry_state.attempt_number - 1
+                return await self._run_receiver(
+                    stream, p, seq, peer, frame, lane, items, deletes, attempt
+                )
+        raise AssertionError("unreachable: tenacity reraises the last error")
+
+    def _count_node_retry(self, state: RetryCallState) -> None:
+        self.stats.node_retries += 1
+
+    async def _run_receiver(
+        self,
+        stream: _Stream,
+        p: int,
+        seq: int,
+        peer: Peer,
+        frame: Frame,
+        lane: _Lane,
+        items: list[Any],
+        deletes: frozenset[int],
+        attempt: int,
+    ) -> ReceiverContext:
         batch_failed = asyncio.Event()
 
         def abandoned() -> bool:
@@ -337,29 +403,19 @@ class Dispatcher:
             node_id=self.node_id,
             args=stream.args,
             deletes=deletes,
+            attempt=attempt,
+            _size=len(items),
             _writer=self._writer,
             _side_inputs=self._side_inputs,
             _abandoned=abandoned,
         )
         produced: list[Any] = []
-        lane.results[seq] = produced
+        lane.results[seq] = (produced, ctx._failed)
         while len(lane.results) > RESULT_REPLAY_BATCHES:
             lane.results.popitem(last=False)
         try:
-            out = stream.receiver.receive(items, ctx)
-            if inspect.isasyncgen(out):
-                async for value in out:
-                    produced.append(value)
-                    await peer.send(_result(frame, [value]))
-            else:
-                values = await out if inspect.isawaitable(out) else out
-                if values is not None:
-                    # Async generators went the other way; anything else must be a plain
-                    # iterable (else list() raises TypeError: the batch fails as a ReceiverError).
-                    values = list(cast("Iterable[Any]", values))
-                    produced.extend(values)
-                    for i in range(0, len(values), _RESULT_CHUNK):
-                        await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
+            async with stream.limit:
+                await self._call_receiver(stream.receiver, items, ctx, produced, peer, frame)
         except ServerError as err:
             batch_failed.set()
             err.node = err.node or self.node_id
@@ -371,6 +427,30 @@ class Dispatcher:
             batch_failed.set()
             raise
         return ctx
+
+    @staticmethod
+    async def _call_receiver(
+        receiver: Receiver,
+        items: list[Any],
+        ctx: ReceiverContext,
+        produced: list[Any],
+        peer: Peer,
+        frame: Frame,
+    ) -> None:
+        out = receiver.receive(items, ctx)
+        if inspect.isasyncgen(out):
+            async for value in out:
+                produced.append(value)
+                await peer.send(_result(frame, [value]))
+            return
+        values = await out if inspect.isawaitable(out) else out
+        if values is not None:
+            # Async generators went the other way; anything else must be a plain iterable
+            # (else list() raises TypeError: the batch fails as a ReceiverError).
+            values = list(cast("Iterable[Any]", values))
+            produced.extend(values)
+            for i in range(0, len(values), _RESULT_CHUNK):
+                await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
 
     def _as_server_error(
         self, exc: Exception, stream: _Stream, p: int, seq: int, n: int
@@ -422,8 +502,9 @@ class Dispatcher:
         lane.committing.pop(seq, None)
         lane.staged.pop(seq, None)
         self.stats.batches_acked += 1
-        self.stats.items_applied += frame["n"]
-        await peer.send(_ack(frame))
+        self.stats.items_applied += frame["n"] - len(ctx._failed)
+        self.stats.items_failed += len(ctx._failed)
+        await peer.send(_ack(frame, failed=ctx._failed))
 
     async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: _Lane) -> None:
         """A resend of an applied batch: replay its results, ack once it is durable."""
@@ -435,10 +516,10 @@ class Dispatcher:
             except ServerError as err:
                 self._reply_error(peer, err, frame)
                 return
-        values = lane.results.get(seq, [])
+        values, failed = lane.results.get(seq, ([], {}))
         for i in range(0, len(values), _RESULT_CHUNK):
             await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
-        await peer.send(_ack(frame, dup=True))
+        await peer.send(_ack(frame, dup=True, failed=failed))
 
     def _fail_lane(
         self,
@@ -483,7 +564,7 @@ def _lane_failed(node: str, p: int, lane: _Lane) -> LaneFailedError:
     )
 
 
-def _ack(frame: Frame, *, dup: bool = False) -> Frame:
+def _ack(frame: Frame, *, dup: bool = False, failed: dict[int, str] | None = None) -> Frame:
     ack: Frame = {
         "t": "ack",
         "sid": frame["sid"],
@@ -493,6 +574,8 @@ def _ack(frame: Frame, *, dup: bool = False) -> Frame:
     }
     if dup:
         ack["dup"] = True
+    if failed:
+        ack["failed"] = [[i, failed[i]] for i in sorted(failed)]
     return ack
 
 

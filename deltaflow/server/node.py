@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -18,13 +18,23 @@ from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
 from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
+from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
 from ..spark_integration.deltars_engine import DeltaRsTableEngine
-from ..spark_integration.engine import EngineStatistics, TableEngine
+from ..spark_integration.engine import DEFAULT_MAX_GROUP_BYTES, EngineStatistics, TableEngine
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SparkTableEngine
+from ..spark_integration.tables import MAX_BUCKETS, default_buckets
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
+from .side_inputs import (
+    DEFAULT_SIDE_INPUT_LEASE,
+    DEFAULT_SIDE_INPUT_POLL_INTERVAL,
+    DEFAULT_SIDE_INPUT_TIMEOUT,
+    SideInputStatistics,
+    SideInputStore,
+    load_side_inputs,
+)
 from .topology import Membership
 
 __all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
@@ -50,6 +60,8 @@ class NodeConfig:
         peers: ``host:port`` of the other nodes.
         receivers: class names (``"module.Class"``) of receivers allowed on this node, besides
             the built-in table receiver.
+        receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
+            once on this node, overriding the class's ``max_concurrency``.
         token: shared secret clients and peers must present; None disables the check.
         partitions: the fixed partition count; every node of a cluster must agree. Default 64.
         max_frame_bytes: largest frame accepted. Default 16 MiB.
@@ -59,6 +71,23 @@ class NodeConfig:
             ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
         spark: Spark settings for the Spark engine (``local[*]`` by default).
         max_group_rows: largest group commit, rows. Default 500,000.
+        max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
+            larger than either bound still commits, alone.)
+        table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
+            the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
+            largest divisor up to 64 (see docs/tables.md).
+        schema_evolution: tables this node creates on first write allow new columns. Default
+            False.
+        deletion_vectors: tables this node creates on first write get Delta deletion vectors
+            (Spark engine only). Default False.
+        side_inputs: class names (``"module.Class"``) of the side inputs this node serves to
+            its receivers (see ``docs/side-inputs.md``); every node should list the same.
+        side_input_timeout: seconds a starting node waits, once its engine started, for every
+            side input to have a value before it fails. Default 60.
+        side_input_lease: seconds a side input's leader holds its lease without renewing it
+            (renewed every third of it); a dead leader is replaced within 4/3 of it. Default 10.
+        side_input_poll_interval: seconds between two checks for a new version of each side
+            input. Default 0.5.
     """
 
     node_id: str
@@ -68,6 +97,7 @@ class NodeConfig:
     advertise: str | None = None
     peers: Sequence[str] = ()
     receivers: Sequence[str] = ()
+    receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
     token: str | None = None
     partitions: int = DEFAULT_PARTITIONS
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -76,6 +106,14 @@ class NodeConfig:
     engine: str = "spark"
     spark: SparkConfig = field(default_factory=SparkConfig)
     max_group_rows: int = 500_000
+    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    table_buckets: int | None = None
+    schema_evolution: bool = False
+    deletion_vectors: bool = False
+    side_inputs: Sequence[str] = ()
+    side_input_timeout: float = DEFAULT_SIDE_INPUT_TIMEOUT
+    side_input_lease: float = DEFAULT_SIDE_INPUT_LEASE
+    side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
 
     def __post_init__(self) -> None:
         if not self.node_id or "@" in self.node_id:
@@ -91,8 +129,26 @@ class NodeConfig:
             )
         if self.engine not in ("spark", "delta-rs"):
             raise UsageError(f"engine must be 'spark' or 'delta-rs', got {self.engine!r}")
+        for name, bound in self.receiver_concurrency.items():
+            if not isinstance(bound, int) or bound < 1:
+                raise UsageError(
+                    f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}"
+                )
         if self.failure_timeout <= self.heartbeat_interval:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
+        if self.max_group_rows < 1 or self.max_group_bytes < 1:
+            raise UsageError("max_group_rows and max_group_bytes must be at least 1")
+        if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
+            raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+        if self.deletion_vectors and self.engine != "spark":
+            raise UsageError(
+                "deletion_vectors needs the spark engine: delta-rs cannot create tables with "
+                "deletion vectors that Spark reads (it writes to such tables, though)"
+            )
+        if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
+            raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
+        if not self.side_input_lease >= 0.3:
+            raise UsageError("side_input_lease must be at least 0.3 seconds")
 
 
 class NodeState(enum.Enum):
@@ -112,17 +168,24 @@ class NodeStatistics:
     owned_partitions: int
     dispatcher: DispatcherStatistics
     engine: EngineStatistics
+    side_inputs: tuple[SideInputStatistics, ...] = ()
 
 
 class Node:
     """An embeddable deltaflow node.
 
-    ``await node.start()`` starts Spark (seconds on first use), joins the peers and listens;
-    ``await node.stop()`` closes connections and stops committing. Also an async context
-    manager.
+    ``await node.start()`` starts Spark (seconds on first use), waits until every side input
+    has a value, listens and joins the peers; ``await node.stop()`` closes connections, stops
+    committing and gives up its side-input leases. Also an async context manager.
     """
 
-    def __init__(self, config: NodeConfig, *, registry: ReceiverRegistry | None = None) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        registry: ReceiverRegistry | None = None,
+        side_inputs: Sequence[type[SideInput]] = (),
+    ) -> None:
         self.config = config
         self.node_id = config.node_id
         self.max_frame_bytes = config.max_frame_bytes
@@ -131,16 +194,39 @@ class Node:
         self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
         self.registry.register_names(config.receivers)
         self.engine: TableEngine
+        buckets = config.table_buckets
+        if buckets is None:
+            buckets = default_buckets(config.partitions)
         if config.engine == "spark":
             self.engine = SparkTableEngine(
                 Path(config.warehouse),
-                node_id=config.node_id,
                 spark=config.spark,
+                node_id=config.node_id,
                 max_group_rows=config.max_group_rows,
+                max_group_bytes=config.max_group_bytes,
+                table_buckets=buckets,
+                schema_evolution=config.schema_evolution,
+                deletion_vectors=config.deletion_vectors,
             )
         else:
             self.engine = DeltaRsTableEngine(
-                Path(config.warehouse), node_id=config.node_id, max_group_rows=config.max_group_rows
+                Path(config.warehouse),
+                node_id=config.node_id,
+                max_group_rows=config.max_group_rows,
+                max_group_bytes=config.max_group_bytes,
+                table_buckets=buckets,
+                schema_evolution=config.schema_evolution,
+            )
+        # Side inputs, like receivers, are imported here from the operator's list only.
+        classes = load_side_inputs([*config.side_inputs, *side_inputs])
+        self.side_inputs: SideInputStore | None = None
+        if classes:
+            self.side_inputs = SideInputStore(
+                Path(config.warehouse),
+                node_id=config.node_id,
+                classes=classes,
+                lease=config.side_input_lease,
+                poll_interval=config.side_input_poll_interval,
             )
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
@@ -153,6 +239,8 @@ class Node:
             owns=self._owns,
             map_wire=lambda: self.partition_map.to_wire(),
             partitions=config.partitions,
+            side_inputs=self.side_inputs,
+            concurrency=config.receiver_concurrency,
         )
         self.state = NodeState.CREATED
         self.address = f"{config.host}:{config.port}"
@@ -196,12 +284,26 @@ class Node:
             owned_partitions=sum(1 for o in pmap.owners if o == self.node_id),
             dispatcher=dataclasses.replace(self.dispatcher.stats),
             engine=dataclasses.replace(self.engine.stats),
+            side_inputs=self.side_inputs.statistics() if self.side_inputs is not None else (),
         )
 
     async def start(self) -> None:
         if self.state is not NodeState.CREATED:
             raise UsageError(f"node {self.node_id} was already started")
-        await self.engine.start()
+        try:
+            # Side inputs are retrieved while the engine starts; the node listens only once
+            # every side input has a value.
+            if self.side_inputs is not None:
+                await self.side_inputs.start()
+            await self.engine.start()
+            if self.side_inputs is not None:
+                await self.side_inputs.wait_ready(self.config.side_input_timeout)
+        except BaseException:
+            self.state = NodeState.STOPPED
+            if self.side_inputs is not None:
+                await self.side_inputs.stop()
+            await self.engine.stop()
+            raise
         app = web.Application()
         app.router.add_get(WS_PATH, self._ws_handler)
         app.router.add_get("/v1/cluster", self._cluster_handler)
@@ -241,6 +343,8 @@ class Node:
         for ws in list(self._websockets):
             await ws.close()
         await self.dispatcher.stop()
+        if self.side_inputs is not None:
+            await self.side_inputs.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.engine.stop()
@@ -275,6 +379,10 @@ class Node:
                 "map": self.partition_map.to_wire(),
                 "members": self._membership.members() if self._membership else [],
                 "receivers": self.registry.names(),
+                "side_inputs": {
+                    s.name: {"version": s.version, "leader": s.leader}
+                    for s in (self.side_inputs.statistics() if self.side_inputs else ())
+                },
             }
         )
 

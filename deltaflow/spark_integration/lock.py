@@ -18,21 +18,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["table_lock"]
+__all__ = ["file_lock", "table_lock"]
 
 
 @contextlib.contextmanager
-def table_lock(warehouse: Path, table: str, *, timeout: float = 600.0) -> Iterator[float]:
-    """Hold the table's commit lock; yields the seconds spent waiting for it.
+def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); yields the seconds spent
+    waiting. Polls with backoff (1 ms doubling to 50 ms) so a timeout can be honoured.
 
     Blocking: call it from a worker thread, never on the event loop.
 
     Raises:
-        TimeoutError: the lock was not free within ``timeout`` seconds.
+        TimeoutError: the lock was not free within ``timeout`` seconds (names ``what``).
     """
-    directory = warehouse / ".deltaflow" / "locks"
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / f"{table}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     started = time.monotonic()
     try:
         delay = 0.001
@@ -43,8 +43,7 @@ def table_lock(warehouse: Path, table: str, *, timeout: float = 600.0) -> Iterat
             except BlockingIOError:
                 if time.monotonic() - started > timeout:
                     raise TimeoutError(
-                        f"commit lock of table {table!r} held by another process for more than "
-                        f"{timeout}s ({directory / (table + '.lock')})"
+                        f"{what} held by another process for more than {timeout}s ({path})"
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
@@ -54,3 +53,17 @@ def table_lock(warehouse: Path, table: str, *, timeout: float = 600.0) -> Iterat
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def table_lock(
+    warehouse: Path, table: str, *, timeout: float = 600.0
+) -> contextlib.AbstractContextManager[float]:
+    """Hold the table's commit lock (a context manager yielding the seconds spent waiting).
+
+    Blocking: call it from a worker thread, never on the event loop.
+
+    Raises:
+        TimeoutError: the lock was not free within ``timeout`` seconds.
+    """
+    path = warehouse / ".deltaflow" / "locks" / f"{table}.lock"
+    return file_lock(path, timeout=timeout, what=f"commit lock of table {table!r}")

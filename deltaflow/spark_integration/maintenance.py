@@ -59,9 +59,23 @@ def history(warehouse: Path, table: str, *, limit: int = 20) -> list[dict[str, A
     return rows
 
 
-def show(warehouse: Path, table: str, *, limit: int = 10) -> tuple[int, list[dict[str, Any]]]:
-    """Row count and the first ``limit`` rows."""
-    from deltalake import DeltaTable
+def show(
+    warehouse: Path, table: str, *, limit: int = 10, all_columns: bool = False
+) -> tuple[int, list[dict[str, Any]]]:
+    """Row count and the first ``limit`` rows, without deltaflow's bucket column unless
+    ``all_columns``. Reads tables with deletion vectors too (through delta-rs's query engine,
+    which applies them)."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
 
-    data = DeltaTable(str(table_path(warehouse, table))).to_pyarrow_table()
-    return data.num_rows, data.slice(0, limit).to_pylist()
+    from .tables import BUCKET_COLUMN
+
+    dt = DeltaTable(str(table_path(warehouse, table)))
+    names = [
+        n for n in pa.schema(dt.schema().to_arrow()).names if all_columns or n != BUCKET_COLUMN
+    ]
+    columns = ", ".join('"' + n.replace('"', '""') + '"' for n in names)
+    query = QueryBuilder().register("t", dt)
+    count = pa.table(query.execute("SELECT count(*) AS n FROM t").read_all()).column(0)[0]
+    rows = pa.table(query.execute(f"SELECT {columns} FROM t LIMIT {int(limit)}").read_all())
+    return int(count.as_py()), rows.to_pylist()

@@ -48,18 +48,26 @@ class LaneMarks:
         held = self._marks.get(lane)
         return held is not None and mark <= held
 
-    def refresh(self) -> None:
-        """Read the commits written since the last refresh (by any process)."""
+    def refresh(self) -> bool:
+        """Read the commits written since the last refresh (by any process).
+
+        Returns whether one of them changed the table's metadata or protocol (its schema or
+        properties, for instance): the caller then reads them again.
+        """
         if not self._log_dir.is_dir():
-            return
+            return False
         versions = sorted(
             int(m.group(1))
             for name in _listdir(self._log_dir)
             if (m := _COMMIT_FILE.match(name)) and int(m.group(1)) > self._scanned
         )
+        changed = False
         for version in versions:
-            self.absorb(_commit_lanes(self._log_dir / f"{version:020d}.json"))
+            lanes, metadata = _read_commit(self._log_dir / f"{version:020d}.json")
+            self.absorb(lanes)
+            changed = changed or metadata
             self._scanned = version
+        return changed
 
     def absorb(self, lanes: Mapping[str, Mark]) -> None:
         for lane, mark in lanes.items():
@@ -90,18 +98,23 @@ def _listdir(path: Path) -> list[str]:
         return []
 
 
-def _commit_lanes(path: Path) -> dict[str, Mark]:
-    """Lane marks recorded in one commit file (empty if it has none)."""
+def _read_commit(path: Path) -> tuple[dict[str, Mark], bool]:
+    """Lane marks recorded in one commit file (empty if it has none), and whether the commit
+    has a ``metaData`` or ``protocol`` action."""
+    lanes: dict[str, Mark] = {}
+    metadata = False
     try:
         with path.open(encoding="utf-8") as fh:
             for line in fh:
-                if '"commitInfo"' not in line:
-                    continue
-                info = json.loads(line).get("commitInfo") or {}
-                return _lanes_of(info)
+                # Each line is one action, an object with one key.
+                if line.startswith(('{"metaData"', '{"protocol"')):
+                    metadata = True
+                elif not lanes and '"commitInfo"' in line:
+                    info = json.loads(line).get("commitInfo") or {}
+                    lanes = _lanes_of(info)
     except (OSError, ValueError) as exc:
         log.warning("cannot read lane marks from %s: %s", path, exc)
-    return {}
+    return lanes, metadata
 
 
 def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:

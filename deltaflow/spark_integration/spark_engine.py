@@ -1,5 +1,10 @@
 """The Spark engine: each group is a Parquet staging file that Spark MERGEs (or appends) into
-the Delta table in one commit; the process's one SparkSession (``local[*]`` by default)."""
+the Delta table in one commit; the process's one SparkSession (``local[*]`` by default).
+
+Tables are created with Delta's table builder (columns, the bucket partition column and
+deltaflow's table properties), and may have deletion vectors: a MERGE then marks the rows it
+replaces instead of rewriting their files.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
-from .engine import DELETE_COLUMN, TableEngine
+from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .session import SparkConfig, get_spark
+from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
-__all__ = ["SparkTableEngine", "map_spark_errors"]
+__all__ = ["SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
 _USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
 
@@ -42,6 +48,44 @@ def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def _spark_type(arrow_type: Any) -> Any:
+    """The Spark type of an Arrow type (view and large variants as their plain kind)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import BinaryType, StringType, TimestampNTZType
+
+    text = str(arrow_type)
+    if text in ("string_view", "large_string"):
+        return StringType()
+    if text in ("binary_view", "large_binary"):
+        return BinaryType()
+    if pa.types.is_timestamp(arrow_type) and arrow_type.tz is None:
+        return TimestampNTZType()
+    return from_arrow_type(arrow_type)
+
+
+def create_delta_table(
+    spark: Any, path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
+) -> None:
+    """Blocking: create the empty table at ``path`` through Spark (the caller holds the lock).
+
+    Args:
+        schema: the data columns (Arrow); the bucket column is added for a bucketed table.
+    """
+    from delta.tables import DeltaTable
+    from pyspark.sql.types import StructField, StructType
+
+    full, partition_by = with_layout(schema, settings)
+    struct = StructType([StructField(f.name, _spark_type(f.type), True) for f in full])
+    with map_spark_errors(table, node):
+        builder = DeltaTable.create(spark).location(str(path)).addColumns(struct)
+        if partition_by:
+            builder = builder.partitionedBy(*partition_by)
+        for name, value in settings.properties().items():
+            builder = builder.property(name, value)
+        builder.execute()
+
+
 class SparkTableEngine(TableEngine):
     """Delta through PySpark with the Delta extension.
 
@@ -51,6 +95,7 @@ class SparkTableEngine(TableEngine):
     """
 
     name = "spark"
+    creates_deletion_vectors = True
 
     def __init__(self, warehouse: Path, *, spark: SparkConfig | None = None, **kwargs: Any):
         super().__init__(warehouse, **kwargs)
@@ -68,15 +113,41 @@ class SparkTableEngine(TableEngine):
             self._sessions[table] = self.spark.newSession()
         return self._sessions[table]
 
-    def read_schema(self, table: str, path: Path) -> Any:
+    def describe(self, table: str, path: Path) -> TableDescription:
         from pyspark.sql.pandas.types import to_arrow_schema
 
+        session = self._session(table)
         with map_spark_errors(table, self.node_id):
-            schema = self.spark.read.format("delta").load(str(path)).schema
-        return to_arrow_schema(schema)
+            schema = session.read.format("delta").load(str(path)).schema
+            detail = session.sql(f"DESCRIBE DETAIL delta.{_quote(str(path))}").collect()[0]
+        return TableDescription(
+            schema=to_arrow_schema(schema),
+            partition_columns=tuple(detail["partitionColumns"] or ()),
+            properties=dict(detail["properties"] or {}),
+        )
+
+    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+        create_delta_table(
+            self._session(table), path, schema, settings, table=table, node=self.node_id
+        )
+
+    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+        columns = ", ".join(
+            f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in fields
+        )
+        with map_spark_errors(table, self.node_id):
+            self._session(table).sql(
+                f"ALTER TABLE delta.{_quote(str(path))} ADD COLUMNS ({columns})"
+            )
 
     def write(
-        self, table: str, path: Path, key: list[str], data: Any, exists: bool, metadata: str
+        self,
+        table: str,
+        path: Path,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        buckets: Sequence[int] | None,
     ) -> None:
         import pyarrow.parquet as pq
 
@@ -87,27 +158,16 @@ class SparkTableEngine(TableEngine):
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         try:
             with map_spark_errors(table, self.node_id):
-                if not exists:
-                    (
-                        session.read.parquet(str(staging))
-                        .where(f"NOT {_quote(DELETE_COLUMN)}")
-                        .select(*[_quote(c) for c in columns])
-                        .write.format("delta")
-                        .option("userMetadata", metadata)
-                        .mode("append")
-                        .save(str(path))
-                    )
-                    return
                 session.conf.set(_USER_METADATA_CONF, metadata)
                 try:
                     source = f"parquet.{_quote(str(staging))}"
                     if key:
-                        session.sql(_merge_sql(path, key, source, data.column_names))
+                        session.sql(_merge_sql(path, key, source, data.column_names, buckets))
                     else:
                         cols = ", ".join(_quote(c) for c in columns)
                         session.sql(
                             f"INSERT INTO delta.{_quote(str(path))} ({cols}) "
-                            f"SELECT {cols} FROM {source}"
+                            f"SELECT {cols} FROM {source} WHERE NOT {_quote(DELETE_COLUMN)}"
                         )
                 finally:
                     session.conf.unset(_USER_METADATA_CONF)
@@ -115,15 +175,27 @@ class SparkTableEngine(TableEngine):
             staging.unlink(missing_ok=True)
 
 
-def _merge_sql(path: Path, key: Sequence[str], source: str, columns: Sequence[str]) -> str:
+def _merge_sql(
+    path: Path,
+    key: Sequence[str],
+    source: str,
+    columns: Sequence[str],
+    buckets: Sequence[int] | None,
+) -> str:
     data = [c for c in columns if c != DELETE_COLUMN]
-    on = " AND ".join(f"t.{_quote(k)} = s.{_quote(k)}" for k in key)
-    sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data)
+    on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
+    if buckets is not None:
+        # Delta prunes a MERGE's target files by the literal predicates on target columns in
+        # its ON clause, not by a join on them: name the group's buckets.
+        b = _quote(BUCKET_COLUMN)
+        on.append(f"t.{b} = s.{b}")
+        on.append(f"t.{b} IN ({', '.join(str(int(x)) for x in buckets)})")
+    sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data if c != BUCKET_COLUMN)
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)
     flag = f"s.{_quote(DELETE_COLUMN)}"
     return (
-        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {on} "
+        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {' AND '.join(on)} "
         f"WHEN MATCHED AND {flag} THEN DELETE "
         f"WHEN MATCHED THEN UPDATE SET {sets} "
         f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
