@@ -194,7 +194,7 @@ class SideInputError(ServerError):
 
 class ItemFailedError(ServerError):
     """The receiver marked single items of a batch failed (``ctx.fail``); the rest of the
-    batch was applied. ``details["items"]`` lists ``(index in batch, reason)`` pairs."""
+    batch was applied. ``details["items"]`` lists ``[source position, reason]`` pairs."""
 
     code = ErrorCode.ITEM_FAILED
     retriable = False

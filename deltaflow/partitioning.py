@@ -12,6 +12,7 @@ node joins or leaves only the partitions it wins or held move.
 from __future__ import annotations
 
 import hashlib
+import threading
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +29,16 @@ __all__ = [
 
 DEFAULT_PARTITIONS: Final = 64
 
-_key_packer = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True)
+
+class _Packer(threading.local):
+    """One msgpack ``Packer`` per thread: a packer is not safe to share between threads (the
+    node computes bucket columns on worker threads while clients route on the loop)."""
+
+    def __init__(self) -> None:
+        self.pack = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True).pack
+
+
+_key_packer = _Packer()
 
 
 def _digest64(data: bytes) -> int:

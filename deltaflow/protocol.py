@@ -13,6 +13,8 @@ fixed field table, and refuses frames larger than the agreed limit. See ``docs/p
 from __future__ import annotations
 
 import itertools
+import re
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -42,6 +44,11 @@ DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 WS_PATH: Final = "/v1/stream"
 
 Frame = dict[str, Any]
+
+#: Stream ids a node accepts: the client's ids (random, or the caller's ``stream_id=`` of at most
+#: 128 characters) plus the suffix of a dead-letter stream. They end up in every Delta commit's
+#: lane marks, so a node refuses anything else.
+STREAM_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,160}")
 
 # Field table: frame type -> {field: accepted python types}. Fields not listed are rejected,
 # so a frame can never smuggle data a handler does not expect.
@@ -148,7 +155,15 @@ def _check_fields(ftype: str, frame: Frame, spec: dict[str, tuple[type, ...]]) -
         raise ProtocolError(f"{ftype!r} frame has unexpected fields {sorted(extra)}")
 
 
-_packer = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True)
+class _Packer(threading.local):
+    """One ``Packer`` per thread (a packer is not thread-safe; blocking clients may stream
+    from several threads of one process)."""
+
+    def __init__(self) -> None:
+        self.pack = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True).pack
+
+
+_packer = _Packer()
 
 
 def pack_item(item: Any) -> bytes:

@@ -183,3 +183,20 @@ def test_usage_errors_say_what_to_do() -> None:
     with pytest.raises(UsageError, match="page_size"):
         StreamerOptions(page_size=0)
     _ = dataclasses  # keep import for readability of options tests
+
+
+async def test_a_stream_id_outside_the_allowed_characters_is_refused(guarded: list[Node]) -> None:
+    session, ws, _ = await raw_session(guarded[0].address)
+    try:
+        for sid in ("../../etc/passwd", "x" * 161, "a\nb"):
+            await ws.send_bytes(encode_frame({"t": "open", "sid": sid, "receiver": "x"}))
+            answer = decode_frame((await ws.receive()).data)
+            assert answer["t"] == "error" and answer["code"] == "BAD_FRAME"
+            assert "stream id" in answer["msg"] and "not allowed" in answer["msg"]
+        # The connection stays usable for a good stream id.
+        await ws.send_bytes(
+            encode_frame({"t": "open", "sid": "good-1", "receiver": "deltaflow.testing.Echo"})
+        )
+        assert decode_frame((await ws.receive()).data) == {"t": "opened", "sid": "good-1"}
+    finally:
+        await session.close()

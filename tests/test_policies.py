@@ -180,3 +180,50 @@ async def test_items_taken_from_a_blocking_iterator_are_all_accounted_for(
     # Applied (0-19) + everything else taken from the iterator, even items still in a chunk.
     assert failed == list(range(20, yielded))
     assert yielded < 10_000
+
+
+async def test_a_blocking_source_that_raises_reports_exactly_the_items_not_applied(
+    cluster: list[Node],
+) -> None:
+    def rows() -> Any:  # a generator (read on a worker thread) failing mid-chunk
+        yield from range(300)
+        raise RuntimeError("source broke after 300 items")
+
+    acked: list[int] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                rows(), key=lambda x: x, receiver="deltaflow.testing.Echo", on_ack=acked.extend
+            )
+    err = info.value
+    assert isinstance(err.cause, RuntimeError) and "source broke" in str(err.cause)
+    # Every item read before the error is either applied or reported, never lost.
+    assert sorted(acked + err.failed_items) == list(range(300))
+    assert set(acked).isdisjoint(err.failed_items)
+
+
+async def test_a_replay_under_the_same_stream_id_dead_letters_its_own_failures(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    options = StreamerOptions(on_failure="fallback", dead_letter_table="replays")
+    async with deltaflow.connect([cluster[1].address]) as client:
+        for bad in (1, 2):  # two runs of one stream id, each rejecting a different item
+            items = [{"id": i, "ok": i != bad} for i in range(5)]
+            summary = await client.stream_data(
+                items,
+                key="id",
+                receiver="deltaflow.testing.Validate",
+                options=options,
+                stream_id="nightly-load",
+            )
+            assert summary.items_dead_lettered == 1
+    rows = DeltaTable(str(warehouse / "replays")).to_pyarrow_table().to_pylist()
+    assert sorted(msgpack.unpackb(r["payload"])["id"] for r in rows) == [1, 2]
+
+
+def test_a_one_column_key_sequence_routes_like_the_column() -> None:
+    from deltaflow.client.stream import key_function
+
+    row = {"id": 42, "region": "eu"}
+    assert key_function(["id"])(row) == key_function("id")(row) == 42  # as the node buckets it
+    assert key_function(("region", "id"))(row) == ("eu", 42)

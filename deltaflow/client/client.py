@@ -199,11 +199,6 @@ class Client:
                     f"stream_id={stream_id!r} is not allowed; use 1 to 128 characters of "
                     "A-Z a-z 0-9 . _ : -"
                 )
-            if stream_id.endswith("-dead-letters"):
-                raise UsageError(
-                    f"stream_id={stream_id!r} ends with '-dead-letters', which names the "
-                    "dead-letter stream of another stream; choose another id"
-                )
             if stream_id in self._active:
                 raise UsageError(
                     f"a stream with id {stream_id!r} is already running on this client; "

@@ -73,35 +73,49 @@ class _ChunkedIterator:
         self._it = it
         self._blocking = blocking
         self._chunk: collections.deque[Any] = collections.deque()
-        self._pending: asyncio.Future[list[Any]] | None = None
+        self._pending: asyncio.Future[tuple[list[Any], BaseException | None]] | None = None
         self._exhausted = False
+        # An error the source raised: handed out after the items read before it.
+        self._error: BaseException | None = None
 
     def __aiter__(self) -> _ChunkedIterator:
         return self
 
     async def __anext__(self) -> Any:
         if not self._chunk:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
             if self._exhausted:
                 raise StopAsyncIteration
             if not self._blocking:
                 await asyncio.sleep(0)  # one yield per chunk keeps the loop fair
-                self._chunk.extend(itertools.islice(self._it, _CHUNK))
-                self._exhausted = len(self._chunk) < _CHUNK
-                if not self._chunk:
-                    raise StopAsyncIteration
-                return self._chunk.popleft()
-            if self._pending is None:
-                self._pending = asyncio.ensure_future(
-                    asyncio.to_thread(lambda: list(itertools.islice(self._it, _CHUNK)))
-                )
-            # Shielded: a cancelled pull keeps its chunk for the next call or for leftovers().
-            chunk = await asyncio.shield(self._pending)
-            self._pending = None
-            self._exhausted = len(chunk) < _CHUNK
-            self._chunk.extend(chunk)
+                self._take(self._read_chunk())
+            else:
+                if self._pending is None:
+                    self._pending = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
+                # Shielded: a cancelled pull keeps its chunk for the next call or leftovers().
+                chunk = await asyncio.shield(self._pending)
+                self._pending = None
+                self._take(chunk)
             if not self._chunk:
-                raise StopAsyncIteration
+                return await self.__anext__()  # the end, or the source's error
         return self._chunk.popleft()
+
+    def _read_chunk(self) -> tuple[list[Any], BaseException | None]:
+        """Up to ``_CHUNK`` items, and the error the source raised after them, if any."""
+        items: list[Any] = []
+        try:
+            items.extend(itertools.islice(self._it, _CHUNK))
+        except Exception as exc:  # noqa: BLE001 - the items read before it are kept
+            return items, exc
+        return items, None
+
+    def _take(self, chunk: tuple[list[Any], BaseException | None]) -> None:
+        items, error = chunk
+        self._chunk.extend(items)
+        self._exhausted = error is not None or len(items) < _CHUNK
+        self._error = error
 
     def take_buffered(self) -> list[Any]:
         """The items already pulled and not yet handed out, all at once (no await): the pump
@@ -117,7 +131,8 @@ class _ChunkedIterator:
     async def leftovers(self) -> list[Any]:
         """Items taken from the source and not handed out (waits for a pull under way)."""
         if self._pending is not None:
-            self._chunk.extend(await self._pending)
+            items, _ = await self._pending  # a source error was (or will be) raised by anext
+            self._chunk.extend(items)
             self._pending = None
         items = list(self._chunk)
         self._chunk.clear()

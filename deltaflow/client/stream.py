@@ -142,9 +142,9 @@ def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
     columns = tuple(key)
     if not columns or not all(isinstance(c, str) for c in columns):
         raise UsageError(f"key= must name columns as strings, got {key!r}")
-    if len(columns) == 1:
-        return lambda item: (item[columns[0]],)
-    return operator.itemgetter(*columns)  # a tuple of the columns' values
+    # One column routes by its value, as ``key="id"`` does (and as the node's bucket column is
+    # computed); several by the tuple of their values.
+    return operator.itemgetter(*columns)
 
 
 class _Watermark:
@@ -217,6 +217,9 @@ class StreamRun:
             call_later=asyncio.get_running_loop().call_later,
         )
         self._dead_letters: Sender | None = None
+        # Unique per run: a replay under the same stream id must not have its dead letters
+        # skipped as already applied (their batches differ from the first run's).
+        self._dead_letter_sid = f"{self.sid}-dl-{uuid.uuid4().hex[:12]}"
         self._task: asyncio.Task[Any] | None = None
         self._awaiting_source = False
         self._interrupted = False
@@ -330,7 +333,7 @@ class StreamRun:
         if self._dead_letters is None:
             self._dead_letters = Sender(
                 self.client,
-                sid=self.sid + "-dead-letters",
+                sid=self._dead_letter_sid,
                 receiver=(
                     DEAD_LETTER_RECEIVER,
                     {"table": self.options.dead_letter_table, "stream": self.sid},
@@ -496,7 +499,7 @@ class StreamRun:
                 await self._closing
             await self.client._close_stream(self.sid)
             if self._dead_letters is not None:
-                await self.client._close_stream(self.sid + "-dead-letters")
+                await self.client._close_stream(self._dead_letter_sid)
         if self.results is not None:
             await self.results.finish(self.errors[0] if self.errors else None)
             if self.results.error is not None and self.results.error not in self.errors:

@@ -30,6 +30,15 @@ class ReceiverRegistry:
     def register(self, cls: type[Receiver], name: str | None = None) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Receiver)):
             raise UsageError(f"{cls!r} is not a subclass of deltaflow.receivers.Receiver")
+        bound, retries = cls.max_concurrency, cls.node_retries
+        if bound is not None and (not isinstance(bound, int) or bound < 1):
+            raise UsageError(
+                f"{cls.__qualname__}.max_concurrency must be None or >= 1, not {bound!r}"
+            )
+        if not isinstance(retries, int) or retries < 0:
+            raise UsageError(
+                f"{cls.__qualname__}.node_retries must be an int >= 0, not {retries!r}"
+            )
         self._classes[name or f"{cls.__module__}.{cls.__qualname__}"] = cls
 
     def register_names(self, names: Iterable[str]) -> None:

@@ -9,8 +9,9 @@ preserve staging order, so the next batch can be staged while the previous one c
 A batch is acknowledged only when its receiver returned *and* every table write it staged is
 durable. A resend of a batch already applied is acknowledged as a duplicate (``dup``) without
 running it again; one still committing is acknowledged when its commit lands. Either way its
-results (kept for the lane's latest ``RESULT_REPLAY_BATCHES`` batches) are sent again first,
-so a lost ack never loses results; results may therefore repeat.
+results (and the items its receiver marked failed) are sent again first, so a lost ack never
+loses them; results may therefore repeat. They are kept until the client's ``base`` passes the
+batch (it has the ack), at most ``RESULT_REPLAY_BATCHES`` batches per lane.
 
 When a batch fails for good, its lane is failed: later batches of the lane are refused with
 ``LANE_FAILED`` (and those already staged behind it are abandoned before they commit), so a
@@ -48,7 +49,7 @@ from ..errors import (
     _UnknownStreamError,
     is_retriable,
 )
-from ..protocol import Frame, unpack_items
+from ..protocol import STREAM_ID, Frame, unpack_items
 from ..receivers.base import Receiver, ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
 
@@ -57,9 +58,10 @@ __all__ = ["Dispatcher", "DispatcherStatistics", "Peer", "error_frame"]
 log = logging.getLogger(__name__)
 
 MAX_LANE_PENDING: Final = 64
-#: Batches per lane whose results are kept for replay to a resend (covers any client whose
-#: per_partition_in_flight is at most this).
-RESULT_REPLAY_BATCHES: Final = 16
+#: Most batches per lane whose results are kept for replay to a resend. Results are dropped as
+#: soon as the client's ``base`` passes their batch, so this bound only matters for a client
+#: that falls this far behind (a batch then resent gets its ack without its results).
+RESULT_REPLAY_BATCHES: Final = 1024
 _RESULT_CHUNK: Final = 1000
 
 
@@ -172,6 +174,12 @@ class Dispatcher:
         Raises:
             UnknownReceiverError: ``receiver`` is not on the allow-list.
         """
+        if not STREAM_ID.fullmatch(sid):
+            raise _BadFrameError(
+                f"stream id {sid[:64]!r} is not allowed: use 1 to 160 characters of "
+                "A-Z a-z 0-9 . _ : -",
+                node=self.node_id,
+            )
         stream = self._streams.get(sid)
         if stream is not None:
             if stream.receiver_name != receiver:
@@ -285,6 +293,9 @@ class Dispatcher:
         if lane.failed_at is not None and seq >= lane.failed_at:
             err = lane.failure if seq == lane.failed_at else None
             return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
+        results = lane.results
+        while results and next(iter(results)) < base:  # the client has their acks
+            results.popitem(last=False)
         if base > lane.next_seq:
             # The client has every batch below ``base`` acknowledged (by this node before, or by
             # a previous owner): start the lane there instead of waiting for them.

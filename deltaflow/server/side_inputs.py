@@ -34,6 +34,7 @@ never a mix, and each version parses once per parse function.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -50,6 +51,7 @@ import uuid
 import zoneinfo
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -444,8 +446,13 @@ class _Managed:
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
         self.is_leader = False
+        self.epoch = 0  # the lease epoch this node leads under (a new epoch: a new leadership)
         self.leader: str | None = None
         self.last_run: float | None = None
+        # Its own thread for a synchronous retrieve(): one call at a time, even after a call
+        # timed out (its thread cannot be stopped), and never starving the node's other work.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"deltaflow-side-{self.name}")
+        self.running: concurrent.futures.Future[Any] | None = None
         # The SHA-256 CURRENT holds, as this node last wrote or checked it under its lease.
         self.stored_sha256: str | None = None
         self.next_run = 0.0
@@ -642,8 +649,8 @@ class SideInputStore:
     async def stop(self) -> None:
         """Stop the tasks and give up the leases this node holds (others take over at once).
 
-        A synchronous ``retrieve()`` still running in its worker thread is left to finish;
-        its value is not published.
+        A synchronous ``retrieve()`` still running in its thread is left to finish; its value
+        is not published.
         """
         tasks, self._tasks = self._tasks, []
         for task in tasks:
@@ -652,6 +659,7 @@ class SideInputStore:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for m in self._managed.values():
+            m.executor.shutdown(wait=False, cancel_futures=True)
             if m.is_leader:
                 m.is_leader = False
                 try:
@@ -673,9 +681,11 @@ class SideInputStore:
                 log.warning("side input %s: lease check failed: %s", m.name, exc)
                 held, lease = False, None
             m.leader = lease.holder if lease is not None and lease.expires > time.time() else None
-            if held and not m.is_leader:
-                assert lease is not None
+            if held and lease is not None and (not m.is_leader or lease.epoch != m.epoch):
+                # Also when this node re-took the lease under a new epoch without noticing
+                # it lost it: another leader may have published meanwhile.
                 m.is_leader = True
+                m.epoch = lease.epoch
                 m.stored_sha256 = None
                 m.last_run = lease.last_run
                 overdue = m.current is None or m.last_run is None
@@ -718,7 +728,13 @@ class SideInputStore:
         if inspect.iscoroutinefunction(retrieve):
             result: object = await retrieve()
         else:
-            result = await asyncio.to_thread(retrieve)
+            if m.running is not None and not m.running.done():
+                raise _RetrievalError(
+                    "the previous retrieve() is still running after its timeout; this run is "
+                    "skipped (one call at a time)"
+                )
+            m.running = m.executor.submit(retrieve)
+            result = await asyncio.wrap_future(m.running)
         if inspect.isawaitable(result):
             result = await result
         return result

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import shutil
 import time
@@ -210,27 +211,54 @@ class _TableCommitter:
     async def _run(self) -> None:
         while True:
             await self.ready.wait()
-            group: list[_Staged] = []
-            rows = nbytes = 0
-            max_rows, max_bytes = self.engine.max_group_rows, self.engine.max_group_bytes
-            while self.queue and (
-                not group
-                or (
-                    rows + self.queue[0].rows <= max_rows
-                    and nbytes + self.queue[0].nbytes <= max_bytes
-                )
-            ):
-                staged = self.queue.popleft()
-                rows += staged.rows
-                nbytes += staged.nbytes
-                group.append(staged)
-            self.queued_rows -= rows
-            self.engine.stats.queued_rows -= rows
-            if not self.queue:
-                self.ready.clear()
-            if self.queued_rows < self.engine.max_queued_rows:
-                self.room.set()
-            await self._commit_group(group)
+            # The group is taken only once the table lock is held: while another node commits
+            # to the table, this node's batches keep joining its next group, so under load the
+            # groups grow to cover the wait (instead of one taken early and then stuck waiting).
+            lock = table_lock(self.engine.warehouse, self.name)
+            entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
+            try:
+                await asyncio.shield(entering)
+            except asyncio.CancelledError:  # the node stops: release the lock once it is ours
+                entering.add_done_callback(functools.partial(_release_if_taken, lock=lock))
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
+                for staged in self._take_group():
+                    self.engine.stats.batches_failed += 1
+                    _settle(staged.future, ServerError(str(exc), node=self.engine.node_id))
+                continue
+            committing = asyncio.ensure_future(self._commit_group(self._take_group()))
+            try:
+                # Shielded: a commit under way finishes (and settles its batches) even when
+                # the node stops, so the lock is never released under a running commit.
+                await asyncio.shield(committing)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await committing
+                raise
+            finally:
+                lock.__exit__(None, None, None)  # a non-blocking unlock, on the loop
+
+    def _take_group(self) -> list[_Staged]:
+        group: list[_Staged] = []
+        rows = nbytes = 0
+        max_rows, max_bytes = self.engine.max_group_rows, self.engine.max_group_bytes
+        while self.queue and (
+            not group
+            or (
+                rows + self.queue[0].rows <= max_rows and nbytes + self.queue[0].nbytes <= max_bytes
+            )
+        ):
+            staged = self.queue.popleft()
+            rows += staged.rows
+            nbytes += staged.nbytes
+            group.append(staged)
+        self.queued_rows -= rows
+        self.engine.stats.queued_rows -= rows
+        if not self.queue:
+            self.ready.clear()
+        if self.queued_rows < self.engine.max_queued_rows:
+            self.room.set()
+        return group
 
     async def _commit_group(self, group: list[_Staged]) -> None:
         live = []
@@ -288,20 +316,19 @@ class _TableCommitter:
             return
 
     def _commit(self, group: list[_Staged]) -> int:
-        """Blocking: under the table lock, drop writes the table already holds, then create the
-        table if needed and apply the rest in one commit that also records the group's lane
-        marks."""
-        with table_lock(self.engine.warehouse, self.name):
-            # Another node may have created the table or changed its schema or settings.
-            if self.marks.refresh() or (self.settings is None and self._exists()):
-                self._describe()
-            todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
-            self.engine.stats.batches_deduplicated += len(group) - len(todo)
-            if not todo:
-                return 0
-            lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
-            rows = self._commit_rows(todo, LaneMarks.user_metadata(self.engine.node_id, lanes))
-            self.marks.absorb(lanes)
+        """Blocking, called with the table lock held (see ``_run``): drop writes the table
+        already holds, then create the table if needed and apply the rest in one commit that
+        also records the group's lane marks."""
+        # Another node may have created the table or changed its schema or settings.
+        if self.marks.refresh() or (self.settings is None and self._exists()):
+            self._describe()
+        todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
+        self.engine.stats.batches_deduplicated += len(group) - len(todo)
+        if not todo:
+            return 0
+        lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+        rows = self._commit_rows(todo, LaneMarks.user_metadata(self.engine.node_id, lanes))
+        self.marks.absorb(lanes)
         fault_point("after_commit")
         return rows
 
@@ -446,6 +473,11 @@ def _cast_column(column: Any, field: Any, table: str, node: str) -> Any:
         node=node,
         details={"column": field.name},
     )
+
+
+def _release_if_taken(entering: asyncio.Future[Any], lock: Any) -> None:
+    if not entering.cancelled() and entering.exception() is None:
+        lock.__exit__(None, None, None)
 
 
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
