@@ -47,7 +47,7 @@ from ..errors import (
     ServerError,
     UsageError,
 )
-from .lock import table_lock
+from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
 from .tables import (
     BUCKET_COLUMN,
@@ -134,6 +134,7 @@ class _TableCommitter:
         self.engine = engine
         self.name = name
         self.path = engine.warehouse / name
+        self.lock_path = table_lock_path(engine.warehouse, name)
         self.key: list[str] | None = None  # the key this node's writes use
         self.settings: TableSettings | None = None  # None until the table exists
         self.schema: Any = None  # the data columns (no bucket), None until the table exists
@@ -237,6 +238,9 @@ class _TableCommitter:
                 raise
             finally:
                 lock.__exit__(None, None, None)  # a non-blocking unlock, on the loop
+            if await self.engine._in_thread(others_waiting, self.lock_path):
+                # flock is not fair: let the node waiting for this table commit first.
+                await asyncio.sleep(YIELD_SECONDS)
 
     def _take_group(self) -> list[_Staged]:
         group: list[_Staged] = []

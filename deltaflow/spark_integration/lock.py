@@ -15,16 +15,35 @@ import contextlib
 import fcntl
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
-__all__ = ["file_lock", "table_lock"]
+__all__ = [
+    "YIELD_SECONDS",
+    "file_lock",
+    "others_waiting",
+    "table_lock",
+    "table_lock_path",
+]
+
+
+#: How often a waiter retries a held lock, and how long a holder that saw waiters stays away
+#: after releasing it (longer than the retry period, so a waiter gets its turn).
+POLL_SECONDS: Final = 0.01
+YIELD_SECONDS: Final = 0.05
 
 
 @contextlib.contextmanager
 def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
     """Hold an exclusive ``flock`` on ``path`` (created if missing); yields the seconds spent
-    waiting. Polls with backoff (1 ms doubling to 50 ms) so a timeout can be honoured.
+    waiting. Polls every ``POLL_SECONDS`` so a timeout can be honoured.
+
+    ``flock`` is not fair: a holder that releases and re-locks at once can starve a polling
+    waiter indefinitely. So a waiter leaves a marker next to the lock while it waits
+    (:func:`others_waiting`), and a holder that sees one stays away for ``YIELD_SECONDS``
+    after releasing.
 
     Blocking: call it from a worker thread, never on the event loop.
 
@@ -34,25 +53,49 @@ def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     started = time.monotonic()
+    marker: Path | None = None
     try:
-        delay = 0.001
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if marker is None:
+                    marker = _waiting_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex}"
+                    marker.parent.mkdir(exist_ok=True)
+                    marker.touch()
                 if time.monotonic() - started > timeout:
                     raise TimeoutError(
                         f"{what} held by another process for more than {timeout}s ({path})"
                     ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+                time.sleep(POLL_SECONDS)
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+            marker = None
         try:
             yield time.monotonic() - started
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
         os.close(fd)
+
+
+def _waiting_dir(path: Path) -> Path:
+    return path.parent / f"{path.name}.waiting"
+
+
+def others_waiting(path: Path) -> bool:
+    """Whether another thread or process is waiting for the lock at ``path``."""
+    try:
+        return any(_waiting_dir(path).iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def table_lock_path(warehouse: Path, table: str) -> Path:
+    return warehouse / ".deltaflow" / "locks" / f"{table}.lock"
 
 
 def table_lock(
@@ -65,5 +108,6 @@ def table_lock(
     Raises:
         TimeoutError: the lock was not free within ``timeout`` seconds.
     """
-    path = warehouse / ".deltaflow" / "locks" / f"{table}.lock"
-    return file_lock(path, timeout=timeout, what=f"commit lock of table {table!r}")
+    return file_lock(
+        table_lock_path(warehouse, table), timeout=timeout, what=f"commit lock of table {table!r}"
+    )
