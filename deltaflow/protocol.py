@@ -33,6 +33,7 @@ __all__ = [
     "encode_frame",
     "join_items",
     "pack_item",
+    "pack_items",
     "unpack_items",
 ]
 
@@ -173,6 +174,11 @@ def pack_item(item: Any) -> bytes:
         TypeError: the item holds a value msgpack cannot carry (e.g. an arbitrary object).
     """
     return _packer.pack(item)  # type: ignore[no-any-return]
+
+
+def pack_items(items: Iterable[Any]) -> list[bytes]:
+    """:func:`pack_item` of every item, in one pass."""
+    return list(map(_packer.pack, items))
 
 
 def join_items(packed: Iterable[bytes]) -> bytes:

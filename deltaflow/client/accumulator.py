@@ -174,26 +174,24 @@ class Accumulator:
             return
         page_size, max_bytes = self._limits
         buffers, interval = self._buffers, self._interval
-        for j, item in enumerate(items):
-            partition = partitions[j]
-            data = packed[j]
+        for j, (item, partition, data) in enumerate(zip(items, partitions, packed, strict=False)):
             nbytes = len(data)
             buf = buffers.get(partition)
-            if buf is not None and buf.batch.nbytes + nbytes > max_bytes:
-                self._on_cut(self._cut(partition))
-                buf = None
-            if buf is None:
+            if buf is None or buf.batch.nbytes + nbytes > max_bytes:
+                if buf is not None:
+                    self._on_cut(self._cut(partition))
                 buf = buffers[partition] = _Buffer(Batch(partition, -1))
                 if interval > 0:
                     buf.timer = self._call_later(interval, self._timer_fired, partition)
             batch = buf.batch
+            batch_items = batch.items
             if deletes and j in deletes:
-                batch.deletes.append(len(batch.items))
-            batch.items.append(item)
+                batch.deletes.append(len(batch_items))
+            batch_items.append(item)
             batch.positions.append(position + j)
             batch.packed.append(data)
             batch.nbytes += nbytes
-            if len(batch.items) >= page_size:
+            if len(batch_items) >= page_size:
                 self._on_cut(self._cut(partition))
 
     def drain(self) -> list[Batch]:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, UsageError
-from ..partitioning import partition_of
-from ..protocol import pack_item
+from ..partitioning import partition_many, partition_of
+from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
@@ -389,12 +389,15 @@ class StreamRun:
             FrameTooLargeError: an item alone is larger than ``max_batch_bytes``.
         """
         position = self.pulled
-        values = [x.item if isinstance(x, Delete) else x for x in taken]
-        deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
+        values, deletes = taken, frozenset[int]()
+        # The item types are few: no Python-level pass over the chunk unless it holds a Delete.
+        if any(issubclass(t, Delete) for t in set(map(type, taken))):
+            values = [x.item if isinstance(x, Delete) else x for x in taken]
+            deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
         key, partitions = self.key, self.partitions
         try:
-            parts = [partition_of(key(v), partitions) for v in values]
-            packed = [pack_item(v) for v in values]
+            parts = partition_many(map(key, values), partitions)
+            packed = pack_items(values)
             bad, cause = None, None
         except Exception:  # noqa: BLE001 - find which item, below
             parts, packed, bad, cause = [], [], None, None
