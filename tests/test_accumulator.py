@@ -108,3 +108,31 @@ def test_a_custom_batch_creator_cuts_at_transaction_boundaries() -> None:
     for i, item in enumerate([{"n": 1}, {"n": 2, "commit": True}, {"n": 3}]):
         acc.add(0, i, item, b"x", is_delete=False)
     assert [[i["n"] for i in b.items] for b in cut] == [[1, 2]]
+
+
+def test_add_many_cuts_exactly_like_adding_one_by_one() -> None:
+    import random
+
+    rng = random.Random(7)
+    one_acc, _, one = make(page_size=7, max_bytes=40, interval=0)
+    many_acc, _, many = make(page_size=7, max_bytes=40, interval=0)
+    position = 0
+    for _ in range(60):  # chunks of varied size over 5 partitions, items of 1 to 9 bytes
+        size = rng.randint(1, 40)
+        items = [f"i{position + j}" for j in range(size)]
+        parts = [rng.randrange(5) for _ in range(size)]
+        packed = [b"x" * rng.randint(1, 9) for _ in range(size)]
+        for j in range(size):
+            one_acc.add(parts[j], position + j, items[j], packed[j], is_delete=False)
+        many_acc.add_many(position, items, parts, packed, frozenset())
+        position += size
+    one += one_acc.drain()
+    many += many_acc.drain()
+
+    def lanes(batches: list[Batch]) -> dict[int, list[tuple[int, list[Any], list[int], int]]]:
+        out: dict[int, list[tuple[int, list[Any], list[int], int]]] = {}
+        for b in batches:
+            out.setdefault(b.partition, []).append((b.seq, b.items, b.positions, b.nbytes))
+        return out
+
+    assert lanes(many) == lanes(one)  # per partition: same cuts, sequence, items and positions
