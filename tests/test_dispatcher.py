@@ -164,13 +164,24 @@ class FakeEngine:
         self.three_staged = asyncio.Event()
 
     async def stage(
-        self, table: str, key: Any, rows: Any, deletes: Any, *, abandoned: Any, mark: Any = None
+        self,
+        table: str,
+        key: Any,
+        rows: Any,
+        deletes: Any,
+        *,
+        abandoned: Any,
+        mark: Any = None,
+        held: Any = None,
     ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.entries.append((mark[1][0], abandoned, fut))
         if len(self.entries) == 3:
             self.three_staged.set()
         return fut
+
+    def release(self) -> None:
+        pass
 
     def commit_all(self) -> None:
         for seq, abandoned, fut in self.entries:

@@ -12,6 +12,7 @@ import deltaflow
 from deltaflow import DataStreamerError, StreamerOptions
 from deltaflow.errors import ItemFailedError, ReceiverError, UnknownReceiverError
 from deltaflow.partitioning import partition_of
+from deltaflow.receivers import Receiver
 from deltaflow.server import Node
 
 ONE_BATCH_PER_PARTITION = StreamerOptions(page_size=1000, auto_flush_interval=0)
@@ -380,3 +381,47 @@ async def test_a_receiver_writes_two_tables_returns_results_and_rejects_single_i
     assert len(ledger) == 2 * 297  # one debit and one credit per settled payment, once each
     fees = sum(row["fee"] for row in settled.values())
     assert round(sum(row["delta"] for row in ledger), 6) == round(-fees, 6)
+
+
+class StageThenRaise(Receiver):
+    """Upserts its items into ``held``, then, for a batch holding a ``boom`` item, waits for
+    ``gate`` and raises: its write sits queued while other batches commit."""
+
+    gate: asyncio.Event | None = None
+
+    async def receive(self, items: list[Any], ctx: Any) -> None:
+        await ctx.table("held", key="id").upsert(items)
+        if any(item.get("boom") for item in items):
+            assert StageThenRaise.gate is not None
+            await StageThenRaise.gate.wait()
+            raise ValueError("raised after staging its write")
+
+
+async def test_a_receiver_that_raises_after_staging_leaves_nothing_in_the_table(
+    warehouse: Any,
+) -> None:
+    from .conftest import read_delta, start_cluster
+
+    (node,) = await start_cluster(
+        warehouse, count=1, engine="delta-rs", receivers=["tests.test_receivers.StageThenRaise"]
+    )
+    StageThenRaise.gate = asyncio.Event()
+    receiver = "tests.test_receivers.StageThenRaise"
+    try:
+        async with deltaflow.connect([node.address]) as client:
+            doomed = asyncio.create_task(
+                client.stream_data([{"id": 1, "boom": True}], key="id", receiver=receiver)
+            )
+            # Committed while the doomed batch's write is queued ahead of it.
+            other = await client.stream_data(
+                [{"id": i, "boom": False} for i in range(2, 11)], key="id", receiver=receiver
+            )
+            assert other.items_acked == 9
+            StageThenRaise.gate.set()
+            with pytest.raises(DataStreamerError) as info:
+                await doomed
+    finally:
+        StageThenRaise.gate = None
+        await node.stop()
+    assert info.value.failed_items == [{"id": 1, "boom": True}]
+    assert sorted(read_delta(warehouse / "held")) == list(range(2, 11))  # id 1 never landed

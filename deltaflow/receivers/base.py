@@ -52,9 +52,14 @@ class TableWriter(Protocol):
         *,
         abandoned: Any,
         mark: tuple[str, tuple[int, int]] | None = None,
+        held: Callable[[], bool] | None = None,
     ) -> asyncio.Future[None]:
-        """Validate and queue rows for the table's next commit; the future resolves when the
-        commit holding them is durable."""
+        """Validate and queue rows for the table's next commit (not before ``held()`` turns
+        false); the future resolves when the commit holding them is durable."""
+        ...
+
+    def release(self) -> None:
+        """Writes whose ``held()`` turned false may now be committed."""
         ...
 
 
@@ -87,6 +92,7 @@ class ReceiverContext:
     _side_inputs: SideInputReader | None = None
     _durable: list[asyncio.Future[None]] = field(default_factory=list)
     _abandoned: Any = None
+    _running: bool = True  # false once receive() returned or raised
     _writes: dict[str, int] = field(default_factory=dict)
 
     def _next_mark(self, table: str) -> tuple[str, tuple[int, int]]:
@@ -110,6 +116,9 @@ class ReceiverContext:
 
             raise SideInputError(f"node {self.node_id} has no side inputs configured")
         return self._side_inputs.get(name, parse)
+
+    def _is_running(self) -> bool:
+        return self._running
 
     @property
     def redelivered(self) -> bool:
@@ -151,6 +160,8 @@ class TableHandle:
 
     A write returns once the rows are validated and queued; the batch is acknowledged to the
     client only after the commit holding them is durable, so a receiver need not wait for it.
+    The rows join a group commit only once ``receive`` returned: if it raises instead, they
+    are dropped, so a failed batch leaves nothing in any table.
 
     Every write is applied exactly once, even when its batch is delivered again after a lost
     ack, a crash between commit and ack, or a failover: the commit records the write's lane
@@ -187,6 +198,7 @@ class TableHandle:
             deletes,
             abandoned=self.ctx._abandoned,
             mark=self.ctx._next_mark(self.name),
+            held=self.ctx._is_running,
         )
         self.ctx._durable.append(fut)
 

@@ -437,6 +437,11 @@ class Dispatcher:
         except BaseException:
             batch_failed.set()
             raise
+        finally:
+            # Its staged writes may be committed now (or, if it failed, dropped).
+            ctx._running = False
+            if ctx._durable and self._writer is not None:
+                self._writer.release()
         return ctx
 
     @staticmethod

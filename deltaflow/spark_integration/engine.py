@@ -117,6 +117,12 @@ class _Staged:
     abandoned: Callable[[], bool] | None
     mark: tuple[str, Mark] | None = None  # (lane, mark) for exactly-once; None: always apply
     buckets: int = 0  # the bucket count the bucket column was computed with
+    # True while the receiver that staged the write still runs: the write is not committed
+    # until it returned (a receiver that raises after staging must leave no trace).
+    held: Callable[[], bool] | None = None
+
+    def takeable(self) -> bool:
+        return self.held is None or not self.held()
 
     @property
     def rows(self) -> int:
@@ -212,6 +218,9 @@ class _TableCommitter:
     async def _run(self) -> None:
         while True:
             await self.ready.wait()
+            if not self._any_takeable():
+                self.ready.clear()  # only writes of receivers still running: wait for release()
+                continue
             # The group is taken only once the table lock is held: while another node commits
             # to the table, this node's batches keep joining its next group, so under load the
             # groups grow to cover the wait (instead of one taken early and then stuck waiting).
@@ -243,26 +252,34 @@ class _TableCommitter:
                 await asyncio.sleep(YIELD_SECONDS)
 
     def _take_group(self) -> list[_Staged]:
+        """The next group: queued writes in staging order, up to the bounds, passing over the
+        writes of receivers still running (they stay queued, in order)."""
         group: list[_Staged] = []
+        held: deque[_Staged] = deque()
         rows = nbytes = 0
         max_rows, max_bytes = self.engine.max_group_rows, self.engine.max_group_bytes
-        while self.queue and (
-            not group
-            or (
-                rows + self.queue[0].rows <= max_rows and nbytes + self.queue[0].nbytes <= max_bytes
-            )
-        ):
-            staged = self.queue.popleft()
+        while self.queue:
+            staged = self.queue[0]
+            if not staged.takeable():
+                held.append(self.queue.popleft())
+                continue
+            if group and (rows + staged.rows > max_rows or nbytes + staged.nbytes > max_bytes):
+                break
+            group.append(self.queue.popleft())
             rows += staged.rows
             nbytes += staged.nbytes
-            group.append(staged)
+        held.extend(self.queue)
+        self.queue = held
         self.queued_rows -= rows
         self.engine.stats.queued_rows -= rows
         if not self.queue:
             self.ready.clear()
-        if self.queued_rows < self.engine.max_queued_rows:
+        if self.queued_rows < self.engine.max_queued_rows or not self._any_takeable():
             self.room.set()
         return group
+
+    def _any_takeable(self) -> bool:
+        return any(staged.takeable() for staged in self.queue)
 
     async def _commit_group(self, group: list[_Staged]) -> None:
         live = []
@@ -491,6 +508,9 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+        # Marked as seen: the writes of a failed or stopped batch have nobody awaiting them
+        # (those who await still get the error).
+        fut.exception()
 
 
 def _last_per_key(table: Any, key: Sequence[str]) -> Any:
@@ -809,6 +829,12 @@ class TableEngine:
                 _settle(staged.future, ServerError("node stopped before commit", node=self.node_id))
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
+    def release(self) -> None:
+        """Some ``held`` writes may have become committable (their receiver returned)."""
+        for committer in self._tables.values():
+            if committer.queue:
+                committer.ready.set()
+
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -821,6 +847,7 @@ class TableEngine:
         *,
         abandoned: Callable[[], bool] | None = None,
         mark: tuple[str, Mark] | None = None,
+        held: Callable[[], bool] | None = None,
     ) -> asyncio.Future[None]:
         """Validate ``rows`` and queue them for ``table``'s next commit.
 
@@ -829,6 +856,8 @@ class TableEngine:
             deletes: indexes of rows that delete their key (merge tables only).
             abandoned: checked right before the commit; true drops the write.
             mark: ``(lane, (seq, k))``: the write is skipped if the table already holds it.
+            held: true while the write must not be committed yet (its receiver still runs);
+                call :meth:`release` when it turns false.
 
         Returns a future that resolves when the commit holding the rows is durable (or fails
         with the commit's error). Waits while the table's queue is full.
@@ -866,11 +895,13 @@ class TableEngine:
                     raise
                 if not await self._in_thread(committer._describe_if_newer):
                     raise
-        while committer.queued_rows >= self.max_queued_rows:
+        # Waits for room, unless everything queued is held by running receivers: then nothing
+        # could make room until they return (this one among them, perhaps).
+        while committer.queued_rows >= self.max_queued_rows and committer._any_takeable():
             committer.room.clear()
             await committer.room.wait()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committer.queue.append(_Staged(converted, fut, abandoned, mark, settings.buckets))
+        committer.queue.append(_Staged(converted, fut, abandoned, mark, settings.buckets, held))
         committer.queued_rows += converted.num_rows
         self.stats.queued_rows += converted.num_rows
         committer.ready.set()
