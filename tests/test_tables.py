@@ -474,3 +474,29 @@ async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(
     assert BUCKET_COLUMN in await asyncio.to_thread(
         cli, "show", "--table", "pairs", "--all-columns"
     )
+
+
+async def test_a_node_with_a_backlog_does_not_starve_another_on_the_table_lock(
+    warehouse: Path,
+) -> None:
+    """flock is unfair: without the yield, a committer with a backlog re-locks at once after
+    every commit and a polling waiter never gets in."""
+    busy = DeltaRsTableEngine(warehouse, node_id="busy", max_group_rows=1)
+    other = DeltaRsTableEngine(warehouse, node_id="other")
+    await busy.start()
+    await other.start()
+    try:
+        await upsert(busy, "shared", [{"id": -1, "v": 0.0}])  # the table exists
+        backlog = [
+            await busy.stage("shared", ["id"], [{"id": i, "v": 1.0}], frozenset())
+            for i in range(30)
+        ]  # 30 one-row groups, committed back to back
+        await upsert(other, "shared", [{"id": 1000, "v": 2.0}])
+        commits_before_other = busy.stats.commits
+        await asyncio.gather(*backlog)
+    finally:
+        await other.stop()
+        await busy.stop()
+    # The other node got the lock after a commit or two, not after the whole backlog.
+    assert commits_before_other <= 5, commits_before_other
+    assert len(read_all(warehouse / "shared")) == 32
