@@ -280,7 +280,7 @@ def run_deltaflow(
     ``buckets``: the table layout's bucket count (None: the node's default, one bucket per
     partition; 0: no bucket column)."""
     import deltaflow
-    from deltaflow.server import Node, NodeConfig
+    from deltaflow.server import NodeConfig, start_local_nodes
     from deltaflow.spark_integration import SparkConfig
 
     produced: dict[int, float] = {}  # id(item) -> time it was produced, until acked
@@ -299,24 +299,19 @@ def run_deltaflow(
     async def main() -> Run:
         spark = SparkConfig(master="local[*]")
 
-        def config(node_id: str, peers: list[str]) -> NodeConfig:
-            return NodeConfig(
-                node_id=node_id,
+        nodes = await start_local_nodes(
+            2,
+            NodeConfig(
+                node_id="node-1",
                 warehouse=warehouse,
                 port=0,
-                peers=peers,
                 engine=engine,
                 spark=spark,
                 table_buckets=buckets,
-            )
-
-        n1 = Node(config("node-1", []))
-        await n1.start()
-        n2 = Node(config("node-2", [n1.address]))
-        await n2.start()
+            ),
+        )
+        n1 = nodes[0]
         try:
-            await n1.wait_for_members(2)
-            await n2.wait_for_members(2)
             started = time.monotonic()
             async with deltaflow.connect([n1.address]) as client:
                 summary = await client.stream_data(
@@ -329,10 +324,10 @@ def run_deltaflow(
                     ),
                 )
             seconds = time.monotonic() - started
-            stats = [n.statistics().engine for n in (n1, n2)]
+            stats = [n.statistics().engine for n in nodes]
         finally:
-            await n2.stop()
-            await n1.stop()
+            for node in reversed(nodes):
+                await node.stop()
         largest = max(s.largest_group_rows for s in stats)
         return Run(
             rows=summary.items_acked,

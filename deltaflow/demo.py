@@ -53,7 +53,7 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str =
     from tqdm import tqdm
 
     import deltaflow
-    from deltaflow.server import Node, NodeConfig
+    from deltaflow.server import NodeConfig, start_local_nodes
     from deltaflow.spark_integration import get_spark
 
     tmp = None if warehouse else tempfile.mkdtemp(prefix="deltaflow-demo-")
@@ -61,15 +61,10 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str =
 
     async def main() -> tuple[deltaflow.StreamSummary, float]:
         print(f"starting two nodes on 127.0.0.1 ({engine} engine) ...", flush=True)
-        n1 = Node(NodeConfig(node_id="node-1", warehouse=wh, port=0, engine=engine))
-        await n1.start()
-        n2 = Node(
-            NodeConfig(node_id="node-2", warehouse=wh, port=0, peers=[n1.address], engine=engine)
-        )
-        await n2.start()
         # Both nodes see each other before the stream starts.
-        await n1.wait_for_members(2)
-        await n2.wait_for_members(2)
+        n1, n2 = await start_local_nodes(
+            2, NodeConfig(node_id="node-1", warehouse=wh, port=0, engine=engine)
+        )
         print(
             f"nodes up: {n1.address} ({n1.statistics().owned_partitions} partitions), "
             f"{n2.address} ({n2.statistics().owned_partitions} partitions)",

@@ -13,16 +13,20 @@
   deltaflow.testing.FileSideInput``); :class:`SideInputEcho` returns what a side input held for
   each item, and :func:`stamped_value`/:func:`check_stamped` make and check values whose
   tearing would show.
+- :class:`NodeProcess`: ``deltaflow serve`` as a child process (start, SIGKILL, stop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+import socket
+import sys
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +49,12 @@ __all__ = [
     "Flaky",
     "Gated",
     "KillOnKey",
+    "NodeProcess",
     "RequestDropper",
     "SideInputEcho",
     "Validate",
     "check_stamped",
+    "free_port",
     "stamped_value",
 ]
 
@@ -82,6 +88,7 @@ class ConnectionDropper:
             if sent == self.after_batches and self.dropped < self.limit:
                 self.dropped += 1
                 await conn._send(frame)
+                await conn._outbox.drain()  # on the wire, then the connection goes
                 conn._abort_transport()
             return await original(frame, timeout=timeout)
 
@@ -343,3 +350,102 @@ class SideInputEcho(Receiver):
             return out
 
         return await asyncio.to_thread(read)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NodeProcess:
+    """``deltaflow serve`` in a child process, on 127.0.0.1; ``start`` returns once it prints
+    'ready'. For failover tests (``kill`` is a SIGKILL) and benchmarks that want nodes in
+    processes of their own, as deployed.
+
+    Args:
+        extra: further ``deltaflow serve`` arguments (``--engine``, ``--receiver``...).
+        spark_master: ``--spark-master`` (one core by default: tests run several nodes).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        warehouse: Path,
+        *,
+        peers: Sequence[str] = (),
+        port: int = 0,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        spark_master: str = "local[1]",
+    ) -> None:
+        self.node_id = node_id
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "deltaflow.cli",
+            "serve",
+            "--node-id",
+            node_id,
+            "--port",
+            str(self.port),
+            "--warehouse",
+            str(warehouse),
+            "--spark-master",
+            spark_master,
+            *extra,
+        ]
+        if peers:
+            self.args += ["--peers", ",".join(peers)]
+        self.env = env or {}
+        self.proc: asyncio.subprocess.Process | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self.output: list[str] = []
+
+    async def start(self, timeout: float = 120.0) -> NodeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError(f"{self.node_id} exited: {''.join(self.output)[-3000:]}")
+                self.output.append(line)
+                if "ready on" in line:
+                    break
+        self._drain = asyncio.create_task(self._drain_output())
+        return self
+
+    async def _drain_output(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            self.output.append(line.decode())
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, exactly like a crash."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                async with asyncio.timeout(30):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._drain is not None:  # None when start() failed before the node was ready
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain

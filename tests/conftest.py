@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deltaflow.server import Node, NodeConfig
+from deltaflow.server import Node, NodeConfig, start_local_nodes
 from deltaflow.spark_integration import SparkConfig, get_spark
 
 TEST_SPARK = SparkConfig(master="local[2]", shuffle_partitions=2, driver_memory="2g")
@@ -50,15 +48,7 @@ async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[
         failure_timeout=10.0,
         **config,
     )
-    nodes: list[Node] = []
-    for i in range(count):
-        node = Node(
-            dataclasses.replace(base, node_id=f"node-{i + 1}", peers=[n.address for n in nodes])
-        )
-        await node.start()
-        nodes.append(node)
-    await asyncio.gather(*(n.wait_for_members(count) for n in nodes))
-    return nodes
+    return await start_local_nodes(count, base)
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import pytest
 import deltaflow
 from deltaflow import DataStreamerError, StreamerOptions
 from deltaflow.errors import AuthenticationError, SchemaError, UsageError
-from deltaflow.partitioning import partition_of
-from deltaflow.protocol import WS_PATH, decode_frame, encode_frame
+from deltaflow.partitioning import PartitionMap, partition_of
+from deltaflow.protocol import WS_PATH, decode_frame, decode_frames, encode_frame, pack_item
 from deltaflow.server import Node
 
 from .conftest import read_delta, start_cluster
@@ -34,10 +34,12 @@ async def guarded(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
         await node.stop()
 
 
-async def raw_session(address: str, token: str | None = TOKEN) -> tuple[Any, Any, dict[str, Any]]:
+async def raw_session(
+    address: str, token: str | None = TOKEN, caps: list[str] | None = None
+) -> tuple[Any, Any, dict[str, Any]]:
     session = aiohttp.ClientSession()
     ws = await session.ws_connect(f"http://{address}{WS_PATH}", max_msg_size=1 << 24)
-    hello = {"t": "hello", "v": [1], "caps": [], "client": "raw", "token": token}
+    hello = {"t": "hello", "v": [1], "caps": caps or [], "client": "raw", "token": token}
     await ws.send_bytes(encode_frame(hello))
     msg = await ws.receive()
     return session, ws, decode_frame(msg.data)
@@ -200,3 +202,38 @@ async def test_a_stream_id_outside_the_allowed_characters_is_refused(guarded: li
         assert decode_frame((await ws.receive()).data) == {"t": "opened", "sid": "good-1"}
     finally:
         await session.close()
+
+
+@pytest.mark.parametrize("caps", [[], ["multi"]], ids=["one-frame-per-message", "multi"])
+async def test_frames_share_a_message_only_with_a_client_that_lists_multi(
+    guarded: list[Node], caps: list[str]
+) -> None:
+    session, ws, welcome = await raw_session(guarded[0].address, caps=caps)
+    try:
+        assert ("multi" in welcome["caps"]) == bool(caps)
+        owned = PartitionMap.from_wire(welcome["map"]).owners
+        partitions = [p for p, node in enumerate(owned) if node == welcome["node"]][:3]
+        sid = "raw-multi-" + "-".join(caps)
+        frames = [{"t": "open", "sid": sid, "receiver": "deltaflow.testing.Echo"}]
+        frames += [
+            {"t": "batch", "sid": sid, "p": p, "seq": 0, "n": 1, "items": pack_item({"i": p})}
+            for p in partitions
+        ]
+        # A node reads several frames in one message from any client.
+        await ws.send_bytes(b"".join(encode_frame(f) for f in frames))
+        per_message: list[list[str]] = []
+        acked: set[int] = set()
+        async with asyncio.timeout(30):
+            while len(acked) < len(partitions):
+                msg = await ws.receive()
+                got = decode_frames(msg.data)
+                per_message.append([f["t"] for f in got])
+                acked |= {f["p"] for f in got if f["t"] == "ack"}
+    finally:
+        await session.close()
+    assert acked == set(partitions)
+    sizes = [len(kinds) for kinds in per_message]
+    if caps:  # what one event-loop turn produced went out together
+        assert max(sizes) > 1, per_message
+    else:
+        assert set(sizes) == {1}, per_message

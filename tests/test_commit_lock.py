@@ -18,8 +18,7 @@ from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import StreamerOptions
-
-from .procs import NodeProcess
+from deltaflow.testing import NodeProcess
 
 APPEND_RECEIVER = "deltaflow.testing.AppendRows"
 

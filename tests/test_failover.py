@@ -17,8 +17,7 @@ from deltalake import DeltaTable
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
-
-from .procs import NodeProcess, free_port
+from deltaflow.testing import NodeProcess, free_port
 
 pytestmark = [
     pytest.mark.slow,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .procs import NodeProcess
+from deltaflow.testing import NodeProcess
 
 CLIENT = """
 import asyncio, sys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from collections import Counter
 from typing import Any
@@ -11,7 +12,16 @@ import pytest
 
 from deltaflow.errors import FrameTooLargeError, ProtocolError
 from deltaflow.partitioning import PartitionMap, assign_partitions, partition_of
-from deltaflow.protocol import decode_frame, encode_frame, join_items, pack_item, unpack_items
+from deltaflow.protocol import (
+    COALESCE_BYTES,
+    Outbox,
+    decode_frame,
+    decode_frames,
+    encode_frame,
+    join_items,
+    pack_item,
+    unpack_items,
+)
 
 
 def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
@@ -103,3 +113,70 @@ def test_partition_map_round_trips_and_rejects_owners_without_address() -> None:
     wire["nodes"].pop("n1")
     with pytest.raises(ValueError, match="owner has no address"):
         PartitionMap.from_wire(wire)
+
+
+def test_a_message_may_carry_several_frames_each_checked() -> None:
+    ack = {"t": "ack", "sid": "s", "p": 1, "seq": 0, "n": 3}
+    opened = {"t": "opened", "sid": "s"}
+    data = encode_frame(opened) + encode_frame(ack) + encode_frame({**ack, "seq": 1})
+    assert decode_frames(data) == [opened, ack, {**ack, "seq": 1}]
+    with pytest.raises(ProtocolError, match="expected one frame, got 3"):
+        decode_frame(data)  # the handshake is one frame alone
+    bad = encode_frame(opened) + msgpack.packb({"t": "exec", "code": "import os"})
+    with pytest.raises(ProtocolError, match="unknown frame type 'exec'"):
+        decode_frames(bad)
+    with pytest.raises(FrameTooLargeError):
+        decode_frames(data, max_bytes=len(data) - 1)
+
+
+async def test_outbox_sends_what_one_turn_queued_as_one_message_only_when_allowed() -> None:
+    written: list[bytes] = []
+    errors: list[BaseException] = []
+
+    async def write(data: bytes) -> None:
+        written.append(data)
+
+    frames = [encode_frame({"t": "opened", "sid": f"s{i}"}) for i in range(5)]
+    big = encode_frame(
+        {"t": "result", "sid": "s", "p": 0, "seq": 0, "values": ["x" * COALESCE_BYTES]}
+    )
+    multi = Outbox(write, multi=True, on_error=errors.append)
+    for f in [*frames, big, *frames]:
+        multi.put(f)
+    await multi.drain()
+    assert written == [b"".join(frames), big, b"".join(frames)]  # never past COALESCE_BYTES
+
+    written.clear()
+    small = Outbox(write, multi=True, on_error=errors.append, limit=2 * len(frames[0]))
+    for f in frames:
+        small.put(f)
+    await small.drain()
+    assert written == [frames[0] + frames[1], frames[2] + frames[3], frames[4]]  # the peer's limit
+
+    written.clear()
+    single = Outbox(write, multi=False, on_error=errors.append)
+    for f in frames:
+        single.put(f)
+    await single.drain()
+    assert written == frames
+    assert errors == []
+
+
+async def test_outbox_reports_a_failed_write_and_drops_what_was_queued() -> None:
+    errors: list[BaseException] = []
+    calls = 0
+
+    async def write(data: bytes) -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionResetError("peer gone")
+
+    outbox = Outbox(write, multi=False, on_error=errors.append)
+    for i in range(3):
+        outbox.put(encode_frame({"t": "opened", "sid": f"s{i}"}))
+    await outbox.drain()
+    assert calls == 1
+    assert [type(e) for e in errors] == [ConnectionResetError]
+    outbox.put(encode_frame({"t": "opened", "sid": "later"}))  # a new turn tries again
+    await asyncio.wait_for(outbox.drain(), 5)
+    assert calls == 2

@@ -18,10 +18,9 @@ import deltaflow
 from deltaflow.errors import SideInputError
 from deltaflow.receivers import MAX_SIDE_INPUT_BYTES
 from deltaflow.server import Node, NodeConfig, NodeState
-from deltaflow.testing import SIDE_INPUT_FILE_ENV, check_stamped, stamped_value
+from deltaflow.testing import SIDE_INPUT_FILE_ENV, NodeProcess, check_stamped, stamped_value
 
 from .conftest import start_cluster
-from .procs import NodeProcess
 
 FILE = "deltaflow.testing.FileSideInput"
 FAILING = "deltaflow.testing.FailingSideInput"

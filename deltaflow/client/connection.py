@@ -31,7 +31,8 @@ from ..protocol import (
     SUPPORTED_VERSIONS,
     WS_PATH,
     Frame,
-    decode_frame,
+    Outbox,
+    decode_frames,
     encode_frame,
 )
 
@@ -85,6 +86,12 @@ class Connection:
         self._opening: dict[str, asyncio.Future[None]] = {}
         self._result_sinks: dict[str, ResultSink] = {}
         self._error: DeltaflowError | None = None
+        self._outbox = Outbox(
+            self._write,
+            multi="multi" in welcome["caps"],
+            on_error=self._write_failed,
+            limit=self.max_frame_bytes,  # a joined message is one the node must accept
+        )
         self._reader = asyncio.create_task(self._read_loop(), name=f"deltaflow-reader-{address}")
 
     def __repr__(self) -> str:
@@ -142,6 +149,7 @@ class Connection:
     async def close(self) -> None:
         if self._error is None:
             self._error = ConnectionLostError(f"connection to {self.address} was closed")
+        await self._outbox.drain()  # frames queued before the close (stream closes) go out
         await self._ws.close()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -162,6 +170,8 @@ class Connection:
         if results is not None:
             self._result_sinks[sid] = results
         fut = self._opening.get(sid)
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            return  # open already (the common case: every batch after the first)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
             self._opening[sid] = fut
@@ -195,7 +205,8 @@ class Connection:
         try:
             await self._send(frame)
             try:
-                return await asyncio.wait_for(asyncio.shield(fut), timeout)
+                async with asyncio.timeout(timeout):
+                    return await fut
             except TimeoutError:
                 raise ConnectionLostError(
                     f"no ack from node {self.node_id} at {self.address} for partition "
@@ -206,6 +217,8 @@ class Connection:
                 del self._pending[key]
 
     async def _send(self, frame: Frame) -> None:
+        """Queue ``frame`` for the outbox. A write that fails later fails every waiter of the
+        connection (batches wait for their ack, so none is lost unnoticed)."""
         if self._error is not None:
             raise self._error
         data = encode_frame(frame)
@@ -214,16 +227,28 @@ class Connection:
                 f"frame of {len(data)} bytes exceeds node {self.node_id}'s limit of "
                 f"{self.max_frame_bytes} bytes; lower StreamerOptions.max_batch_bytes"
             )
+        self._outbox.put(data)
+
+    async def _write(self, data: bytes) -> None:
         with map_transport_errors(self.address):
             await self._ws.send_bytes(data)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = (
+                exc
+                if isinstance(exc, DeltaflowError)
+                else ConnectionLostError(f"sending to node at {self.address} failed: {exc!r}")
+            )
+        self._fail_all(self._error)
 
     async def _read_loop(self) -> None:
         error: DeltaflowError
         try:
             while True:
                 msg = await self._ws.receive()
-                frame = _frame_of(msg, self.address, self.max_frame_bytes)
-                await self._route(frame)
+                for frame in _frames_of(msg, self.address, self.max_frame_bytes):
+                    await self._route(frame)
         except asyncio.CancelledError:
             raise
         except DeltaflowError as exc:
@@ -296,7 +321,10 @@ def _error_of(frame: Frame) -> ServerError:
 
 def _welcome_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
     """The node's answer to ``hello``: its ``welcome`` frame, or the error it sent raised."""
-    frame = _frame_of(msg, address, max_bytes)
+    frames = _frames_of(msg, address, max_bytes)
+    if len(frames) != 1:
+        raise ProtocolError(f"node at {address} answered hello with {len(frames)} frames")
+    frame = frames[0]
     if frame["t"] == "error":
         raise _error_of(frame)
     if frame["t"] != "welcome":
@@ -304,9 +332,9 @@ def _welcome_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
     return frame
 
 
-def _frame_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
+def _frames_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> list[Frame]:
     if msg.type == aiohttp.WSMsgType.BINARY:
-        return decode_frame(msg.data, max_bytes=max_bytes)
+        return decode_frames(msg.data, max_bytes=max_bytes)
     if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
         raise FrameTooLargeError(
             f"node at {address} closed the connection because a frame exceeded its limit of "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,7 @@ class Sender:
         # new owner would otherwise wait for a batch the old one is still applying).
         self._owner: dict[int, tuple[str, int]] = {}
         self._owner_changed = asyncio.Condition()
+        self._claim_waiters = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()
         self._room.set()
@@ -182,14 +184,6 @@ class Sender:
 
     async def _send_with_retries(self, batch: Batch) -> None:
         opts = self._options
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(opts.retry_limit + 1),
-            wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
-            + wait_random(0, opts.retry_initial_backoff),
-            retry=retry_if_exception(self._can_retry),
-            before_sleep=self._before_retry,
-            reraise=True,
-        )
         frame = {
             "t": "batch",
             "sid": self._sid,
@@ -201,23 +195,53 @@ class Sender:
         if batch.deletes:
             frame["del"] = batch.deletes
         self.counters.sent_items += len(batch.items)
+        # The first send goes without a retry loop: almost every batch is acked at once, and
+        # tenacity's per-call machinery would cost more than the send itself at small pages.
+        try:
+            await self._attempt(batch, frame)
+        except Exception as exc:
+            if opts.retry_limit == 0 or not self._can_retry(exc):
+                raise
+            self._note_retry(exc, 1)
+        else:
+            return
+        # Resends: tenacity, its attempt numbers counting from the second send. Waits are
+        # ``initial * 2**(k-1)`` plus jitter after the k-th failed send, capped at the maximum.
+        await asyncio.sleep(
+            min(opts.retry_initial_backoff, opts.retry_max_backoff)
+            + random.uniform(0, opts.retry_initial_backoff)
+        )
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(opts.retry_limit),
+            wait=wait_exponential(
+                multiplier=2 * opts.retry_initial_backoff, max=opts.retry_max_backoff
+            )
+            + wait_random(0, opts.retry_initial_backoff),
+            retry=retry_if_exception(self._can_retry),
+            before_sleep=self._before_retry,
+            reraise=True,
+        )
         async for attempt in retrying:
             with attempt:
-                batch.attempts += 1
-                frame["att"] = batch.attempts
-                conn = await self._client._connection_for(batch.partition)
-                await conn.open_stream(self._sid, *self._receiver, self._results)
-                await self._claim(batch.partition, conn.node_id)
-                try:
-                    frame["base"] = min(self._unacked[batch.partition])
-                    ack = await conn.send_batch(frame, timeout=opts.ack_timeout)
-                finally:
-                    await self._release(batch.partition)
-                batch.node = conn.node_id
-                batch.failures = item_failures(ack, len(batch.items), conn.node_id)
-                stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
-                stats.batches_acked += 1
-                stats.items_acked += len(batch.items)
+                await self._attempt(batch, frame)
+
+    async def _attempt(self, batch: Batch, frame: dict[str, Any]) -> None:
+        """One send of ``batch`` to its partition's owner, through to its ack."""
+        batch.attempts += 1
+        frame["att"] = batch.attempts
+        conn = await self._client._connection_for(batch.partition)
+        await conn.open_stream(self._sid, *self._receiver, self._results)
+        await self._claim(batch.partition, conn.node_id)
+        try:
+            frame["base"] = min(self._unacked[batch.partition])
+            ack = await conn.send_batch(frame, timeout=self._options.ack_timeout)
+        finally:
+            await self._release(batch.partition)
+        batch.node = conn.node_id
+        batch.failures = item_failures(ack, len(batch.items), conn.node_id)
+        stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
+        stats.batches_acked += 1
+        stats.items_acked += len(batch.items)
 
     def _can_retry(self, exc: BaseException) -> bool:
         if self._stopped:
@@ -229,24 +253,41 @@ class Sender:
         return is_retriable(exc)
 
     async def _claim(self, partition: int, node: str) -> None:
+        owner = self._owner.get(partition)
+        if owner is None or owner[0] == node or owner[1] == 0:
+            # Free for this node: take it without the condition (one event loop, no await).
+            count = owner[1] if owner is not None and owner[0] == node else 0
+            self._owner[partition] = (node, count + 1)
+            return
+
         def free_for_node() -> bool:
             owner = self._owner.get(partition)
             return owner is None or owner[0] == node or owner[1] == 0
 
         async with self._owner_changed:
-            await self._owner_changed.wait_for(free_for_node)
+            self._claim_waiters += 1
+            try:
+                await self._owner_changed.wait_for(free_for_node)
+            finally:
+                self._claim_waiters -= 1
             owner = self._owner.get(partition)
             count = owner[1] if owner is not None and owner[0] == node else 0
             self._owner[partition] = (node, count + 1)
 
     async def _release(self, partition: int) -> None:
-        async with self._owner_changed:
-            node, count = self._owner[partition]
-            self._owner[partition] = (node, count - 1)
-            self._owner_changed.notify_all()
+        node, count = self._owner[partition]
+        self._owner[partition] = (node, count - 1)
+        if self._claim_waiters:
+            async with self._owner_changed:
+                self._owner_changed.notify_all()
 
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
+        # Tenacity counts from the second send (the first went without it).
+        self._note_retry(exc, state.attempt_number + 1)
+
+    def _note_retry(self, exc: BaseException | None, attempt: int) -> None:
+        """Book-keeping after send number ``attempt`` failed and before it is resent."""
         self.counters.retried_batches += 1
         if isinstance(exc, NotOwnerError):
             self._client._adopt_map(exc.details.get("map"))
@@ -255,9 +296,7 @@ class Sender:
         node = getattr(exc, "node", None)
         if node:
             self.counters.per_node.setdefault(node, NodeStatistics()).errors += 1
-        log.info(
-            "retrying stream %s batch after %r (attempt %d)", self._sid, exc, state.attempt_number
-        )
+        log.info("retrying stream %s batch after %r (attempt %d)", self._sid, exc, attempt)
 
 
 def item_failures(ack: dict[str, Any], size: int, node: str) -> dict[int, str] | None:

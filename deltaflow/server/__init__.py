@@ -2,6 +2,6 @@
 WebSocket), :mod:`.dispatcher` (lanes, ordering, receivers, acks), :mod:`.topology`
 (membership and partition map). Table commits live in :mod:`deltaflow.spark_integration`."""
 
-from .node import Node, NodeConfig, NodeState, NodeStatistics
+from .node import Node, NodeConfig, NodeState, NodeStatistics, start_local_nodes
 
-__all__ = ["Node", "NodeConfig", "NodeState", "NodeStatistics"]
+__all__ = ["Node", "NodeConfig", "NodeState", "NodeStatistics", "start_local_nodes"]

@@ -6,8 +6,6 @@ A connection that breaks the protocol (malformed or oversize frame, bad handshak
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hmac
 import logging
 from typing import TYPE_CHECKING, NoReturn
@@ -25,7 +23,15 @@ from ..errors import (
     _FrameTooLargeServerError,
     _UnsupportedVersionError,
 )
-from ..protocol import CAPABILITIES, SUPPORTED_VERSIONS, Frame, decode_frame, encode_frame
+from ..protocol import (
+    CAPABILITIES,
+    SUPPORTED_VERSIONS,
+    Frame,
+    Outbox,
+    decode_frame,
+    decode_frames,
+    encode_frame,
+)
 from .dispatcher import error_frame
 
 if TYPE_CHECKING:
@@ -45,17 +51,23 @@ class ClientConnection:
         self._node = node
         self._ws = ws
         self._remote = remote
-        self._send_lock = asyncio.Lock()
         self.client_id = "?"
+        # Until the hello says otherwise, one frame per message.
+        self._outbox = Outbox(self._write, multi=False, on_error=self._write_failed)
 
     async def send(self, frame: Frame) -> None:
-        """Send a frame; silently dropped when the connection is gone (the client resends)."""
+        """Queue a frame; silently dropped when the connection is gone (the client resends)."""
         if self._ws.closed:
             return
-        data = encode_frame(frame)
-        async with self._send_lock:
-            with contextlib.suppress(ConnectionError, aiohttp.ClientError, RuntimeError):
-                await self._ws.send_bytes(data)
+        self._outbox.put(encode_frame(frame))
+
+    async def _write(self, data: bytes) -> None:
+        if not self._ws.closed:
+            await self._ws.send_bytes(data)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        # The client sees the connection drop and resends what was not acknowledged.
+        log.info("sending to %s (client %s) failed: %r", self._remote, self.client_id, exc)
 
     async def serve(self) -> None:
         node_id = self._node.node_id
@@ -64,7 +76,8 @@ class ClientConnection:
             while True:
                 msg = await self._ws.receive()
                 if msg.type == aiohttp.WSMsgType.BINARY:
-                    await self._handle(decode_frame(msg.data, max_bytes=self._node.max_frame_bytes))
+                    for frame in decode_frames(msg.data, max_bytes=self._node.max_frame_bytes):
+                        await self._handle(frame)
                 elif msg.type in (
                     aiohttp.WSMsgType.CLOSE,
                     aiohttp.WSMsgType.CLOSING,
@@ -104,6 +117,7 @@ class ClientConnection:
     async def _abort(self, err: ServerError, code: int) -> None:
         log.warning("closing connection from %s (client %s): %s", self._remote, self.client_id, err)
         await self.send(error_frame(err))
+        await self._outbox.drain()
         await self._ws.close(code=code, message=err.code.encode())
 
     async def _handshake(self) -> None:
@@ -128,6 +142,8 @@ class ClientConnection:
                 "wrong or missing token; pass the cluster token to deltaflow.connect(token=...)"
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
+        if "multi" in caps:
+            self._outbox = Outbox(self._write, multi=True, on_error=self._write_failed)
         await self.send(
             {
                 "t": "welcome",

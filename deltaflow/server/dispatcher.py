@@ -343,7 +343,9 @@ class Dispatcher:
                     lane.next_seq = max(lane.next_seq, seq + 1)
                 if ctx._durable:
                     lane.staged[seq] = list(ctx._durable)
-                self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+                    self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+                else:  # nothing to wait for: ack now, without a task of its own
+                    await self._finish(stream, p, lane, seq, ctx, durable, peer, frame)
         finally:
             lane.task = None
 
@@ -500,7 +502,8 @@ class Dispatcher:
         frame: Frame,
     ) -> None:
         try:
-            await asyncio.gather(*ctx._durable)
+            if ctx._durable:
+                await asyncio.gather(*ctx._durable)
         # Any commit failure must fail the batch's waiters and the lane, never leave them hanging.
         except Exception as exc:  # noqa: BLE001
             err = (
