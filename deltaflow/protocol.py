@@ -193,17 +193,45 @@ class Outbox:
         self._on_error = on_error
         self._queue: collections.deque[bytes] = collections.deque()
         self._task: asyncio.Task[None] | None = None
+        self._hot = False  # a frame went out at once in this loop turn
+        self._writing = False  # ... and its write has not returned yet
+        self._written = asyncio.Event()  # set whenever no immediate write is running
+        self._written.set()
 
-    def put(self, data: bytes) -> None:
-        """Queue one encoded frame (synchronous; the write happens on the outbox's task)."""
+    async def send(self, data: bytes) -> None:
+        """Send one encoded frame: at once if it is the first of this event-loop turn, else
+        queued for the outbox's task, which writes what the turn queued in one go. Never
+        raises: a failed write goes to ``on_error``."""
+        if self._task is None and not self._hot and not self._writing:
+            # Nothing queued or being written: no wait for the next turn (latency matters when
+            # one batch at a time is in flight); frames later in this turn are coalesced.
+            self._hot = self._writing = True
+            self._written.clear()
+            asyncio.get_running_loop().call_soon(self._cool)
+            try:
+                await self._write(data)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- reported to the owner, which fails the waiters
+                self._on_error(exc)
+            finally:
+                self._writing = False
+                self._written.set()
+            return
         self._queue.append(data)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._flush())
 
+    def _cool(self) -> None:
+        self._hot = False
+
     async def drain(self) -> None:
         """Wait until every queued frame was written (or the write failed)."""
-        while self._task is not None:
-            await asyncio.shield(self._task)
+        while self._task is not None or self._writing:
+            if self._task is not None:
+                await asyncio.shield(self._task)
+            else:  # an immediate write waiting for the socket to drain
+                await self._written.wait()
 
     async def _flush(self) -> None:
         queue = self._queue

@@ -227,7 +227,7 @@ class Connection:
                 f"frame of {len(data)} bytes exceeds node {self.node_id}'s limit of "
                 f"{self.max_frame_bytes} bytes; lower StreamerOptions.max_batch_bytes"
             )
-        self._outbox.put(data)
+        await self._outbox.send(data)
 
     async def _write(self, data: bytes) -> None:
         with map_transport_errors(self.address):

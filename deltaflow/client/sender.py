@@ -155,6 +155,11 @@ class Sender:
             await self._deliver_in_window(batch, lane)
         finally:
             self._unacked[batch.partition].discard(batch.seq)
+            # Settled now rather than in the done callback a loop turn later: the pump waiting
+            # for room resumes one turn sooner (the callback then finds nothing left to do).
+            task = asyncio.current_task()
+            if task is not None:
+                self._settled(task)
 
     async def _deliver_in_window(self, batch: Batch, lane: asyncio.Semaphore) -> None:
         try:

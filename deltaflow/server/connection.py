@@ -59,7 +59,7 @@ class ClientConnection:
         """Queue a frame; silently dropped when the connection is gone (the client resends)."""
         if self._ws.closed:
             return
-        self._outbox.put(encode_frame(frame))
+        await self._outbox.send(encode_frame(frame))
 
     async def _write(self, data: bytes) -> None:
         if not self._ws.closed:

@@ -84,6 +84,9 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             "spark.sql.shuffle.partitions": str(config.shuffle_partitions),
             "spark.default.parallelism": str(config.shuffle_partitions),
             "spark.databricks.delta.snapshotPartitions": "2",
+            # A MERGE source here is a staging Parquet file written once and never changed, so
+            # Delta need not copy it before its two passes (saves a Spark job per commit).
+            "spark.databricks.delta.merge.materializeSource": "none",
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
             "spark.sql.session.timeZone": "UTC",
