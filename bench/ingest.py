@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -41,7 +41,7 @@ MICRO_BATCH_ROWS: Final = 100_000
 DELETE_FRACTION: Final = 0.01
 SEED: Final = 20_240_601
 OUT_DIR: Final = Path(__file__).resolve().parent / "out"
-STAMP_LINE: Final = "-" * 118
+STAMP_LINE: Final = "-" * 124
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -273,15 +273,24 @@ WINDOW_PER_PARTITION: Final = 16
 
 
 def run_deltaflow(
-    warehouse: Path, total: int, engine: str, *, table: str, buckets: int | None = None
+    warehouse: Path,
+    total: int,
+    engine: str,
+    *,
+    table: str,
+    buckets: int | None = None,
+    layout: str = "shared",
 ) -> Run:
-    """One client streaming all rows to two in-process nodes (as ``deltaflow/demo.py``).
+    """One client streaming all rows to two nodes.
 
-    ``buckets``: the table layout's bucket count (None: the node's default, one bucket per
-    partition; 0: no bucket column)."""
+    Args:
+        buckets: the table layout's bucket count (None: the node's default, one bucket per
+            partition; 0: no bucket column).
+        layout: ``shared``: the nodes run in this process, as in ``deltaflow/demo.py`` (client,
+            nodes and the Spark driver share one Python process); ``process``: each node is a
+            ``deltaflow serve`` process of its own, as deployed (with its own Spark driver).
+    """
     import deltaflow
-    from deltaflow.server import NodeConfig, start_local_nodes
-    from deltaflow.spark_integration import SparkConfig
 
     produced: dict[int, float] = {}  # id(item) -> time it was produced, until acked
     latencies: array[float] = array("d")
@@ -296,54 +305,124 @@ def run_deltaflow(
         now = time.monotonic()
         latencies.extend(now - produced.pop(id(item)) for item in items)
 
-    async def main() -> Run:
-        spark = SparkConfig(master="local[*]")
+    options = deltaflow.StreamerOptions(
+        max_in_flight=WINDOW_BATCHES, per_partition_in_flight=WINDOW_PER_PARTITION
+    )
 
-        nodes = await start_local_nodes(
-            2,
-            NodeConfig(
-                node_id="node-1",
-                warehouse=warehouse,
-                port=0,
-                engine=engine,
-                spark=spark,
-                table_buckets=buckets,
-            ),
-        )
-        n1 = nodes[0]
+    async def main() -> Run:
+        address, statistics, stop = await _start_two_nodes(warehouse, engine, buckets, layout)
         try:
+            if layout == "process":  # each node's first MERGE (code generation) is untimed
+                async with deltaflow.connect([address]) as client:
+                    await client.stream_data(
+                        [{"id": i, "payload": "warm-up"} for i in range(2_000)],
+                        table=f"{table}_warmup",
+                        key="id",
+                    )
+            commits_before, commit_seconds_before, _ = await statistics()
             started = time.monotonic()
-            async with deltaflow.connect([n1.address]) as client:
+            async with deltaflow.connect([address]) as client:
                 summary = await client.stream_data(
-                    source(),
-                    table=table,
-                    key="id",
-                    on_ack=on_ack,
-                    options=deltaflow.StreamerOptions(
-                        max_in_flight=WINDOW_BATCHES, per_partition_in_flight=WINDOW_PER_PARTITION
-                    ),
+                    source(), table=table, key="id", on_ack=on_ack, options=options
                 )
             seconds = time.monotonic() - started
-            stats = [n.statistics().engine for n in nodes]
+            commits, commit_seconds, largest = await statistics()
+            commits -= commits_before
+            commit_seconds -= commit_seconds_before
         finally:
-            for node in reversed(nodes):
-                await node.stop()
-        largest = max(s.largest_group_rows for s in stats)
+            await stop()
         return Run(
             rows=summary.items_acked,
             seconds=seconds,
             latencies=latencies,
-            commits=sum(s.commits for s in stats),
-            commit_seconds=sum(s.commit_seconds for s in stats),
+            commits=commits,
+            commit_seconds=commit_seconds,
             note=f"largest group {largest:,} rows; retried batches {summary.batches_retried}",
         )
 
-    if engine == "spark":
+    if engine == "spark" and layout == "shared":
         warm_up_spark(warehouse)
     run = asyncio.run(main())
-    if engine == "spark":
+    if engine == "spark" and layout == "shared":
         stop_spark()
     return run
+
+
+async def _start_two_nodes(
+    warehouse: Path, engine: str, buckets: int | None, layout: str
+) -> tuple[str, Callable[[], Awaitable[tuple[int, float, int]]], Callable[[], Awaitable[None]]]:
+    """Two nodes: the first one's address, how to read (commits, commit seconds, largest
+    group rows) summed over both, and how to stop them."""
+    if layout == "process":
+        from deltaflow.testing import NodeProcess, wait_for_members
+
+        extra = ["--engine", engine]
+        if buckets is not None:
+            extra += ["--table-buckets", str(buckets)]
+        first = await NodeProcess("node-1", warehouse, extra=extra, spark_master="local[*]").start()
+        second = NodeProcess(
+            "node-2", warehouse, peers=[first.address], extra=extra, spark_master="local[*]"
+        )
+        procs = [first, await second.start()]
+
+        async def scraped() -> tuple[int, float, int]:
+            samples = [await _scrape(proc.address) for proc in procs]
+            return (
+                int(sum(s.get("deltaflow_commits_total", 0) for s in samples)),
+                sum(s.get("deltaflow_commit_seconds_sum", 0.0) for s in samples),
+                int(max(s.get("deltaflow_largest_group_rows", 0) for s in samples)),
+            )
+
+        async def stop_procs() -> None:
+            for proc in reversed(procs):
+                await proc.stop()
+
+        await wait_for_members([proc.address for proc in procs])
+        return first.address, scraped, stop_procs
+
+    from deltaflow.server import NodeConfig, start_local_nodes
+    from deltaflow.spark_integration import SparkConfig
+
+    nodes = await start_local_nodes(
+        2,
+        NodeConfig(
+            node_id="node-1",
+            warehouse=warehouse,
+            port=0,
+            engine=engine,
+            spark=SparkConfig(master="local[*]"),
+            table_buckets=buckets,
+        ),
+    )
+
+    async def counted() -> tuple[int, float, int]:
+        stats = [n.statistics().engine for n in nodes]
+        return (
+            sum(s.commits for s in stats),
+            sum(s.commit_seconds for s in stats),
+            max(s.largest_group_rows for s in stats),
+        )
+
+    async def stop_nodes() -> None:
+        for node in reversed(nodes):
+            await node.stop()
+
+    return nodes[0].address, counted, stop_nodes
+
+
+async def _scrape(address: str) -> dict[str, float]:
+    """A node's ``/metrics``: sample name -> value (one node, so no label is needed)."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(f"http://{address}/metrics") as r:
+        text = await r.text()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels.keys() - {"node"}
+    }
 
 
 def _spark_merge_sql(path: Path, staging: Path) -> str:
@@ -485,6 +564,18 @@ VARIANTS: Final = (
         lambda w, n: run_deltaflow(w, n, "delta-rs", table="deltaflow_delta_rs"),
     ),
     Variant(
+        "deltaflow-spark-procs",
+        "deltaflow_spark_procs",
+        lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_procs", layout="process"),
+    ),
+    Variant(
+        "deltaflow-delta-rs-procs",
+        "deltaflow_delta_rs_procs",
+        lambda w, n: run_deltaflow(
+            w, n, "delta-rs", table="deltaflow_delta_rs_procs", layout="process"
+        ),
+    ),
+    Variant(
         "naive-spark-merge",
         "naive_spark",
         lambda w, n: run_spark_batches(
@@ -550,13 +641,13 @@ def print_table(results: list[Result]) -> None:
     """Print the results table."""
     print(STAMP_LINE)
     print(
-        f"{'variant':<19}{'rows':>10}{'time':>9}{'rows/s':>10}{'p50 lat':>9}{'p99 lat':>9}"
+        f"{'variant':<25}{'rows':>10}{'time':>9}{'rows/s':>10}{'p50 lat':>9}{'p99 lat':>9}"
         f"{'commits':>8}{'mean cmt':>9}{'RSS py':>9}{'RSS jvm':>9}{'RSS sum':>9}  check"
     )
     print(STAMP_LINE)
     for r in results:
         print(
-            f"{r.variant:<19}{r.rows:>10,}{_fmt_s(r.seconds):>9}{r.rows_per_s:>10,.0f}"
+            f"{r.variant:<25}{r.rows:>10,}{_fmt_s(r.seconds):>9}{r.rows_per_s:>10,.0f}"
             f"{_fmt_s(r.p50_s):>9}{_fmt_s(r.p99_s):>9}{r.commits:>8}{_fmt_s(r.mean_commit_s):>9}"
             f"{r.rss_self_mib:>8.0f}M{r.rss_children_mib:>8.0f}M"
             f"{r.rss_self_mib + r.rss_children_mib:>8.0f}M  {r.check}"
@@ -581,18 +672,20 @@ def print_ratios(results: list[Result]) -> None:
             print(f"  {a} / {b} rows/s: {by[a].rows_per_s / by[b].rows_per_s:8.2f}x")
 
     print("ratios:")
-    for spark_variant in ("deltaflow-spark", "deltaflow-spark-flat"):
+    for spark_variant in ("deltaflow-spark", "deltaflow-spark-flat", "deltaflow-spark-procs"):
         ratio(spark_variant, "naive-spark-merge")
         ratio(spark_variant, "microbatch-spark")
         ratio(spark_variant, "bulk-spark")
     ratio("deltaflow-delta-rs", "bulk-delta-rs")
-    for name in ("deltaflow-spark", "deltaflow-spark-flat", "deltaflow-delta-rs"):
-        if name in by:
-            r = by[name]
-            print(
-                f"  {name}: p99 ack {_fmt_s(r.p99_s)} = {r.p99_s / r.mean_commit_s:.1f}x its mean "
-                f"commit time {_fmt_s(r.mean_commit_s)} ({r.commits} commits)"
-            )
+    ratio("deltaflow-delta-rs-procs", "bulk-delta-rs")
+    for name in by:
+        if not name.startswith("deltaflow-"):
+            continue
+        r = by[name]
+        print(
+            f"  {name}: p99 ack {_fmt_s(r.p99_s)} = {r.p99_s / r.mean_commit_s:.1f}x its mean "
+            f"commit time {_fmt_s(r.mean_commit_s)} ({r.commits} commits)"
+        )
 
 
 def plot(results: list[Result], path: Path) -> None:

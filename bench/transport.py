@@ -148,7 +148,7 @@ async def start_nodes(warehouse: Path, layout: str) -> tuple[str, Callable[[], A
     """Two delta-rs nodes on 127.0.0.1 (no JVM) allowing ``NOOP_RECEIVER``: the first node's
     address, and how to stop them."""
     from deltaflow.server import NodeConfig, start_local_nodes
-    from deltaflow.testing import NodeProcess
+    from deltaflow.testing import NodeProcess, wait_for_members
 
     if layout == "process":
         extra = ["--engine", "delta-rs", "--receiver", NOOP_RECEIVER]
@@ -177,15 +177,7 @@ async def start_nodes(warehouse: Path, layout: str) -> tuple[str, Callable[[], A
 
     address = procs[0].address if layout == "process" else nodes[0].address
     if layout == "process":  # both members in each node's view before anything is timed
-        import aiohttp
-
-        async with aiohttp.ClientSession() as session, asyncio.timeout(60):
-            for proc in procs:
-                while True:
-                    async with session.get(f"http://{proc.address}/v1/cluster") as response:
-                        if len((await response.json())["members"]) >= 2:
-                            break
-                    await asyncio.sleep(0.1)
+        await wait_for_members([proc.address for proc in procs])
     return address, stop
 
 

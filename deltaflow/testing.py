@@ -13,7 +13,8 @@
   deltaflow.testing.FileSideInput``); :class:`SideInputEcho` returns what a side input held for
   each item, and :func:`stamped_value`/:func:`check_stamped` make and check values whose
   tearing would show.
-- :class:`NodeProcess`: ``deltaflow serve`` as a child process (start, SIGKILL, stop).
+- :class:`NodeProcess`: ``deltaflow serve`` as a child process (start, SIGKILL, stop), and
+  :func:`wait_for_members` until such nodes see each other.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "check_stamped",
     "free_port",
     "stamped_value",
+    "wait_for_members",
 ]
 
 
@@ -449,3 +451,17 @@ class NodeProcess:
         if self._drain is not None:  # None when start() failed before the node was ready
             with contextlib.suppress(asyncio.CancelledError):
                 await self._drain
+
+
+async def wait_for_members(addresses: Sequence[str], *, timeout: float = 60.0) -> None:
+    """Return once every node at ``addresses`` lists all of them as members in its
+    ``/v1/cluster`` (nodes started as :class:`NodeProcess`, say, before timing anything)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout):
+        for address in addresses:
+            while True:
+                async with session.get(f"http://{address}/v1/cluster") as response:
+                    if len((await response.json())["members"]) >= len(addresses):
+                        break
+                await asyncio.sleep(0.1)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
@@ -27,6 +28,7 @@ from ..spark_integration.spark_engine import SparkTableEngine
 from ..spark_integration.tables import MAX_BUCKETS, default_buckets
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
+from .metrics import NodeCollector
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,
     DEFAULT_SIDE_INPUT_POLL_INTERVAL,
@@ -177,6 +179,8 @@ class Node:
     ``await node.start()`` starts Spark (seconds on first use), waits until every side input
     has a value, listens and joins the peers; ``await node.stop()`` closes connections, stops
     committing and gives up its side-input leases. Also an async context manager.
+
+    ``node.metrics`` is the node's own Prometheus registry, served at ``GET /metrics``.
     """
 
     def __init__(
@@ -244,6 +248,9 @@ class Node:
         )
         self.state = NodeState.CREATED
         self.address = f"{config.host}:{config.port}"
+        # The node's own registry: several nodes may run in one process.
+        self.metrics = CollectorRegistry()
+        self.metrics.register(NodeCollector(self.statistics))
 
     def __repr__(self) -> str:
         return (
@@ -308,6 +315,7 @@ class Node:
         app.router.add_get(WS_PATH, self._ws_handler)
         app.router.add_get("/v1/cluster", self._cluster_handler)
         app.router.add_get("/healthz", self._health_handler)
+        app.router.add_get("/metrics", self._metrics_handler)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -388,6 +396,14 @@ class Node:
 
     async def _health_handler(self, request: web.Request) -> web.Response:
         return web.json_response({"node": self.node_id, "state": self.state.value})
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"error": "wrong or missing token"}, status=401)
+        # Not content_type=: aiohttp refuses one with a charset parameter in it.
+        return web.Response(
+            body=generate_latest(self.metrics), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(max_msg_size=self.max_frame_bytes, heartbeat=30.0)

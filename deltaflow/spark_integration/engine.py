@@ -27,7 +27,9 @@ delta-rs (:mod:`.deltars_engine`), selectable per node.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import dataclasses
 import functools
 import logging
 import shutil
@@ -59,11 +61,14 @@ from .tables import (
 )
 
 __all__ = [
+    "COMMIT_SECONDS_BUCKETS",
     "DEFAULT_MAX_GROUP_BYTES",
     "DEFAULT_MAX_GROUP_ROWS",
     "DEFAULT_MAX_QUEUED_ROWS",
     "DELETE_COLUMN",
+    "GROUP_ROWS_BUCKETS",
     "EngineStatistics",
+    "Histogram",
     "TableDescription",
     "TableEngine",
     "to_arrow_rows",
@@ -77,6 +82,44 @@ DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
 _COMMIT_ATTEMPTS: Final = 5
 _INTERNAL_COLUMNS: Final = (DELETE_COLUMN, BUCKET_COLUMN)
+#: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
+COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds of the buckets of ``EngineStatistics.group_rows_histogram``, rows.
+GROUP_ROWS_BUCKETS: Final = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations counted in buckets, as a Prometheus histogram counts them.
+
+    Immutable, so a copied :class:`EngineStatistics` is a true snapshot: :meth:`observe`
+    returns a new histogram.
+
+    Attributes:
+        bounds: the buckets' inclusive upper bounds, ascending; one unbounded bucket follows.
+        counts: observations per bucket (not cumulative), ``len(bounds) + 1`` of them.
+        sum: the sum of every observation.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: Sequence[float]) -> Histogram:
+        """A histogram with the buckets ``bounds`` and no observation."""
+        return cls(tuple(bounds), (0,) * (len(bounds) + 1))
+
+    @property
+    def count(self) -> int:
+        """The number of observations."""
+        return sum(self.counts)
+
+    def observe(self, value: float) -> Histogram:
+        """This histogram with ``value`` counted in the first bucket whose bound is >= it."""
+        counts = list(self.counts)
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        return Histogram(self.bounds, tuple(counts), self.sum + value)
 
 
 @dataclass(slots=True)
@@ -93,6 +136,13 @@ class EngineStatistics:
     queued_rows: int = 0
     tables_created: int = 0
     columns_added: int = 0
+    # Per commit: its duration in seconds and its rows (0 when every batch was a duplicate).
+    commit_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
+    )
+    group_rows_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,12 +378,15 @@ class _TableCommitter:
                     raise
                 await asyncio.sleep(0.05 * 2**attempt)
                 continue
+            elapsed = time.monotonic() - started
             stats = self.engine.stats
             stats.commits += 1
             stats.rows_committed += rows
             stats.batches_committed += len(group)
             stats.largest_group_rows = max(stats.largest_group_rows, rows)
-            stats.commit_seconds += time.monotonic() - started
+            stats.commit_seconds += elapsed
+            stats.commit_seconds_histogram = stats.commit_seconds_histogram.observe(elapsed)
+            stats.group_rows_histogram = stats.group_rows_histogram.observe(rows)
             return
 
     def _commit(self, group: list[_Staged]) -> int:
