@@ -29,6 +29,7 @@ __all__ = [
     "COALESCE_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
+    "QUEUE_HIGH_WATER",
     "SUPPORTED_VERSIONS",
     "WS_PATH",
     "Frame",
@@ -51,6 +52,8 @@ DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 WS_PATH: Final = "/v1/stream"
 #: Frames queued in one event-loop turn share a message up to this size; larger ones go alone.
 COALESCE_BYTES: Final = 1024 * 1024
+#: An :class:`Outbox` makes its senders wait while more than this many bytes are queued.
+QUEUE_HIGH_WATER: Final = 4 * COALESCE_BYTES
 
 Frame = dict[str, Any]
 
@@ -148,7 +151,12 @@ def decode_frames(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> l
         except msgpack.ExtraData as more:  # several frames: the rest, one after another
             unpacker = msgpack.Unpacker(max_buffer_size=max(len(more.extra), 1), **options)
             unpacker.feed(more.extra)
-            values = [more.unpacked, *unpacker]
+            values, end = [more.unpacked], 0
+            for value in unpacker:
+                values.append(value)
+                end = unpacker.tell()  # where the last whole frame ends
+            if end != len(more.extra):
+                raise ProtocolError("a message ends inside a frame") from None
     except ProtocolError:
         raise
     except Exception as exc:
@@ -164,19 +172,24 @@ def decode_frames(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> l
 
 
 class Outbox:
-    """Frames waiting to go out on one WebSocket, written by one task.
+    """Frames waiting to go out on one WebSocket, written one message at a time, in order.
 
-    Frames put in one event-loop turn are sent together: with ``multi`` (both sides listed the
-    capability) as one message of up to ``limit`` bytes, else one message each. Fewer messages
-    mean fewer system calls and wake-ups per batch on both ends.
+    The first frame of an event-loop turn is written at once (no added latency when one batch
+    at a time is in flight). Frames sent while a write is running, or later in the same turn,
+    queue up and are written by the outbox's task: with ``multi`` (both sides listed the
+    capability) joined into messages of up to ``limit`` bytes, else one message each. Fewer
+    messages mean fewer system calls and wake-ups per batch on both ends.
+
+    :meth:`send` waits while more than :data:`QUEUE_HIGH_WATER` bytes are queued, so a peer
+    that stops reading slows its senders down instead of growing memory.
 
     Args:
         write: sends one message.
         multi: several frames may share a message.
-        on_error: called with what ``write`` raised; frames still queued are dropped (the
-            connection is gone, and its owner fails whatever waited on them).
+        on_error: called with what ``write`` raised. The frames still queued behind a failed
+            write are dropped (the connection is gone; its owner fails whatever waited on them).
         limit: the largest message that joins frames: :data:`COALESCE_BYTES`, or the peer's
-            frame limit if lower. A frame alone may be larger (the sender checks it).
+            frame limit if lower. A frame alone may be larger (its sender checks it).
     """
 
     def __init__(
@@ -192,66 +205,78 @@ class Outbox:
         self._limit = min(limit, COALESCE_BYTES)
         self._on_error = on_error
         self._queue: collections.deque[bytes] = collections.deque()
+        self._queued_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._hot = False  # a frame went out at once in this loop turn
-        self._writing = False  # ... and its write has not returned yet
-        self._written = asyncio.Event()  # set whenever no immediate write is running
-        self._written.set()
+        self._idle = asyncio.Event()  # no write is running
+        self._idle.set()
+        self._room = asyncio.Event()  # the queue is below its high-water mark
+        self._room.set()
 
     async def send(self, data: bytes) -> None:
-        """Send one encoded frame: at once if it is the first of this event-loop turn, else
-        queued for the outbox's task, which writes what the turn queued in one go. Never
-        raises: a failed write goes to ``on_error``."""
-        if self._task is None and not self._hot and not self._writing:
-            # Nothing queued or being written: no wait for the next turn (latency matters when
-            # one batch at a time is in flight); frames later in this turn are coalesced.
-            self._hot = self._writing = True
-            self._written.clear()
+        """Send one encoded frame (see the class). Never raises a write's error: that goes to
+        ``on_error``."""
+        if self._task is None and not self._hot and self._idle.is_set():
+            self._hot = True
             asyncio.get_running_loop().call_soon(self._cool)
-            try:
-                await self._write(data)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 -- reported to the owner, which fails the waiters
-                self._on_error(exc)
-            finally:
-                self._writing = False
-                self._written.set()
+            await self._write_one(data)
             return
         self._queue.append(data)
+        self._queued_bytes += len(data)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._flush())
+        if self._queued_bytes > QUEUE_HIGH_WATER:
+            self._room.clear()
+            await self._room.wait()
 
     def _cool(self) -> None:
         self._hot = False
 
     async def drain(self) -> None:
-        """Wait until every queued frame was written (or the write failed)."""
-        while self._task is not None or self._writing:
+        """Wait until every frame sent so far was written (or its write failed)."""
+        while self._task is not None or not self._idle.is_set():
             if self._task is not None:
                 await asyncio.shield(self._task)
             else:  # an immediate write waiting for the socket to drain
-                await self._written.wait()
+                await self._idle.wait()
+
+    async def _write_one(self, data: bytes) -> bool:
+        """Write one message after any write still running; False if it failed."""
+        while not self._idle.is_set():
+            await self._idle.wait()
+        self._idle.clear()
+        try:
+            await self._write(data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- reported to the owner, which fails the waiters
+            self._on_error(exc)
+            return False
+        finally:
+            self._idle.set()
+        return True
 
     async def _flush(self) -> None:
         queue = self._queue
         try:
             while queue:
                 data = queue.popleft()
+                taken = len(data)
                 if self._multi and queue and len(data) < self._limit:
-                    parts, size = [data], len(data)
-                    while queue and size + len(queue[0]) <= self._limit:
-                        size += len(queue[0])
+                    parts = [data]
+                    while queue and taken + len(queue[0]) <= self._limit:
+                        taken += len(queue[0])
                         parts.append(queue.popleft())
                     data = b"".join(parts)
-                await self._write(data)
-        except asyncio.CancelledError:
-            queue.clear()
-            raise
-        except Exception as exc:  # noqa: BLE001 -- reported to the owner, which fails the waiters
-            queue.clear()
-            self._on_error(exc)
+                self._queued_bytes -= taken
+                if self._queued_bytes <= QUEUE_HIGH_WATER:
+                    self._room.set()
+                if not await self._write_one(data):
+                    break
         finally:
+            queue.clear()  # empty unless a write failed or the task was cancelled
+            self._queued_bytes = 0
+            self._room.set()
             self._task = None
 
 

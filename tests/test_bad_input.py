@@ -212,11 +212,13 @@ async def test_frames_share_a_message_only_with_a_client_that_lists_multi(
     try:
         assert ("multi" in welcome["caps"]) == bool(caps)
         owned = PartitionMap.from_wire(welcome["map"]).owners
-        partitions = [p for p, node in enumerate(owned) if node == welcome["node"]][:3]
+        partitions = [p for p, node in enumerate(owned) if node == welcome["node"]][:6]
         sid = "raw-multi-" + "-".join(caps)
+        # Echo answers each item with itself: 6 results of 9 KB from one message's batches.
+        items = {p: pack_item({"i": p, "blob": "x" * 9_000}) for p in partitions}
         frames = [{"t": "open", "sid": sid, "receiver": "deltaflow.testing.Echo"}]
         frames += [
-            {"t": "batch", "sid": sid, "p": p, "seq": 0, "n": 1, "items": pack_item({"i": p})}
+            {"t": "batch", "sid": sid, "p": p, "seq": 0, "n": 1, "items": items[p]}
             for p in partitions
         ]
         # A node reads several frames in one message from any client.
@@ -226,6 +228,7 @@ async def test_frames_share_a_message_only_with_a_client_that_lists_multi(
         async with asyncio.timeout(30):
             while len(acked) < len(partitions):
                 msg = await ws.receive()
+                assert len(msg.data) <= 64 * 1024  # never past the node's (announced) limit
                 got = decode_frames(msg.data)
                 per_message.append([f["t"] for f in got])
                 acked |= {f["p"] for f in got if f["t"] == "ack"}

@@ -14,6 +14,7 @@ from deltaflow.errors import FrameTooLargeError, ProtocolError
 from deltaflow.partitioning import PartitionMap, assign_partitions, partition_of
 from deltaflow.protocol import (
     COALESCE_BYTES,
+    QUEUE_HIGH_WATER,
     Outbox,
     decode_frame,
     decode_frames,
@@ -127,6 +128,37 @@ def test_a_message_may_carry_several_frames_each_checked() -> None:
         decode_frames(bad)
     with pytest.raises(FrameTooLargeError):
         decode_frames(data, max_bytes=len(data) - 1)
+    with pytest.raises(ProtocolError, match="ends inside a frame"):
+        decode_frames(data[:-1])  # a message never ends with part of a frame
+
+
+async def test_outbox_holds_senders_back_while_the_peer_does_not_read() -> None:
+    release = asyncio.Event()
+    written: list[bytes] = []
+
+    async def write(data: bytes) -> None:  # a socket whose peer stopped reading
+        await release.wait()
+        written.append(data)
+
+    outbox = Outbox(write, multi=True, on_error=lambda exc: None)
+    frame = encode_frame({"t": "opened", "sid": "x" * 100})
+    sent = 0
+
+    async def producer() -> None:
+        nonlocal sent
+        while sent < 2 * QUEUE_HIGH_WATER // len(frame):
+            await outbox.send(frame)
+            sent += 1
+
+    task = asyncio.create_task(producer())
+    for _ in range(100):
+        await asyncio.sleep(0)
+    # Held at the high-water mark, not queueing the whole run.
+    assert sent <= QUEUE_HIGH_WATER // len(frame) + 2
+    release.set()
+    await asyncio.wait_for(task, 10)
+    await outbox.drain()
+    assert b"".join(written) == frame * sent  # everything, in order
 
 
 async def test_outbox_sends_what_one_turn_queued_as_one_message_only_when_allowed() -> None:

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 ResultSink = Callable[[list[Any]], Awaitable[None]]
 BatchKey = tuple[str, int, int]
+#: How long ``Connection.close`` lets queued frames go out before it closes anyway.
+_CLOSE_DRAIN_SECONDS = 5.0
 
 
 @contextlib.contextmanager
@@ -149,7 +151,10 @@ class Connection:
     async def close(self) -> None:
         if self._error is None:
             self._error = ConnectionLostError(f"connection to {self.address} was closed")
-        await self._outbox.drain()  # frames queued before the close (stream closes) go out
+        # Frames queued before the close (stream closes) go out, unless the node stopped reading.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CLOSE_DRAIN_SECONDS):
+                await self._outbox.drain()
         await self._ws.close()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -178,7 +183,8 @@ class Connection:
             try:
                 await self._send({"t": "open", "sid": sid, "receiver": receiver, "args": args})
             except BaseException as exc:
-                del self._opening[sid]
+                if self._opening.get(sid) is fut:
+                    del self._opening[sid]
                 if not fut.done():
                     fut.set_exception(exc)
                 fut.exception()  # mark retrieved
@@ -190,7 +196,11 @@ class Connection:
         results of batches the node goes on to finish (they are applied: their results count)."""
         if not keep_results:
             self._result_sinks.pop(sid, None)
-        if self._opening.pop(sid, None) is not None and not self.closed:
+        opening = self._opening.pop(sid, None)
+        if opening is not None and not opening.done():  # a send still waiting for 'opened'
+            opening.set_exception(ConnectionLostError(f"stream {sid} was closed while opening"))
+            opening.exception()  # retrieved: its waiter may be gone
+        if opening is not None and not self.closed:
             with contextlib.suppress(DeltaflowError):
                 await self._send({"t": "close", "sid": sid})
 
@@ -241,6 +251,7 @@ class Connection:
                 else ConnectionLostError(f"sending to node at {self.address} failed: {exc!r}")
             )
         self._fail_all(self._error)
+        self._abort_transport()  # the reader then ends, and with it the session
 
     async def _read_loop(self) -> None:
         error: DeltaflowError

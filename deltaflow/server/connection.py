@@ -143,7 +143,13 @@ class ClientConnection:
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
         if "multi" in caps:
-            self._outbox = Outbox(self._write, multi=True, on_error=self._write_failed)
+            # The client checks each message against this node's limit (welcome's ``max``).
+            self._outbox = Outbox(
+                self._write,
+                multi=True,
+                on_error=self._write_failed,
+                limit=self._node.max_frame_bytes,
+            )
         await self.send(
             {
                 "t": "welcome",

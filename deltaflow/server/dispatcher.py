@@ -343,9 +343,8 @@ class Dispatcher:
                     lane.next_seq = max(lane.next_seq, seq + 1)
                 if ctx._durable:
                     lane.staged[seq] = list(ctx._durable)
-                    self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
-                else:  # nothing to wait for: ack now, without a task of its own
-                    await self._finish(stream, p, lane, seq, ctx, durable, peer, frame)
+                # On a task of its own: an ack waiting for a slow reader must not stall the lane.
+                self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
         finally:
             lane.task = None
 

@@ -406,7 +406,10 @@ class Node:
         )
 
     async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.max_frame_bytes, heartbeat=30.0)
+        # No permessage-deflate: msgpack frames compress little for the CPU it costs.
+        ws = web.WebSocketResponse(
+            max_msg_size=self.max_frame_bytes, heartbeat=30.0, compress=False
+        )
         await ws.prepare(request)
         conn = ClientConnection(self, ws, request.remote or "?")
         self._connections.add(conn)
