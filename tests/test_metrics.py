@@ -103,6 +103,12 @@ async def test_two_nodes_report_what_they_applied_and_committed(
     assert total("deltaflow_tables_created_total") == 1
     assert total("deltaflow_owned_partitions") == nodes[0].config.partitions
     assert total("deltaflow_side_input_leader", side_input="vat_rates") == 1
+    # The leader's first retrieval published version 1; nothing failed anywhere.
+    published = total(
+        "deltaflow_side_input_retrievals_total", side_input="vat_rates", outcome="published"
+    )
+    assert published >= 1
+    assert total("deltaflow_side_input_retrievals_total", outcome="failed") == 0
 
 
 async def test_metrics_need_the_cluster_token(warehouse: Path) -> None:

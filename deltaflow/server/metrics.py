@@ -143,11 +143,25 @@ class NodeCollector:
             "1 if this node holds the side input's lease (and retrieves it), else 0.",
             labels=["node", "side_input"],
         )
+        retrievals = CounterMetricFamily(
+            "deltaflow_side_input_retrievals",
+            "retrieve() calls on this node, by outcome: published (a new version), declined "
+            "(None), unchanged (same bytes) or failed (raised, timed out or a bad value).",
+            labels=["node", "side_input", "outcome"],
+        )
         for side in stats.side_inputs:
             version.add_metric([node, side.name], side.version)
             leader.add_metric([node, side.name], 1 if side.is_leader else 0)
+            for outcome, count in (
+                ("published", side.published),
+                ("declined", side.declined),
+                ("unchanged", side.unchanged),
+                ("failed", side.failures),
+            ):
+                retrievals.add_metric([node, side.name, outcome], count)
         yield version
         yield leader
+        yield retrievals
 
         yield _histogram(
             "deltaflow_commit_seconds",
