@@ -1,0 +1,32 @@
+"""deltaflow: stream records from Python into Delta Lake tables through a cluster of nodes.
+
+Usage::
+
+    async with deltaflow.connect(nodes) as client:
+        await client.stream_data(rows, table="t", key="id")
+"""
+
+from .client import (
+    Client,
+    CommitPosition,
+    Delete,
+    StreamerOptions,
+    StreamSummary,
+    connect,
+    stream_data,
+)
+from .errors import DataStreamerError, DeltaflowError
+
+__all__ = [
+    "Client",
+    "CommitPosition",
+    "DataStreamerError",
+    "Delete",
+    "DeltaflowError",
+    "StreamSummary",
+    "StreamerOptions",
+    "connect",
+    "stream_data",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,378 @@
+"""The client facade: ``connect()`` and :class:`Client` (validation and wiring only)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+from ..errors import AuthenticationError, DeltaflowError, NodeUnavailableError, UsageError
+from ..partitioning import PartitionMap
+from .connection import Connection, map_transport_errors
+from .options import StreamerOptions
+from .results import OnResult
+from .stream import (
+    TABLE_RECEIVER,
+    CommitPosition,
+    KeyFn,
+    StreamRun,
+    StreamStatistics,
+    StreamSummary,
+    key_function,
+    run_stream,
+)
+
+__all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "connect"]
+
+log = logging.getLogger(__name__)
+
+#: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
+ConnectionFactory = Callable[..., Awaitable[Connection]]
+
+#: What a caller-chosen stream id may look like (it names lanes in Delta commit metadata).
+_STREAM_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientStatistics:
+    """A snapshot of a client: its view of the cluster and its running streams."""
+
+    state: str
+    map_version: int | None
+    nodes: int
+    connections: int
+    streams: list[StreamStatistics]
+
+
+class ClientState(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Client:
+    """A connection to a deltaflow cluster.
+
+    Create with :func:`connect`. The client learns the partition map from the first node it
+    reaches and sends each batch straight to the partition's owner, reconnecting and refreshing
+    the map when a node is lost or says it is not the owner.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        token: str | None = None,
+        connection_factory: ConnectionFactory | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if isinstance(nodes, str):
+            nodes = [nodes]
+        self._bootstrap = [_normalise(a) for a in nodes]
+        if not self._bootstrap:
+            raise UsageError("connect() needs at least one node address 'host:port'")
+        self._token = token
+        self._factory = connection_factory or Connection.open
+        self._connect_timeout = connect_timeout
+        self._client_id = uuid.uuid4().hex
+        self._map: PartitionMap | None = None
+        self._stale = False
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._refresh_lock = asyncio.Lock()
+        self._state = ClientState.UNOPENED
+        self._active: dict[str, StreamRun] = {}
+
+    def __repr__(self) -> str:
+        version = self._map.version if self._map else None
+        return (
+            f"<Client {self._state.value} nodes={len(self._map.addresses) if self._map else 0} "
+            f"map_version={version} connections={len(self._conns)} streams={len(self._active)}>"
+        )
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        if self._map is None:
+            raise UsageError("the client is not connected; use 'async with deltaflow.connect(...)'")
+        return self._map
+
+    async def start(self) -> None:
+        """Reach a node and learn the partition map.
+
+        Raises:
+            NodeUnavailableError: none of the given nodes could be reached.
+        """
+        if self._state is ClientState.CLOSED:
+            raise UsageError("this client is closed; create a new one with deltaflow.connect()")
+        if self._state is ClientState.OPEN:
+            return
+        await self._refresh_map(self._bootstrap)
+        self._state = ClientState.OPEN
+
+    async def close(self) -> None:
+        """Close every connection. Streams still running fail with a connection error."""
+        self._state = ClientState.CLOSED
+        conns, self._conns = list(self._conns.values()), {}
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+    async def __aenter__(self) -> Client:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def stream_data(
+        self,
+        source: Any,
+        *,
+        table: str | None = None,
+        key: str | Sequence[str] | KeyFn | None = None,
+        receiver: str | None = None,
+        receiver_args: Any = None,
+        on_result: OnResult | None = None,
+        on_ack: Callable[[list[Any]], Any] | None = None,
+        on_commit: Callable[[CommitPosition], Any] | None = None,
+        options: StreamerOptions | None = None,
+        stream_id: str | None = None,
+    ) -> StreamSummary:
+        """Stream ``source`` to the cluster and wait until every item is applied.
+
+        Args:
+            source: an async iterable, an iterable, or a reactivex Observable of items. Wrap an
+                item in :class:`~deltaflow.Delete` to delete its key.
+            table: upsert rows (dicts) into this Delta table on the nodes, merging on ``key``.
+            key: the routing key: a column name, a tuple of column names, or a callable of an
+                item. With ``table=`` it must name the key column(s).
+            receiver: name of a receiver class registered on the nodes (instead of ``table``).
+            receiver_args: a msgpack value handed to the receiver with every batch.
+            on_result: receives each per-item result the receiver produces: a callable, an
+                async callable, or a reactivex Observer. Results of a resent batch may repeat.
+            on_ack: called (synchronously, on the event loop) with the items of each batch once
+                it is acknowledged as applied: the place to ack an upstream queue or drive a
+                progress bar. Keep it quick.
+            on_commit: called with a :class:`CommitPosition` whenever the contiguous prefix of
+                settled source items grows: the position an upstream that commits cumulatively
+                (Kafka offsets) may safely commit.
+            options: batching, window and retry settings (:class:`StreamerOptions`).
+            stream_id: the stream's id, 1 to 128 characters of ``A-Z a-z 0-9 . _ : -``.
+                Default None: a random id. A deterministic id makes a replay of the same input
+                exactly-once: the nodes skip every table write whose lane mark (stream id,
+                partition, batch sequence) a table already holds, so a stream re-run with the
+                same id after a crash writes only what the first run did not. The replay must
+                cut the same batches: the same items in the same order, the same options, and
+                ``auto_flush_interval=0`` (batches cut by count and bytes only, never by time).
+                Two streams running at the same time must not share an id.
+
+        Returns:
+            A :class:`StreamSummary` once every item is acknowledged as applied.
+
+        Raises:
+            DataStreamerError: some items were not applied; ``failed_items`` lists exactly those.
+            UsageError: the arguments are inconsistent.
+
+        Cancelling the call stops pulling the source and abandons batches in flight; items
+        already acknowledged stay applied. The ``CancelledError`` raised then carries
+        ``applied`` (count), ``not_applied`` (items never sent, or failed) and ``in_doubt``
+        (items sent whose acknowledgement had not arrived: they may or may not be applied).
+        """
+        if self._state is not ClientState.OPEN:
+            raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
+        if (table is None) == (receiver is None):
+            raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
+        if stream_id is not None:
+            if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
+                raise UsageError(
+                    f"stream_id={stream_id!r} is not allowed; use 1 to 128 characters of "
+                    "A-Z a-z 0-9 . _ : -"
+                )
+            if stream_id in self._active:
+                raise UsageError(
+                    f"a stream with id {stream_id!r} is already running on this client; "
+                    "streams running at the same time need different ids"
+                )
+        if table is not None:
+            if not isinstance(key, (str, tuple, list)):
+                raise UsageError(
+                    f"table={table!r} needs key= naming the key column(s), not {key!r}"
+                )
+            key_columns = [key] if isinstance(key, str) else list(key)
+            receiver = TABLE_RECEIVER
+            receiver_args = {"table": table, "key": key_columns}
+        assert receiver is not None
+        return await run_stream(
+            self,
+            source,
+            receiver=receiver,
+            receiver_args=receiver_args,
+            key=key_function(key),
+            on_result=on_result,
+            on_ack=on_ack,
+            on_commit=on_commit,
+            options=options or StreamerOptions(),
+            stream_id=stream_id,
+        )
+
+    def statistics(self) -> ClientStatistics:
+        """A snapshot of the client and of every stream running on it."""
+        return ClientStatistics(
+            state=self._state.value,
+            map_version=self._map.version if self._map else None,
+            nodes=len(self._map.addresses) if self._map else 0,
+            connections=sum(1 for c in self._conns.values() if not c.closed),
+            streams=[run.statistics() for run in self._active.values()],
+        )
+
+    # -- routing, used by the sender ------------------------------------------------------
+
+    def _partition_count(self) -> int:
+        return self.partition_map.partitions
+
+    async def _connection_for(self, partition: int) -> Connection:
+        if self._stale:
+            await self._refresh_map(only_if_stale=True)
+        address = self.partition_map.owner_address(partition)
+        try:
+            return await self._connection(address)
+        except NodeUnavailableError:
+            self._stale = True
+            raise
+
+    def _adopt_map(self, wire: Any) -> None:
+        if wire is None:
+            self._stale = True
+            return
+        try:
+            offered = PartitionMap.from_wire(wire)
+        except ValueError:
+            self._stale = True
+            return
+        if self._map is None or offered.version > self._map.version:
+            log.info(
+                "partition map v%d adopted: nodes %s", offered.version, sorted(offered.addresses)
+            )
+            self._map = offered
+        else:  # the node's view is not newer than ours: ask the cluster again
+            self._stale = True
+
+    def _map_is_stale(self) -> None:
+        self._stale = True
+
+    async def _close_stream(self, sid: str, *, keep_results: bool = False) -> None:
+        for conn in list(self._conns.values()):
+            await conn.close_stream(sid, keep_results=keep_results)
+
+    async def _connection(self, address: str) -> Connection:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(address)
+            if conn is None or conn.closed:
+                if self._state is ClientState.CLOSED:
+                    raise UsageError("the client is closed")
+                conn = await self._factory(
+                    address,
+                    token=self._token,
+                    client_id=self._client_id,
+                    timeout=self._connect_timeout,
+                )
+                self._conns[address] = conn
+            return conn
+
+    async def _refresh_map(
+        self, candidates: Sequence[str] | None = None, *, only_if_stale: bool = False
+    ) -> None:
+        async with self._refresh_lock:
+            if only_if_stale and not self._stale:
+                return  # another batch refreshed it while we waited for the lock
+            addresses = list(candidates or [])
+            if self._map is not None:
+                addresses += [a for a in self._map.addresses.values() if a not in addresses]
+            addresses += [a for a in self._bootstrap if a not in addresses]
+            errors: list[str] = []
+            for address in addresses:
+                try:
+                    fresh = PartitionMap.from_wire(
+                        await _fetch_map(address, self._token, self._connect_timeout)
+                    )
+                    if self._map is None or fresh.version != self._map.version:
+                        log.info(
+                            "partition map v%d from %s: nodes %s",
+                            fresh.version,
+                            address,
+                            sorted(fresh.addresses),
+                        )
+                    self._map = fresh
+                    self._stale = False
+                    return
+                except (DeltaflowError, ValueError) as exc:
+                    if not getattr(exc, "retriable", True):
+                        raise
+                    errors.append(f"{address}: {exc}")
+            raise NodeUnavailableError(
+                "no deltaflow node reachable to learn the partition map (" + "; ".join(errors) + ")"
+            )
+
+
+async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with map_transport_errors(address):
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(f"http://{address}/v1/cluster", headers=headers) as resp,
+        ):
+            if resp.status == 401:
+                raise AuthenticationError(
+                    f"node at {address} rejected the token; pass the token from the node's "
+                    "--token-file to deltaflow.connect(token=...)"
+                )
+            if resp.status != 200:
+                raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
+            body = await resp.json()
+            return body["map"]  # type: ignore[no-any-return]
+
+
+def _normalise(address: str) -> str:
+    address = address.strip()
+    for prefix in ("http://", "ws://"):
+        address = address.removeprefix(prefix)
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"node address {address!r} must look like 'host:port'")
+    return address
+
+
+def connect(
+    nodes: Sequence[str] | str,
+    *,
+    token: str | None = None,
+    connection_factory: ConnectionFactory | None = None,
+) -> Client:
+    """A client for the cluster reachable at any of ``nodes`` (``"host:port"`` strings).
+
+    Use as ``async with deltaflow.connect(["127.0.0.1:7700"]) as client: ...``.
+
+    Args:
+        nodes: addresses of one or more nodes; one reachable node is enough to learn the rest.
+        token: shared secret, when the nodes were started with ``--token-file``.
+        connection_factory: replaces how connections are opened (fault-injection seam, see
+            :mod:`deltaflow.testing`).
+    """
+    if isinstance(nodes, str):
+        nodes = [nodes]
+    return Client(nodes, token=token, connection_factory=connection_factory)

@@ -1,0 +1,359 @@
+"""One WebSocket connection from a client to a node, multiplexing many streams.
+
+The connection owns a reader task that routes each incoming frame: acks and errors resolve the
+future of the batch they name, results go to the stream's result sink, and a connection-level
+error or a drop fails every pending future (nothing waits forever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+
+from ..errors import (
+    ConnectionLostError,
+    DeltaflowError,
+    FrameTooLargeError,
+    NodeUnavailableError,
+    ProtocolError,
+    ServerError,
+    _UnknownStreamError,
+    server_error,
+)
+from ..protocol import (
+    CAPABILITIES,
+    DEFAULT_MAX_FRAME_BYTES,
+    SUPPORTED_VERSIONS,
+    WS_PATH,
+    Frame,
+    Outbox,
+    decode_frames,
+    encode_frame,
+)
+
+__all__ = ["Connection", "ResultSink", "map_transport_errors"]
+
+log = logging.getLogger(__name__)
+
+ResultSink = Callable[[list[Any]], Awaitable[None]]
+BatchKey = tuple[str, int, int]
+#: How long ``Connection.close`` lets queued frames go out before it closes anyway.
+_CLOSE_DRAIN_SECONDS = 5.0
+
+
+@contextlib.contextmanager
+def map_transport_errors(address: str) -> Iterator[None]:
+    """Translate aiohttp/OS errors at the transport boundary into deltaflow errors."""
+    try:
+        yield
+    except DeltaflowError:
+        raise
+    except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+        raise NodeUnavailableError(f"cannot connect to node at {address}: {exc}") from exc
+    except aiohttp.WSServerHandshakeError as exc:
+        raise NodeUnavailableError(
+            f"node at {address} refused the WebSocket upgrade ({exc.status}); is it a deltaflow "
+            "node?"
+        ) from exc
+    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        raise ConnectionLostError(f"connection to node at {address} failed: {exc}") from exc
+
+
+class Connection:
+    """A handshaken WebSocket to one node.
+
+    Use :meth:`open` to create one. ``node_id``, ``partition_map`` (wire form) and
+    ``max_frame_bytes`` come from the node's ``welcome``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        session: aiohttp.ClientSession,
+        ws: aiohttp.ClientWebSocketResponse,
+        welcome: Frame,
+    ) -> None:
+        self.address = address
+        self.node_id: str = welcome["node"]
+        self.partition_map: dict[str, Any] = welcome["map"]
+        self.max_frame_bytes: int = welcome["max"]
+        self._session = session
+        self._ws = ws
+        self._pending: dict[BatchKey, asyncio.Future[Frame]] = {}
+        self._opening: dict[str, asyncio.Future[None]] = {}
+        self._result_sinks: dict[str, ResultSink] = {}
+        self._error: DeltaflowError | None = None
+        self._outbox = Outbox(
+            self._write,
+            multi="multi" in welcome["caps"],
+            on_error=self._write_failed,
+            limit=self.max_frame_bytes,  # a joined message is one the node must accept
+        )
+        self._reader = asyncio.create_task(self._read_loop(), name=f"deltaflow-reader-{address}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (
+            f"<Connection {state} node={self.node_id} address={self.address} "
+            f"pending={len(self._pending)}>"
+        )
+
+    @classmethod
+    async def open(
+        cls,
+        address: str,
+        *,
+        token: str | None,
+        client_id: str,
+        timeout: float = 10.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> Connection:
+        """Connect and handshake.
+
+        Raises:
+            NodeUnavailableError: the node cannot be reached.
+            AuthenticationError: the node rejected ``token``.
+            ServerError: the node refused the handshake (e.g. unsupported version).
+        """
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=timeout))
+        try:
+            with map_transport_errors(address):
+                ws = await session.ws_connect(
+                    f"http://{address}{WS_PATH}",
+                    max_msg_size=max_frame_bytes,
+                    heartbeat=30.0,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+                )
+                hello = {
+                    "t": "hello",
+                    "v": list(SUPPORTED_VERSIONS),
+                    "caps": list(CAPABILITIES),
+                    "client": client_id,
+                    "token": token,
+                }
+                await ws.send_bytes(encode_frame(hello))
+                msg = await asyncio.wait_for(ws.receive(), timeout)
+            frame = _welcome_of(msg, address, max_frame_bytes)
+        except BaseException:
+            await session.close()
+            raise
+        return cls(address, session, ws, frame)
+
+    @property
+    def closed(self) -> bool:
+        return self._error is not None or self._ws.closed
+
+    async def close(self) -> None:
+        if self._error is None:
+            self._error = ConnectionLostError(f"connection to {self.address} was closed")
+        # Frames queued before the close (stream closes) go out, unless the node stopped reading.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CLOSE_DRAIN_SECONDS):
+                await self._outbox.drain()
+        await self._ws.close()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        await self._session.close()
+        self._fail_all(self._error)
+
+    def _abort_transport(self) -> None:
+        """Cut the socket without a close handshake (what a network failure looks like)."""
+        transport = getattr(self._ws._writer, "transport", None)
+        if transport is not None:
+            transport.abort()
+
+    async def open_stream(
+        self, sid: str, receiver: str, args: Any, results: ResultSink | None
+    ) -> None:
+        """Declare a stream on this connection (once); raises what the node reports."""
+        if results is not None:
+            self._result_sinks[sid] = results
+        fut = self._opening.get(sid)
+        if fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+            return  # open already (the common case: every batch after the first)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._opening[sid] = fut
+            try:
+                await self._send({"t": "open", "sid": sid, "receiver": receiver, "args": args})
+            except BaseException as exc:
+                if self._opening.get(sid) is fut:
+                    del self._opening[sid]
+                if not fut.done():
+                    fut.set_exception(exc)
+                fut.exception()  # mark retrieved
+                raise
+        await asyncio.shield(fut)
+
+    async def close_stream(self, sid: str, *, keep_results: bool = False) -> None:
+        """Tell the node the stream ends. ``keep_results``: a stopping stream still takes the
+        results of batches the node goes on to finish (they are applied: their results count)."""
+        if not keep_results:
+            self._result_sinks.pop(sid, None)
+        opening = self._opening.pop(sid, None)
+        if opening is not None and not opening.done():  # a send still waiting for 'opened'
+            opening.set_exception(ConnectionLostError(f"stream {sid} was closed while opening"))
+            opening.exception()  # retrieved: its waiter may be gone
+        if opening is not None and not self.closed:
+            with contextlib.suppress(DeltaflowError):
+                await self._send({"t": "close", "sid": sid})
+
+    async def send_batch(self, frame: Frame, *, timeout: float) -> Frame:
+        """Send a batch frame and wait for its ack (returned) or error (raised).
+
+        Cancellation abandons the wait; the node may still apply the batch.
+        """
+        key: BatchKey = (frame["sid"], frame["p"], frame["seq"])
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            await self._send(frame)
+            try:
+                async with asyncio.timeout(timeout):
+                    return await fut
+            except TimeoutError:
+                raise ConnectionLostError(
+                    f"no ack from node {self.node_id} at {self.address} for partition "
+                    f"{key[1]} batch {key[2]} within {timeout}s"
+                ) from None
+        finally:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
+
+    async def _send(self, frame: Frame) -> None:
+        """Queue ``frame`` for the outbox. A write that fails later fails every waiter of the
+        connection (batches wait for their ack, so none is lost unnoticed)."""
+        if self._error is not None:
+            raise self._error
+        data = encode_frame(frame)
+        if len(data) > self.max_frame_bytes:
+            raise FrameTooLargeError(
+                f"frame of {len(data)} bytes exceeds node {self.node_id}'s limit of "
+                f"{self.max_frame_bytes} bytes; lower StreamerOptions.max_batch_bytes"
+            )
+        await self._outbox.send(data)
+
+    async def _write(self, data: bytes) -> None:
+        with map_transport_errors(self.address):
+            await self._ws.send_bytes(data)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = (
+                exc
+                if isinstance(exc, DeltaflowError)
+                else ConnectionLostError(f"sending to node at {self.address} failed: {exc!r}")
+            )
+        self._fail_all(self._error)
+        self._abort_transport()  # the reader then ends, and with it the session
+
+    async def _read_loop(self) -> None:
+        error: DeltaflowError
+        try:
+            while True:
+                msg = await self._ws.receive()
+                for frame in _frames_of(msg, self.address, self.max_frame_bytes):
+                    await self._route(frame)
+        except asyncio.CancelledError:
+            raise
+        except DeltaflowError as exc:
+            error = exc
+        except Exception as exc:  # a bug in routing must still fail the waiters
+            log.exception("reader for %s crashed", self.address)
+            error = ConnectionLostError(f"reader for {self.address} crashed: {exc!r}")
+        self._error = error
+        self._fail_all(error)
+        await self._ws.close()
+        await self._session.close()
+
+    async def _route(self, frame: Frame) -> None:
+        ftype = frame["t"]
+        if ftype == "ack":
+            self._resolve((frame["sid"], frame["p"], frame["seq"]), frame)
+        elif ftype == "result":
+            sink = self._result_sinks.get(frame["sid"])
+            if sink is not None:
+                await sink(frame["values"])
+        elif ftype == "opened":
+            fut = self._opening.get(frame["sid"])
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif ftype == "error":
+            self._route_error(frame)
+        else:
+            raise ProtocolError(f"node {self.node_id} sent an unexpected {ftype!r} frame")
+
+    def _route_error(self, frame: Frame) -> None:
+        err = _error_of(frame)
+        sid, p, seq = frame.get("sid"), frame.get("p"), frame.get("seq")
+        if sid is not None and p is not None and seq is not None:
+            if isinstance(err, _UnknownStreamError):
+                self._opening.pop(sid, None)  # the resend re-opens the stream first
+            self._resolve((sid, p, seq), err)
+        elif sid is not None:
+            fut = self._opening.pop(sid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            for key, pending in list(self._pending.items()):
+                if key[0] == sid and not pending.done():
+                    pending.set_exception(err)
+        else:  # a connection-level error: the node is about to close the socket
+            raise err
+
+    def _resolve(self, key: BatchKey, outcome: Frame | BaseException) -> None:
+        fut = self._pending.get(key)
+        if fut is None or fut.done():
+            return  # a late answer for a batch we stopped waiting for
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+
+    def _fail_all(self, error: DeltaflowError) -> None:
+        futs: list[asyncio.Future[Any]] = [*self._pending.values(), *self._opening.values()]
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # waiters may be gone; avoid "never retrieved" noise
+        self._opening.clear()
+
+
+def _error_of(frame: Frame) -> ServerError:
+    details = dict(frame.get("details") or {})
+    details["retriable"] = frame["retriable"]
+    return server_error(frame["code"], frame["msg"], node=frame.get("node"), details=details)
+
+
+def _welcome_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:
+    """The node's answer to ``hello``: its ``welcome`` frame, or the error it sent raised."""
+    frames = _frames_of(msg, address, max_bytes)
+    if len(frames) != 1:
+        raise ProtocolError(f"node at {address} answered hello with {len(frames)} frames")
+    frame = frames[0]
+    if frame["t"] == "error":
+        raise _error_of(frame)
+    if frame["t"] != "welcome":
+        raise ProtocolError(f"node at {address} answered hello with {frame['t']!r}")
+    return frame
+
+
+def _frames_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> list[Frame]:
+    if msg.type == aiohttp.WSMsgType.BINARY:
+        return decode_frames(msg.data, max_bytes=max_bytes)
+    if msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.MESSAGE_TOO_BIG:
+        raise FrameTooLargeError(
+            f"node at {address} closed the connection because a frame exceeded its limit of "
+            f"{max_bytes} bytes; lower StreamerOptions.max_batch_bytes"
+        )
+    if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+        reason = f" ({msg.extra})" if msg.extra else ""
+        raise ConnectionLostError(f"node at {address} closed the connection{reason}")
+    if msg.type == aiohttp.WSMsgType.ERROR:
+        raise ConnectionLostError(f"connection to node at {address} failed: {msg.data!r}")
+    raise ProtocolError(f"node at {address} sent a {msg.type.name} message; expected binary")

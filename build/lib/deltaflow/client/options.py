@@ -1,0 +1,123 @@
+"""Streamer options: one frozen, keyword-only dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from ..errors import UsageError
+from ..protocol import DEFAULT_MAX_FRAME_BYTES
+from .accumulator import BatchCreator
+
+__all__ = [
+    "DEFAULT_ACK_TIMEOUT",
+    "DEFAULT_AUTO_FLUSH_INTERVAL",
+    "DEFAULT_DEAD_LETTER_TABLE",
+    "DEFAULT_MAX_BATCH_BYTES",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_PER_PARTITION_IN_FLIGHT",
+    "DEFAULT_RESULT_BUFFER",
+    "DEFAULT_RETRY_LIMIT",
+    "DEFAULT_SOURCE_BUFFER",
+    "FailurePolicy",
+    "StreamerOptions",
+]
+
+DEFAULT_PAGE_SIZE: Final = 1000
+DEFAULT_MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
+DEFAULT_AUTO_FLUSH_INTERVAL: Final = 5.0
+DEFAULT_MAX_IN_FLIGHT: Final = 128
+DEFAULT_PER_PARTITION_IN_FLIGHT: Final = 4
+DEFAULT_RETRY_LIMIT: Final = 16
+DEFAULT_RETRY_INITIAL_BACKOFF: Final = 0.05
+DEFAULT_RETRY_MAX_BACKOFF: Final = 2.0
+DEFAULT_ACK_TIMEOUT: Final = 120.0
+DEFAULT_RESULT_BUFFER: Final = 1024
+DEFAULT_SOURCE_BUFFER: Final = 1024
+
+FailurePolicy = Literal["fail", "fallback", "drop"]
+DEFAULT_DEAD_LETTER_TABLE: Final = "deltaflow_dead_letters"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamerOptions:
+    """How a stream is batched, windowed and retried.
+
+    Attributes:
+        page_size: items per batch; a partition's buffer is sent when it holds this many.
+            Default 1000 (as Ignite 3).
+        max_batch_bytes: a partition's buffer is also sent once its packed items reach this
+            many bytes. Default 4 MiB; must stay below the node's frame limit (16 MiB).
+        auto_flush_interval: seconds after which a partly filled buffer is sent anyway.
+            Default 5.0 (as Ignite 3).
+        max_in_flight: batches sent and not yet acknowledged, across the whole stream. While
+            the window is full the source is not pulled. Default 128.
+        per_partition_in_flight: batches of one partition in flight at once (pipelining; the
+            owner applies them in sequence order). Default 4.
+        retry_limit: resends of one batch after a retriable error before it fails. Default 16.
+        retry_initial_backoff: seconds before the first resend; doubles each time, with
+            jitter. Default 0.05.
+        retry_max_backoff: cap on the wait between resends, seconds. Default 2.0.
+        ack_timeout: seconds to wait for a batch's acknowledgement before treating the
+            connection as lost and resending. Default 120.0 (a large commit can take a while).
+        on_failure: what happens to a batch whose retries are exhausted: ``"fail"`` stops the
+            stream and raises :class:`~deltaflow.errors.DataStreamerError` listing every item not
+            applied; ``"fallback"`` writes its items, with the error, to ``dead_letter_table``
+            and carries on; ``"drop"`` counts its items as failed in the summary, logs a
+            warning and carries on.
+        dead_letter_table: the Delta table failed items go to under ``"fallback"``. Default
+            ``"deltaflow_dead_letters"``.
+        batch_creator: decides where partition buffers are cut into batches (see
+            :class:`~deltaflow.client.accumulator.BatchCreator`); None cuts by
+            ``page_size`` and ``max_batch_bytes``.
+        result_buffer: per-item results held for a slow ``on_result`` before the stream slows
+            down. Default 1024.
+        source_buffer: items an Observable may emit ahead of the streamer. Default 1024.
+    """
+
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    auto_flush_interval: float = DEFAULT_AUTO_FLUSH_INTERVAL
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    per_partition_in_flight: int = DEFAULT_PER_PARTITION_IN_FLIGHT
+    retry_limit: int = DEFAULT_RETRY_LIMIT
+    retry_initial_backoff: float = DEFAULT_RETRY_INITIAL_BACKOFF
+    retry_max_backoff: float = DEFAULT_RETRY_MAX_BACKOFF
+    ack_timeout: float = DEFAULT_ACK_TIMEOUT
+    on_failure: FailurePolicy = "fail"
+    dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
+    batch_creator: BatchCreator | None = None
+    result_buffer: int = DEFAULT_RESULT_BUFFER
+    source_buffer: int = DEFAULT_SOURCE_BUFFER
+
+    def __post_init__(self) -> None:
+        for name in (
+            "page_size",
+            "max_batch_bytes",
+            "max_in_flight",
+            "per_partition_in_flight",
+            "result_buffer",
+            "source_buffer",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"StreamerOptions.{name} must be a positive int, got {value!r}")
+        if self.max_batch_bytes > DEFAULT_MAX_FRAME_BYTES - 64 * 1024:
+            raise UsageError(
+                f"StreamerOptions.max_batch_bytes={self.max_batch_bytes} leaves no room under the "
+                f"{DEFAULT_MAX_FRAME_BYTES}-byte frame limit; use at most "
+                f"{DEFAULT_MAX_FRAME_BYTES - 64 * 1024}"
+            )
+        if not isinstance(self.retry_limit, int) or self.retry_limit < 0:
+            raise UsageError(f"StreamerOptions.retry_limit must be >= 0, got {self.retry_limit!r}")
+        for name in ("auto_flush_interval", "retry_initial_backoff", "retry_max_backoff"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"StreamerOptions.{name} must be >= 0 seconds")
+        if self.ack_timeout <= 0:
+            raise UsageError("StreamerOptions.ack_timeout must be > 0 seconds")
+        if self.on_failure not in ("fail", "fallback", "drop"):
+            raise UsageError(
+                "StreamerOptions.on_failure must be 'fail', 'fallback' or 'drop', got "
+                f"{self.on_failure!r}"
+            )

@@ -1,0 +1,68 @@
+"""The blocking facade for sync code (scripts, Spark executors): same semantics, no asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import UsageError
+from .client import connect
+from .options import StreamerOptions
+from .results import OnResult
+from .stream import CommitPosition, KeyFn, StreamSummary
+
+__all__ = ["stream_data"]
+
+
+def stream_data(
+    source: Any,
+    *,
+    nodes: Sequence[str] | str,
+    token: str | None = None,
+    table: str | None = None,
+    key: str | Sequence[str] | KeyFn | None = None,
+    receiver: str | None = None,
+    receiver_args: Any = None,
+    on_result: OnResult | None = None,
+    on_ack: Callable[[list[Any]], Any] | None = None,
+    on_commit: Callable[[CommitPosition], Any] | None = None,
+    options: StreamerOptions | None = None,
+    stream_id: str | None = None,
+) -> StreamSummary:
+    """Connect, stream ``source`` and return its summary, blocking the calling thread.
+
+    Arguments and errors are those of :meth:`deltaflow.client.Client.stream_data`; ``on_result``
+    may be a plain callable. Must not be called from a thread running an event loop (use the
+    async client there).
+
+    ``stream_id`` (default: random) names the stream; a deterministic id makes a replay of the
+    same input exactly-once (see :meth:`~deltaflow.client.Client.stream_data` for what a
+    replay must keep the same).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise UsageError(
+            "deltaflow.stream_data() blocks and cannot run inside an event loop; use "
+            "'async with deltaflow.connect(...) as client: await client.stream_data(...)'"
+        )
+
+    async def main() -> StreamSummary:
+        async with connect(nodes, token=token) as client:
+            return await client.stream_data(
+                source,
+                table=table,
+                key=key,
+                receiver=receiver,
+                receiver_args=receiver_args,
+                on_result=on_result,
+                on_ack=on_ack,
+                on_commit=on_commit,
+                options=options,
+                stream_id=stream_id,
+            )
+
+    return asyncio.run(main())

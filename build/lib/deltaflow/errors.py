@@ -1,0 +1,273 @@
+"""The deltaflow exception tree.
+
+Every error deltaflow raises derives from :class:`DeltaflowError`::
+
+    DeltaflowError
+    ├── UsageError                 wrong arguments or state on the caller's side (never retried)
+    ├── TransportError             the network between client and node   (retriable)
+    │   ├── NodeUnavailableError   no connection could be made to a node
+    │   └── ConnectionLostError    an open connection dropped
+    ├── ProtocolError              a peer broke the wire protocol         (not retriable)
+    │   └── FrameTooLargeError     a frame exceeded the agreed size limit
+    ├── ServerError                a node reported an error frame (has ``code`` and ``node``)
+    │   ├── NotOwnerError          the node does not own the partition   (retriable, refresh map)
+    │   ├── OverloadedError        the node is shedding load              (retriable)
+    │   ├── CommitConflictError    a Delta commit lost a race             (retriable)
+    │   ├── AuthenticationError    wrong or missing token
+    │   ├── UnknownReceiverError   receiver name not on the node's allow-list
+    │   ├── SchemaError            rows do not fit the table schema
+    │   ├── ReceiverError          a receiver raised while applying a batch
+    │   └── LaneFailedError        an earlier batch of the same partition failed
+    └── DataStreamerError          a stream ended with items not applied (``failed_items``)
+
+Whether an error is retried is decided in one place: the class attribute ``retriable``
+(:func:`is_retriable`). Server errors carry a stable ``code`` (see ``docs/protocol.md``) and
+:func:`server_error` maps a code back to its class on the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+__all__ = [
+    "AuthenticationError",
+    "CommitConflictError",
+    "ConnectionLostError",
+    "DataStreamerError",
+    "DeltaflowError",
+    "ErrorCode",
+    "FrameTooLargeError",
+    "ItemFailedError",
+    "LaneFailedError",
+    "NodeUnavailableError",
+    "NotOwnerError",
+    "OverloadedError",
+    "ProtocolError",
+    "ReceiverError",
+    "SchemaError",
+    "ServerError",
+    "SideInputError",
+    "TransportError",
+    "UnknownReceiverError",
+    "UsageError",
+    "is_retriable",
+    "server_error",
+]
+
+
+class ErrorCode:
+    """Stable error codes carried by ``error`` frames. Never renumber; only add."""
+
+    BAD_FRAME = "BAD_FRAME"
+    FRAME_TOO_LARGE = "FRAME_TOO_LARGE"
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    UNKNOWN_RECEIVER = "UNKNOWN_RECEIVER"
+    UNKNOWN_STREAM = "UNKNOWN_STREAM"
+    NOT_OWNER = "NOT_OWNER"
+    OVERLOADED = "OVERLOADED"
+    COMMIT_CONFLICT = "COMMIT_CONFLICT"
+    SCHEMA_MISMATCH = "SCHEMA_MISMATCH"
+    RECEIVER_FAILED = "RECEIVER_FAILED"
+    LANE_FAILED = "LANE_FAILED"
+    SIDE_INPUT = "SIDE_INPUT"
+    ITEM_FAILED = "ITEM_FAILED"
+    INTERNAL = "INTERNAL"
+
+
+class DeltaflowError(Exception):
+    """Base of every deltaflow error."""
+
+    retriable: ClassVar[bool] = False
+
+
+class UsageError(DeltaflowError, ValueError):
+    """The caller passed bad arguments or used an object in the wrong state."""
+
+
+class TransportError(DeltaflowError):
+    """The connection to a node failed; the batch may be resent."""
+
+    retriable = True
+
+
+class NodeUnavailableError(TransportError):
+    """No connection could be opened to a node."""
+
+
+class ConnectionLostError(TransportError):
+    """An open connection to a node dropped before the answer arrived."""
+
+
+class ProtocolError(DeltaflowError):
+    """A peer sent something the wire protocol does not allow."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame (or a single item) is larger than the agreed frame size limit."""
+
+
+class ServerError(DeltaflowError):
+    """An error reported by a node in an ``error`` frame.
+
+    Attributes:
+        code: the stable error code (:class:`ErrorCode`).
+        node: id of the node that reported it, when known.
+        details: extra structured fields sent with the error (e.g. the partition map).
+    """
+
+    code: ClassVar[str] = ErrorCode.INTERNAL
+    retriable = True  # an unclassified server fault is worth another try
+
+    def __init__(
+        self, message: str, *, node: str | None = None, details: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.node = node
+        self.details: dict[str, Any] = details or {}
+
+    def __str__(self) -> str:
+        where = f" (node {self.node})" if self.node else ""
+        return f"[{self.code}] {self.args[0]}{where}"
+
+
+class NotOwnerError(ServerError):
+    """The node does not own the batch's partition; refresh the map and resend."""
+
+    code = ErrorCode.NOT_OWNER
+
+
+class OverloadedError(ServerError):
+    """The node is at capacity; back off and resend."""
+
+    code = ErrorCode.OVERLOADED
+
+
+class CommitConflictError(ServerError):
+    """A Delta commit conflicted with a concurrent writer; resend the batch."""
+
+    code = ErrorCode.COMMIT_CONFLICT
+
+
+class AuthenticationError(ServerError):
+    """The node rejected the client's token."""
+
+    code = ErrorCode.UNAUTHORIZED
+    retriable = False
+
+
+class UnknownReceiverError(ServerError):
+    """The receiver named by the client is not registered on the node."""
+
+    code = ErrorCode.UNKNOWN_RECEIVER
+    retriable = False
+
+
+class SchemaError(ServerError):
+    """Rows of a batch do not fit the target table's schema."""
+
+    code = ErrorCode.SCHEMA_MISMATCH
+    retriable = False
+
+
+class ReceiverError(ServerError):
+    """The receiver raised while applying a batch."""
+
+    code = ErrorCode.RECEIVER_FAILED
+    retriable = False
+
+
+class LaneFailedError(ServerError):
+    """An earlier batch of the same stream partition failed, so later ones are not applied."""
+
+    code = ErrorCode.LANE_FAILED
+    retriable = False
+
+
+class SideInputError(ServerError):
+    """A side input is unknown on this node, or has no value yet (see docs/side-inputs.md)."""
+
+    code = ErrorCode.SIDE_INPUT
+    retriable = False
+
+
+class ItemFailedError(ServerError):
+    """The receiver marked single items of a batch failed (``ctx.fail``); the rest of the
+    batch was applied. ``details["items"]`` lists ``[source position, reason]`` pairs."""
+
+    code = ErrorCode.ITEM_FAILED
+    retriable = False
+
+
+class _BadFrameError(ServerError):
+    code = ErrorCode.BAD_FRAME
+    retriable = False
+
+
+class _FrameTooLargeServerError(ServerError):
+    code = ErrorCode.FRAME_TOO_LARGE
+    retriable = False
+
+
+class _UnsupportedVersionError(ServerError):
+    code = ErrorCode.UNSUPPORTED_VERSION
+    retriable = False
+
+
+class _UnknownStreamError(ServerError):
+    code = ErrorCode.UNKNOWN_STREAM
+
+
+class DataStreamerError(DeltaflowError):
+    """A stream ended with items that were not applied.
+
+    Attributes:
+        failed_items: exactly the source items that were not applied, in source order.
+        cause: the error that stopped the stream (also chained as ``__cause__``).
+    """
+
+    def __init__(self, message: str, failed_items: Sequence[Any], cause: BaseException | None):
+        super().__init__(message)
+        self.failed_items = list(failed_items)
+        self.cause = cause
+
+
+_BY_CODE: dict[str, type[ServerError]] = {
+    cls.code: cls
+    for cls in (
+        ServerError,
+        NotOwnerError,
+        OverloadedError,
+        CommitConflictError,
+        AuthenticationError,
+        UnknownReceiverError,
+        SchemaError,
+        ReceiverError,
+        LaneFailedError,
+        SideInputError,
+        ItemFailedError,
+        _BadFrameError,
+        _FrameTooLargeServerError,
+        _UnsupportedVersionError,
+        _UnknownStreamError,
+    )
+}
+
+
+def server_error(
+    code: str, message: str, *, node: str | None = None, details: dict[str, Any] | None = None
+) -> ServerError:
+    """Build the most specific :class:`ServerError` for a wire error code."""
+    cls = _BY_CODE.get(code, ServerError)
+    err = cls(message, node=node, details=details)
+    if cls is ServerError and code != ErrorCode.INTERNAL:
+        err.details.setdefault("code", code)
+    return err
+
+
+def is_retriable(exc: BaseException) -> bool:
+    """Whether resending the same batch may succeed (the single retry decision)."""
+    if isinstance(exc, ServerError) and "retriable" in exc.details:
+        return bool(exc.details["retriable"])
+    return isinstance(exc, DeltaflowError) and exc.retriable

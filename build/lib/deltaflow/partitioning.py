@@ -1,0 +1,113 @@
+"""Stable partitioning shared by client and server.
+
+A key is mapped to one of a fixed number of partitions by the CRC-32 of its msgpack encoding
+(never Python's salted ``hash()``), so every process, language and restart agrees. CRC-32 is
+not a cryptographic hash, and need not be: it spreads keys evenly over partitions (checked for
+sequential ints, strings and composite keys in tests/test_protocol.py) and costs about 0.1 µs,
+a sixth of blake2b; the client computes it for every item.
+Partitions are assigned to live nodes by rendezvous (highest random weight) hashing: when a
+node joins or leaves only the partitions it wins or held move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgpack
+
+__all__ = [
+    "DEFAULT_PARTITIONS",
+    "PartitionMap",
+    "assign_partitions",
+    "partition_many",
+    "partition_of",
+]
+
+DEFAULT_PARTITIONS: Final = 64
+
+
+class _Packer(threading.local):
+    """One msgpack ``Packer`` per thread: a packer is not safe to share between threads (the
+    node computes bucket columns on worker threads while clients route on the loop)."""
+
+    def __init__(self) -> None:
+        self.pack = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True).pack
+
+
+_key_packer = _Packer()
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def partition_of(key: Any, partitions: int) -> int:
+    """The partition of ``key``: stable across processes and runs.
+
+    Tuples and lists hash alike (composite keys). Raises TypeError for keys msgpack cannot encode.
+    """
+    return zlib.crc32(_key_packer.pack(key)) % partitions
+
+
+def partition_many(keys: Iterable[Any], partitions: int) -> list[int]:
+    """``partition_of`` of every key, in one pass (the client's per-chunk fast path)."""
+    pack, crc = _key_packer.pack, zlib.crc32
+    return [crc(pack(key)) % partitions for key in keys]
+
+
+def assign_partitions(node_ids: Iterable[str], partitions: int) -> list[str]:
+    """Owner of each partition among ``node_ids`` by rendezvous hashing."""
+    nodes = sorted(set(node_ids))
+    if not nodes:
+        raise ValueError("cannot assign partitions to an empty set of nodes")
+    return [max(nodes, key=lambda n: _digest64(f"{n}\x00{p}".encode())) for p in range(partitions)]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionMap:
+    """Which node owns which partition, and where each node listens.
+
+    Attributes:
+        version: grows whenever membership changes; a client keeps the newest map it saw.
+        owners: node id owning each partition (index = partition number).
+        addresses: ``host:port`` of every live node by id.
+    """
+
+    version: int
+    owners: tuple[str, ...]
+    addresses: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def partitions(self) -> int:
+        return len(self.owners)
+
+    def owner_address(self, partition: int) -> str:
+        return self.addresses[self.owners[partition]]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "owners": list(self.owners), "nodes": dict(self.addresses)}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> PartitionMap:
+        try:
+            owners = tuple(str(o) for o in data["owners"])
+            nodes = {str(k): str(v) for k, v in dict(data["nodes"]).items()}
+            version = int(data["version"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed partition map: {exc}") from exc
+        if not owners or any(o not in nodes for o in owners):
+            raise ValueError("malformed partition map: an owner has no address")
+        return cls(version=version, owners=owners, addresses=nodes)
+
+    @classmethod
+    def build(cls, version: int, addresses: Mapping[str, str], partitions: int) -> PartitionMap:
+        return cls(
+            version=version,
+            owners=tuple(assign_partitions(addresses, partitions)),
+            addresses=dict(addresses),
+        )

@@ -1,0 +1,263 @@
+"""The receiver base class and the context a receiver runs in."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from ..errors import SchemaError
+
+__all__ = [
+    "Receiver",
+    "ReceiverContext",
+    "SideInputReader",
+    "TableHandle",
+    "TableWriter",
+    "check_table_name",
+]
+
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def check_table_name(name: Any) -> str:
+    """A table name is a plain identifier: it becomes a directory under the warehouse."""
+    if not isinstance(name, str) or not _TABLE_NAME.match(name):
+        raise SchemaError(
+            f"table name {name!r} is not allowed; use letters, digits and '_' (at most 128), "
+            "starting with a letter or '_'"
+        )
+    return name
+
+
+class SideInputReader(Protocol):
+    """What the node's side-input store offers receivers (see ``server.side_inputs``)."""
+
+    def get(self, name: str, parse: Callable[[bytes], Any] | None = None) -> Any:
+        """The current value of side input ``name``, parsed by ``parse`` (cached per version)."""
+        ...
+
+
+class TableWriter(Protocol):
+    """What the node's table engine offers receivers (see ``spark_integration.engine``)."""
+
+    async def stage(
+        self,
+        table: str,
+        key: Sequence[str],
+        rows: Sequence[Any],
+        deletes: frozenset[int],
+        *,
+        abandoned: Any,
+        mark: tuple[str, tuple[int, int]] | None = None,
+        held: Callable[[], bool] | None = None,
+    ) -> asyncio.Future[None]:
+        """Validate and queue rows for the table's next commit (not before ``held()`` turns
+        false); the future resolves when the commit holding them is durable."""
+        ...
+
+    def release(self) -> None:
+        """Writes whose ``held()`` turned false may now be committed."""
+        ...
+
+
+@dataclass(slots=True, kw_only=True)
+class ReceiverContext:
+    """Everything a receiver may know or use while applying one batch.
+
+    Attributes:
+        stream_id: id of the client's stream.
+        partition: the partition this batch belongs to (all its items hash there).
+        seq: the batch's sequence number within (stream, partition).
+        node_id: the node applying the batch.
+        args: the ``receiver_args`` the client passed (a msgpack value).
+        deletes: indexes of items the client marked as deletes (:class:`deltaflow.Delete`).
+        attempt: the delivery attempt of this batch, from 1: higher when the client resent it
+            (after a lost ack, a reconnect, a retriable error or a failover) or when the node
+            retried an idempotent receiver (see :attr:`Receiver.idempotent`).
+    """
+
+    stream_id: str
+    partition: int
+    seq: int
+    node_id: str
+    args: Any
+    deletes: frozenset[int] = frozenset()
+    attempt: int = 1
+    _failed: dict[int, str] = field(default_factory=dict)
+    _size: int = 0
+    _writer: TableWriter | None = None
+    _side_inputs: SideInputReader | None = None
+    _durable: list[asyncio.Future[None]] = field(default_factory=list)
+    _abandoned: Any = None
+    _running: bool = True  # false once receive() returned or raised
+    _writes: dict[str, int] = field(default_factory=dict)
+
+    def _next_mark(self, table: str) -> tuple[str, tuple[int, int]]:
+        """The lane mark of this batch's next write to ``table`` (see spark_integration.marks)."""
+        k = self._writes.get(table, 0)
+        self._writes[table] = k + 1
+        return f"{self.stream_id}/{self.partition}", (self.seq, k)
+
+    def side_input(self, name: str, *, parse: Callable[[bytes], Any] | None = None) -> Any:
+        """The current value of the side input ``name`` (see ``docs/side-inputs.md``).
+
+        Without ``parse`` the raw bytes are returned; with it, ``parse(bytes)`` is computed once
+        per version and cached, so calling this for every item is cheap. The value never changes
+        under a running call: read it once per batch for a consistent view.
+
+        Raises:
+            SideInputError: the node has no side input of that name.
+        """
+        if self._side_inputs is None:
+            from ..errors import SideInputError
+
+            raise SideInputError(f"node {self.node_id} has no side inputs configured")
+        return self._side_inputs.get(name, parse)
+
+    def _is_running(self) -> bool:
+        return self._running
+
+    @property
+    def redelivered(self) -> bool:
+        """Whether this batch may have been seen before (``attempt > 1``): key effects outside
+        the node's tables by ``(stream_id, partition, seq)`` or skip them."""
+        return self.attempt > 1
+
+    def fail(self, index: int, reason: str | BaseException) -> None:
+        """Mark item ``index`` of the batch failed without failing the batch.
+
+        The rest of the batch is applied and acknowledged; the client reports the marked items
+        with ``reason`` under its ``on_failure`` policy (``"fail"`` stops the stream with them
+        among ``failed_items``, ``"fallback"`` writes them to the dead-letter table, ``"drop"``
+        counts them). Do not write a failed item to a table: marking does not undo a write.
+
+        Raises:
+            IndexError: ``index`` is not an index of the batch.
+        """
+        if not isinstance(index, int) or not 0 <= index < self._size:
+            raise IndexError(f"item index {index!r} is outside the batch of {self._size} items")
+        text = f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else reason
+        self._failed[index] = str(text)[:2000]
+
+    def is_delete(self, index: int) -> bool:
+        return index in self.deletes
+
+    def table(self, name: str, *, key: str | Sequence[str] = ()) -> TableHandle:
+        """Access a Delta table in the node's warehouse, merging on ``key`` (or, without a
+        key, appending)."""
+        if self._writer is None:
+            raise RuntimeError("this node has no table engine")
+        keys = [key] if isinstance(key, str) else list(key)
+        return TableHandle(self, check_table_name(name), keys)
+
+
+@dataclass(frozen=True, slots=True)
+class TableHandle:
+    """Writes into one table; every write joins the node's next group commit for that table.
+
+    A write returns once the rows are validated and queued; the batch is acknowledged to the
+    client only after the commit holding them is durable, so a receiver need not wait for it.
+    The rows join a group commit only once ``receive`` returned: if it raises instead, they
+    are dropped, so a failed batch leaves nothing in any table.
+
+    Every write is applied exactly once, even when its batch is delivered again after a lost
+    ack, a crash between commit and ack, or a failover: the commit records the write's lane
+    mark and a write the table already holds is skipped.
+    """
+
+    ctx: ReceiverContext
+    name: str
+    key: list[str]
+
+    async def upsert(self, rows: Sequence[Any], *, deletes: Iterable[int] = ()) -> None:
+        """Upsert ``rows`` (dicts) by key; rows at the indexes in ``deletes`` delete their key.
+
+        Raises:
+            SchemaError: a row does not fit the table (names the row and the column).
+        """
+        if not self.key:
+            raise SchemaError(f"table {self.name!r} was opened without a key: use append()")
+        await self._stage(rows, frozenset(deletes))
+
+    async def append(self, rows: Sequence[Any]) -> None:
+        """Insert ``rows`` as they are (no key, no merge); for tables opened without ``key``."""
+        if self.key:
+            raise SchemaError(f"table {self.name!r} was opened with key {self.key}: use upsert()")
+        await self._stage(rows, frozenset())
+
+    async def _stage(self, rows: Sequence[Any], deletes: frozenset[int]) -> None:
+        writer = self.ctx._writer
+        assert writer is not None
+        fut = await writer.stage(
+            self.name,
+            self.key,
+            rows,
+            deletes,
+            abandoned=self.ctx._abandoned,
+            mark=self.ctx._next_mark(self.name),
+            held=self.ctx._is_running,
+        )
+        self.ctx._durable.append(fut)
+
+    async def delete(self, rows: Sequence[Any]) -> None:
+        """Delete the keys of ``rows`` (each holding at least the key columns)."""
+        await self.upsert(rows, deletes=range(len(rows)))
+
+
+class Receiver:
+    """Base class of server-side receivers. Subclass it and register the class on the nodes.
+
+    A node calls :meth:`receive` with each batch of a stream: a list of items (msgpack values
+    as the client sent them) and a :class:`ReceiverContext`. The receiver applies them (for
+    tables, through ``ctx.table(...)``) and returns per-item results, or yields them from an
+    async generator so they stream back to the client while the batch is still running.
+
+    **Allow-list.** A node runs only receivers registered by class name when it starts
+    (``deltaflow serve --receiver myapp.receivers.Enrich``). A client names one; it can never
+    make a node import anything.
+
+    **Instances.** One instance per stream on each node; keep cross-stream state in class
+    attributes only if it is thread- and task-safe.
+
+    **Ordering.** Batches of one (stream, partition) reach ``receive`` one at a time in
+    sequence order, so items of one key are seen in the order the client's source produced
+    them. Batches of different partitions run concurrently.
+
+    **Retries and idempotency.** A batch may be delivered again: after a lost acknowledgement,
+    a reconnect, or a retriable error. Table writes made through ``ctx.table`` are committed
+    with the batch and acknowledged only once durable. Effects outside the node's tables (an
+    HTTP call, a message) may be repeated on a resend, so make them idempotent or keyed by
+    ``(ctx.stream_id, ctx.partition, ctx.seq)``. Results of a resent batch are sent again.
+
+    **Errors.** Raising fails the whole batch: its items are reported to the client as not
+    applied and later batches of the same partition are refused. Raise an error whose class
+    has ``retriable = True`` (e.g. :class:`deltaflow.errors.OverloadedError`) to have the batch
+    retried instead. To reject single items and apply the rest, call ``ctx.fail(index, reason)``.
+
+    **Declarations** (class attributes):
+
+    - ``idempotent`` (default ``False``): running a batch twice has the effect of running it
+      once. Only an idempotent receiver is re-run by the node itself when it raises a
+      retriable error (up to ``node_retries`` times, with backoff, before the client is told);
+      a non-idempotent one is re-run only when the client resends the batch, with
+      ``ctx.attempt`` raised, and relies on deltaflow's exactly-once dedup of table writes.
+    - ``max_concurrency`` (default ``None``: unbounded): at most this many ``receive`` calls of
+      the class run at once on a node, across all streams and partitions. A node's
+      ``receiver_concurrency`` setting overrides it.
+
+    **Blocking.** ``receive`` runs on the node's event loop: do blocking work with
+    ``await asyncio.to_thread(...)``.
+    """
+
+    idempotent: ClassVar[bool] = False
+    max_concurrency: ClassVar[int | None] = None
+    #: Node-side retries of a retriable error, for idempotent receivers only.
+    node_retries: ClassVar[int] = 2
+
+    async def receive(
+        self, items: list[Any], ctx: ReceiverContext
+    ) -> Iterable[Any] | AsyncIterator[Any] | None:
+        raise NotImplementedError

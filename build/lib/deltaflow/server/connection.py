@@ -1,0 +1,185 @@
+"""One client WebSocket on a node: handshake, then frames to the dispatcher.
+
+A connection that breaks the protocol (malformed or oversize frame, bad handshake) gets an
+``error`` frame saying what and is closed; other connections and their streams are untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import TYPE_CHECKING, NoReturn
+
+import aiohttp
+from aiohttp import web
+
+from ..errors import (
+    AuthenticationError,
+    FrameTooLargeError,
+    ProtocolError,
+    ServerError,
+    UnknownReceiverError,
+    _BadFrameError,
+    _FrameTooLargeServerError,
+    _UnsupportedVersionError,
+)
+from ..protocol import (
+    CAPABILITIES,
+    SUPPORTED_VERSIONS,
+    Frame,
+    Outbox,
+    decode_frame,
+    decode_frames,
+    encode_frame,
+)
+from .dispatcher import error_frame
+
+if TYPE_CHECKING:
+    from .node import Node
+
+__all__ = ["ClientConnection"]
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+class ClientConnection:
+    """Serves one WebSocket; ``send`` is what the dispatcher answers through."""
+
+    def __init__(self, node: Node, ws: web.WebSocketResponse, remote: str) -> None:
+        self._node = node
+        self._ws = ws
+        self._remote = remote
+        self.client_id = "?"
+        # Until the hello says otherwise, one frame per message.
+        self._outbox = Outbox(self._write, multi=False, on_error=self._write_failed)
+
+    async def send(self, frame: Frame) -> None:
+        """Queue a frame; silently dropped when the connection is gone (the client resends)."""
+        if self._ws.closed:
+            return
+        await self._outbox.send(encode_frame(frame))
+
+    async def _write(self, data: bytes) -> None:
+        if not self._ws.closed:
+            await self._ws.send_bytes(data)
+
+    def _write_failed(self, exc: BaseException) -> None:
+        # The client sees the connection drop and resends what was not acknowledged.
+        log.info("sending to %s (client %s) failed: %r", self._remote, self.client_id, exc)
+
+    async def serve(self) -> None:
+        node_id = self._node.node_id
+        try:
+            await self._handshake()
+            while True:
+                msg = await self._ws.receive()
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    for frame in decode_frames(msg.data, max_bytes=self._node.max_frame_bytes):
+                        await self._handle(frame)
+                elif msg.type in (
+                    aiohttp.WSMsgType.CLOSE,
+                    aiohttp.WSMsgType.CLOSING,
+                    aiohttp.WSMsgType.CLOSED,
+                ):
+                    return
+                else:
+                    self._reject(msg)
+        except FrameTooLargeError as exc:
+            await self._abort(
+                _FrameTooLargeServerError(str(exc), node=node_id),
+                aiohttp.WSCloseCode.MESSAGE_TOO_BIG,
+            )
+        except ProtocolError as exc:
+            await self._abort(
+                _BadFrameError(f"{exc}; closing the connection", node=node_id),
+                aiohttp.WSCloseCode.PROTOCOL_ERROR,
+            )
+        except ServerError as exc:  # handshake refusals
+            exc.node = exc.node or node_id
+            await self._abort(exc, aiohttp.WSCloseCode.POLICY_VIOLATION)
+
+    def _reject(self, msg: aiohttp.WSMessage) -> NoReturn:
+        """Raise what a message that is neither binary nor a close means."""
+        if msg.type == aiohttp.WSMsgType.ERROR:
+            exc = self._ws.exception()
+            if isinstance(exc, aiohttp.WebSocketError) and (
+                exc.code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+            ):
+                raise FrameTooLargeError(
+                    f"frame exceeds this node's limit of {self._node.max_frame_bytes} "
+                    "bytes; lower StreamerOptions.max_batch_bytes"
+                )
+            raise ProtocolError(f"WebSocket error: {exc}")
+        raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
+
+    async def _abort(self, err: ServerError, code: int) -> None:
+        log.warning("closing connection from %s (client %s): %s", self._remote, self.client_id, err)
+        await self.send(error_frame(err))
+        await self._outbox.drain()
+        await self._ws.close(code=code, message=err.code.encode())
+
+    async def _handshake(self) -> None:
+        try:
+            msg = await self._ws.receive(timeout=HANDSHAKE_TIMEOUT)
+        except TimeoutError:
+            raise ProtocolError(f"no hello within {HANDSHAKE_TIMEOUT}s") from None
+        if msg.type != aiohttp.WSMsgType.BINARY:
+            raise ProtocolError("expected a binary hello frame")
+        hello = decode_frame(msg.data, max_bytes=self._node.max_frame_bytes)
+        if hello["t"] != "hello":
+            raise ProtocolError(f"expected hello, got {hello['t']!r}")
+        self.client_id = hello["client"]
+        versions = [v for v in hello["v"] if v in SUPPORTED_VERSIONS]
+        if not versions:
+            raise _UnsupportedVersionError(
+                f"client speaks protocol versions {hello['v']}, "
+                f"this node {list(SUPPORTED_VERSIONS)}; upgrade the older side"
+            )
+        if not self._node.check_token(hello.get("token")):
+            raise AuthenticationError(
+                "wrong or missing token; pass the cluster token to deltaflow.connect(token=...)"
+            )
+        caps = [c for c in hello["caps"] if c in CAPABILITIES]
+        if "multi" in caps:
+            # The client checks each message against this node's limit (welcome's ``max``).
+            self._outbox = Outbox(
+                self._write,
+                multi=True,
+                on_error=self._write_failed,
+                limit=self._node.max_frame_bytes,
+            )
+        await self.send(
+            {
+                "t": "welcome",
+                "v": max(versions),
+                "caps": caps,
+                "node": self._node.node_id,
+                "map": self._node.partition_map.to_wire(),
+                "max": self._node.max_frame_bytes,
+            }
+        )
+
+    async def _handle(self, frame: Frame) -> None:
+        dispatcher = self._node.dispatcher
+        ftype = frame["t"]
+        if ftype == "batch":
+            dispatcher.submit(self, frame)
+        elif ftype == "open":
+            try:
+                dispatcher.open(frame["sid"], frame["receiver"], frame.get("args"))
+            except (UnknownReceiverError, ServerError) as err:
+                await self.send(error_frame(err, sid=frame["sid"]))
+            else:
+                await self.send({"t": "opened", "sid": frame["sid"]})
+        elif ftype == "close":
+            dispatcher.close(frame["sid"])
+        else:
+            raise ProtocolError(f"a client may not send {ftype!r} frames")
+
+
+def token_matches(expected: str | None, given: str | None) -> bool:
+    if expected is None:
+        return True
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())

@@ -1,0 +1,183 @@
+"""Prometheus metrics of a node, served at ``GET /metrics`` (see docs/configuration.md).
+
+Nothing is counted here: at each scrape :class:`NodeCollector` reads the node's
+``statistics()`` snapshot and turns it into metric families, so the hot path pays nothing for
+metrics beyond the counters it keeps anyway. Each node registers its collector in a registry of
+its own (never prometheus-client's global one), as several nodes may share a process; every
+sample carries a ``node`` label.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from ..spark_integration.engine import Histogram
+
+if TYPE_CHECKING:
+    from .node import NodeStatistics
+
+__all__ = ["NodeCollector"]
+
+
+class NodeCollector:
+    """A prometheus-client collector of one node's metrics.
+
+    Args:
+        statistics: returns the node's current snapshot (``Node.statistics``); called once per
+            scrape, on the event loop.
+    """
+
+    def __init__(self, statistics: Callable[[], NodeStatistics]) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric of the node, read from one statistics snapshot."""
+        stats = self._statistics()
+        node = stats.node_id
+        d, e = stats.dispatcher, stats.engine
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["node"])
+            family.add_metric([node], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["node"])
+            family.add_metric([node], value)
+            return family
+
+        # Counters (prometheus-client appends the ``_total`` suffix).
+        yield counter(
+            "deltaflow_batches_received", "Batch frames received from clients.", d.batches_received
+        )
+        yield counter(
+            "deltaflow_batches_acked", "Batches applied and acknowledged.", d.batches_acked
+        )
+        yield counter(
+            "deltaflow_batches_failed",
+            "Batches that failed for good in their receiver or commit.",
+            d.batches_failed,
+        )
+        yield counter(
+            "deltaflow_batches_duplicate",
+            "Resent batches answered from the earlier result, not applied again.",
+            d.duplicates,
+        )
+        yield counter(
+            "deltaflow_items_applied", "Items of acknowledged batches applied.", d.items_applied
+        )
+        yield counter(
+            "deltaflow_items_failed",
+            "Items of acknowledged batches their receiver marked failed.",
+            d.items_failed,
+        )
+        yield counter(
+            "deltaflow_node_retries",
+            "Receiver runs retried on this node after a retriable error.",
+            d.node_retries,
+        )
+        yield counter("deltaflow_commits", "Delta commits of grouped batches.", e.commits)
+        yield counter("deltaflow_rows_committed", "Rows written by commits.", e.rows_committed)
+        yield counter(
+            "deltaflow_batches_committed", "Batches made durable by commits.", e.batches_committed
+        )
+        yield counter(
+            "deltaflow_batches_deduplicated",
+            "Batches a commit skipped because the table already held them (exactly-once).",
+            e.batches_deduplicated,
+        )
+        yield counter(
+            "deltaflow_tables_created", "Tables created on first write.", e.tables_created
+        )
+        yield counter(
+            "deltaflow_columns_added", "Columns added by schema evolution.", e.columns_added
+        )
+
+        yield gauge("deltaflow_streams", "Streams open on this node.", d.streams)
+        yield gauge(
+            "deltaflow_connections", "Open client connections (WebSockets).", stats.connections
+        )
+        yield gauge(
+            "deltaflow_owned_partitions",
+            "Partitions this node owns in its partition map.",
+            stats.owned_partitions,
+        )
+        yield gauge(
+            "deltaflow_partition_map_version",
+            "Version of this node's partition map.",
+            stats.map_version,
+        )
+        yield gauge(
+            "deltaflow_queued_rows", "Rows staged and not yet committed, all tables.", e.queued_rows
+        )
+        yield gauge(
+            "deltaflow_largest_group_rows",
+            "Rows of the largest commit so far.",
+            e.largest_group_rows,
+        )
+        state = GaugeMetricFamily(
+            "deltaflow_node_state",
+            "The node's state (the sample's state label).",
+            labels=["node", "state"],
+        )
+        state.add_metric([node, stats.state], 1)
+        yield state
+
+        version = GaugeMetricFamily(
+            "deltaflow_side_input_version",
+            "Version of the side input this node serves (0: none yet).",
+            labels=["node", "side_input"],
+        )
+        leader = GaugeMetricFamily(
+            "deltaflow_side_input_leader",
+            "1 if this node holds the side input's lease (and retrieves it), else 0.",
+            labels=["node", "side_input"],
+        )
+        retrievals = CounterMetricFamily(
+            "deltaflow_side_input_retrievals",
+            "retrieve() calls on this node, by outcome: published (a new version), declined "
+            "(None), unchanged (same bytes) or failed (raised, timed out or a bad value).",
+            labels=["node", "side_input", "outcome"],
+        )
+        for side in stats.side_inputs:
+            version.add_metric([node, side.name], side.version)
+            leader.add_metric([node, side.name], 1 if side.is_leader else 0)
+            for outcome, count in (
+                ("published", side.published),
+                ("declined", side.declined),
+                ("unchanged", side.unchanged),
+                ("failed", side.failures),
+            ):
+                retrievals.add_metric([node, side.name, outcome], count)
+        yield version
+        yield leader
+        yield retrievals
+
+        yield _histogram(
+            "deltaflow_commit_seconds",
+            "Duration of each commit, seconds.",
+            node,
+            e.commit_seconds_histogram,
+        )
+        yield _histogram(
+            "deltaflow_group_rows", "Rows of each commit.", node, e.group_rows_histogram
+        )
+
+
+def _histogram(name: str, doc: str, node: str, histogram: Histogram) -> HistogramMetricFamily:
+    """``histogram`` (counts per bucket) as a metric family (cumulative counts per bound)."""
+    family = HistogramMetricFamily(name, doc, labels=["node"])
+    bounds = [*map(floatToGoString, histogram.bounds), "+Inf"]
+    cumulative = itertools.accumulate(histogram.counts)
+    family.add_metric([node], list(zip(bounds, cumulative, strict=True)), histogram.sum)
+    return family

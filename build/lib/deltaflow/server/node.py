@@ -1,0 +1,446 @@
+"""The deltaflow node: an aiohttp app serving client streams and applying them to tables."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from ..errors import UsageError
+from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
+from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
+from ..receivers.dead_letter import DeadLetter
+from ..receivers.registry import ReceiverRegistry
+from ..receivers.side_input import SideInput
+from ..receivers.table import TableUpsert
+from ..spark_integration.deltars_engine import DeltaRsTableEngine
+from ..spark_integration.engine import DEFAULT_MAX_GROUP_BYTES, EngineStatistics, TableEngine
+from ..spark_integration.session import SparkConfig
+from ..spark_integration.spark_engine import SparkTableEngine
+from ..spark_integration.tables import MAX_BUCKETS, default_buckets
+from .connection import ClientConnection, token_matches
+from .dispatcher import Dispatcher, DispatcherStatistics
+from .metrics import NodeCollector
+from .side_inputs import (
+    DEFAULT_SIDE_INPUT_LEASE,
+    DEFAULT_SIDE_INPUT_POLL_INTERVAL,
+    DEFAULT_SIDE_INPUT_TIMEOUT,
+    SideInputStatistics,
+    SideInputStore,
+    load_side_inputs,
+)
+from .topology import Membership
+
+__all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT: Final = 7700
+TABLE_RECEIVER_NAME: Final = "deltaflow.receivers.TableUpsert"
+DEAD_LETTER_RECEIVER_NAME: Final = "deltaflow.receivers.DeadLetter"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """Settings of one node.
+
+    Attributes:
+        node_id: unique, stable name of the node in the cluster.
+        warehouse: directory holding the Delta tables (one sub-directory each).
+        host: interface to listen on. Default ``127.0.0.1``.
+        port: TCP port; 0 picks a free one. Default 7700.
+        advertise: ``host:port`` clients and peers use to reach this node. Default: ``host`` and
+            the bound port; required when ``host`` is a wildcard such as ``0.0.0.0``.
+        peers: ``host:port`` of the other nodes.
+        receivers: class names (``"module.Class"``) of receivers allowed on this node, besides
+            the built-in table receiver.
+        receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
+            once on this node, overriding the class's ``max_concurrency``.
+        token: shared secret clients and peers must present; None disables the check.
+        partitions: the fixed partition count; every node of a cluster must agree. Default 64.
+        max_frame_bytes: largest frame accepted. Default 16 MiB.
+        heartbeat_interval: seconds between peer liveness polls. Default 0.5.
+        failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
+        engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
+            ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
+        spark: Spark settings for the Spark engine (``local[*]`` by default).
+        max_group_rows: largest group commit, rows. Default 500,000.
+        max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
+            larger than either bound still commits, alone.)
+        table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
+            the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
+            largest divisor up to 64 (see docs/tables.md).
+        schema_evolution: tables this node creates on first write allow new columns. Default
+            False.
+        deletion_vectors: tables this node creates on first write get Delta deletion vectors
+            (Spark engine only). Default False.
+        side_inputs: class names (``"module.Class"``) of the side inputs this node serves to
+            its receivers (see ``docs/side-inputs.md``); every node should list the same.
+        side_input_timeout: seconds a starting node waits, once its engine started, for every
+            side input to have a value before it fails. Default 60.
+        side_input_lease: seconds a side input's leader holds its lease without renewing it
+            (renewed every third of it); a dead leader is replaced within 4/3 of it. Default 10.
+        side_input_poll_interval: seconds between two checks for a new version of each side
+            input. Default 0.5.
+    """
+
+    node_id: str
+    warehouse: Path
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    advertise: str | None = None
+    peers: Sequence[str] = ()
+    receivers: Sequence[str] = ()
+    receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
+    token: str | None = None
+    partitions: int = DEFAULT_PARTITIONS
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    heartbeat_interval: float = 0.5
+    failure_timeout: float = 3.0
+    engine: str = "spark"
+    spark: SparkConfig = field(default_factory=SparkConfig)
+    max_group_rows: int = 500_000
+    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    table_buckets: int | None = None
+    schema_evolution: bool = False
+    deletion_vectors: bool = False
+    side_inputs: Sequence[str] = ()
+    side_input_timeout: float = DEFAULT_SIDE_INPUT_TIMEOUT
+    side_input_lease: float = DEFAULT_SIDE_INPUT_LEASE
+    side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "@" in self.node_id:
+            raise UsageError(f"node_id {self.node_id!r} must be a non-empty name without '@'")
+        if not 1 <= self.partitions <= 65536:
+            raise UsageError("partitions must be between 1 and 65536")
+        if self.max_frame_bytes < 64 * 1024:
+            raise UsageError("max_frame_bytes must be at least 64 KiB")
+        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
+            raise UsageError(
+                f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
+                "advertise='host:port' (--advertise) so clients and peers can reach it"
+            )
+        if self.engine not in ("spark", "delta-rs"):
+            raise UsageError(f"engine must be 'spark' or 'delta-rs', got {self.engine!r}")
+        for name, bound in self.receiver_concurrency.items():
+            if not isinstance(bound, int) or bound < 1:
+                raise UsageError(
+                    f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}"
+                )
+        if self.failure_timeout <= self.heartbeat_interval:
+            raise UsageError("failure_timeout must exceed heartbeat_interval")
+        if self.max_group_rows < 1 or self.max_group_bytes < 1:
+            raise UsageError("max_group_rows and max_group_bytes must be at least 1")
+        if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
+            raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+        if self.deletion_vectors and self.engine != "spark":
+            raise UsageError(
+                "deletion_vectors needs the spark engine: delta-rs cannot create tables with "
+                "deletion vectors that Spark reads (it writes to such tables, though)"
+            )
+        if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
+            raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
+        if not self.side_input_lease >= 0.3:
+            raise UsageError("side_input_lease must be at least 0.3 seconds")
+
+
+class NodeState(enum.Enum):
+    CREATED = "created"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeStatistics:
+    """A snapshot of a node's counters."""
+
+    node_id: str
+    state: str
+    connections: int
+    map_version: int
+    owned_partitions: int
+    dispatcher: DispatcherStatistics
+    engine: EngineStatistics
+    side_inputs: tuple[SideInputStatistics, ...] = ()
+
+
+class Node:
+    """An embeddable deltaflow node.
+
+    ``await node.start()`` starts Spark (seconds on first use), waits until every side input
+    has a value, listens and joins the peers; ``await node.stop()`` closes connections, stops
+    committing and gives up its side-input leases. Also an async context manager.
+
+    ``node.metrics`` is the node's own Prometheus registry, served at ``GET /metrics``.
+    """
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        registry: ReceiverRegistry | None = None,
+        side_inputs: Sequence[type[SideInput]] = (),
+    ) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.max_frame_bytes = config.max_frame_bytes
+        self.registry = registry or ReceiverRegistry()
+        self.registry.register(TableUpsert, TABLE_RECEIVER_NAME)
+        self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
+        self.registry.register_names(config.receivers)
+        self.engine: TableEngine
+        buckets = config.table_buckets
+        if buckets is None:
+            buckets = default_buckets(config.partitions)
+        if config.engine == "spark":
+            self.engine = SparkTableEngine(
+                Path(config.warehouse),
+                spark=config.spark,
+                node_id=config.node_id,
+                max_group_rows=config.max_group_rows,
+                max_group_bytes=config.max_group_bytes,
+                table_buckets=buckets,
+                schema_evolution=config.schema_evolution,
+                deletion_vectors=config.deletion_vectors,
+            )
+        else:
+            self.engine = DeltaRsTableEngine(
+                Path(config.warehouse),
+                node_id=config.node_id,
+                max_group_rows=config.max_group_rows,
+                max_group_bytes=config.max_group_bytes,
+                table_buckets=buckets,
+                schema_evolution=config.schema_evolution,
+            )
+        # Side inputs, like receivers, are imported here from the operator's list only.
+        classes = load_side_inputs([*config.side_inputs, *side_inputs])
+        self.side_inputs: SideInputStore | None = None
+        if classes:
+            self.side_inputs = SideInputStore(
+                Path(config.warehouse),
+                node_id=config.node_id,
+                classes=classes,
+                lease=config.side_input_lease,
+                poll_interval=config.side_input_poll_interval,
+            )
+        self._membership: Membership | None = None
+        self._runner: web.AppRunner | None = None
+        self._connections: set[ClientConnection] = set()
+        self._websockets: set[web.WebSocketResponse] = set()
+        self.dispatcher = Dispatcher(
+            node_id=config.node_id,
+            registry=self.registry,
+            writer=self.engine,
+            owns=self._owns,
+            map_wire=lambda: self.partition_map.to_wire(),
+            partitions=config.partitions,
+            side_inputs=self.side_inputs,
+            concurrency=config.receiver_concurrency,
+        )
+        self.state = NodeState.CREATED
+        self.address = f"{config.host}:{config.port}"
+        # The node's own registry: several nodes may run in one process.
+        self.metrics = CollectorRegistry()
+        self.metrics.register(NodeCollector(self.statistics))
+
+    def __repr__(self) -> str:
+        return (
+            f"<Node {self.node_id} {self.state.value} at {self.address} "
+            f"connections={len(self._connections)} streams={self.dispatcher.stats.streams}>"
+        )
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        if self._membership is None:
+            return PartitionMap.build(0, {self.node_id: self.address}, self.config.partitions)
+        return self._membership.map
+
+    async def wait_for_members(self, count: int, *, timeout: float = 30.0) -> PartitionMap:
+        """Wait until this node sees ``count`` live nodes (itself included) in its map.
+
+        Raises:
+            TimeoutError: not within ``timeout`` seconds.
+        """
+        if self._membership is None:
+            raise UsageError("start the node first")
+        async with asyncio.timeout(timeout):
+            return await self._membership.wait_for_members(count)
+
+    def _owns(self, partition: int) -> bool:
+        return self.partition_map.owners[partition] == self.node_id
+
+    def check_token(self, given: str | None) -> bool:
+        return token_matches(self.config.token, given)
+
+    def statistics(self) -> NodeStatistics:
+        pmap = self.partition_map
+        return NodeStatistics(
+            node_id=self.node_id,
+            state=self.state.value,
+            connections=len(self._connections),
+            map_version=pmap.version,
+            owned_partitions=sum(1 for o in pmap.owners if o == self.node_id),
+            dispatcher=dataclasses.replace(self.dispatcher.stats),
+            engine=dataclasses.replace(self.engine.stats),
+            side_inputs=self.side_inputs.statistics() if self.side_inputs is not None else (),
+        )
+
+    async def start(self) -> None:
+        if self.state is not NodeState.CREATED:
+            raise UsageError(f"node {self.node_id} was already started")
+        try:
+            # Side inputs are retrieved while the engine starts; the node listens only once
+            # every side input has a value.
+            if self.side_inputs is not None:
+                await self.side_inputs.start()
+            await self.engine.start()
+            if self.side_inputs is not None:
+                await self.side_inputs.wait_ready(self.config.side_input_timeout)
+        except BaseException:
+            self.state = NodeState.STOPPED
+            if self.side_inputs is not None:
+                await self.side_inputs.stop()
+            await self.engine.stop()
+            raise
+        app = web.Application()
+        app.router.add_get(WS_PATH, self._ws_handler)
+        app.router.add_get("/v1/cluster", self._cluster_handler)
+        app.router.add_get("/healthz", self._health_handler)
+        app.router.add_get("/metrics", self._metrics_handler)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.address = self.config.advertise or f"{self.config.host}:{port}"
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        self._membership = Membership(
+            node_id=self.node_id,
+            address=self.address,
+            peers=list(self.config.peers),
+            partitions=self.config.partitions,
+            heartbeat_interval=self.config.heartbeat_interval,
+            failure_timeout=self.config.failure_timeout,
+            headers=headers,
+        )
+        await self._membership.start()
+        self.state = NodeState.RUNNING
+        log.info(
+            "node %s listening on %s (receivers: %s)",
+            self.node_id,
+            self.address,
+            ", ".join(self.registry.names()),
+        )
+
+    async def stop(self) -> None:
+        if self.state is not NodeState.RUNNING:
+            self.state = NodeState.STOPPED
+            return
+        self.state = NodeState.STOPPED
+        if self._membership is not None:
+            await self._membership.stop()
+        for ws in list(self._websockets):
+            await ws.close()
+        await self.dispatcher.stop()
+        if self.side_inputs is not None:
+            await self.side_inputs.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.engine.stop()
+
+    async def __aenter__(self) -> Node:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- HTTP handlers --------------------------------------------------------------------
+
+    def _authorised(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        return self.check_token(given)
+
+    async def _cluster_handler(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"error": "wrong or missing token"}, status=401)
+        peer = request.headers.get("X-Deltaflow-Peer")
+        if peer and self._membership is not None:
+            peer_id, _, peer_address = peer.partition("@")
+            self._membership.observe(peer_id, peer_address)
+        return web.json_response(
+            {
+                "node": self.node_id,
+                "address": self.address,
+                "protocol": PROTOCOL_VERSION,
+                "partitions": self.config.partitions,
+                "map": self.partition_map.to_wire(),
+                "members": self._membership.members() if self._membership else [],
+                "receivers": self.registry.names(),
+                "side_inputs": {
+                    s.name: {"version": s.version, "leader": s.leader}
+                    for s in (self.side_inputs.statistics() if self.side_inputs else ())
+                },
+            }
+        )
+
+    async def _health_handler(self, request: web.Request) -> web.Response:
+        return web.json_response({"node": self.node_id, "state": self.state.value})
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"error": "wrong or missing token"}, status=401)
+        # Not content_type=: aiohttp refuses one with a charset parameter in it.
+        return web.Response(
+            body=generate_latest(self.metrics), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
+        # No permessage-deflate: msgpack frames compress little for the CPU it costs.
+        ws = web.WebSocketResponse(
+            max_msg_size=self.max_frame_bytes, heartbeat=30.0, compress=False
+        )
+        await ws.prepare(request)
+        conn = ClientConnection(self, ws, request.remote or "?")
+        self._connections.add(conn)
+        self._websockets.add(ws)
+        try:
+            await conn.serve()
+        finally:
+            self._connections.discard(conn)
+            self._websockets.discard(ws)
+            if not ws.closed:
+                await ws.close()
+        return ws
+
+
+async def start_local_nodes(count: int, config: NodeConfig) -> list[Node]:
+    """Start ``count`` nodes in this process, ``node-1`` to ``node-<count>``, each with
+    ``config`` (its ``node_id`` and ``peers`` replaced), and return once each sees all the
+    others: the embedded cluster of the demo, the benchmarks and the tests."""
+    nodes: list[Node] = []
+    try:
+        for i in range(count):
+            node = Node(
+                dataclasses.replace(
+                    config, node_id=f"node-{i + 1}", peers=[n.address for n in nodes]
+                )
+            )
+            await node.start()
+            nodes.append(node)
+        await asyncio.gather(*(n.wait_for_members(count) for n in nodes))
+    except BaseException:
+        for node in reversed(nodes):
+            await node.stop()
+        raise
+    return nodes

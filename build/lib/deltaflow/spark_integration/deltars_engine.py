@@ -1,0 +1,166 @@
+"""The delta-rs engine: groups are merged (or appended) with the ``deltalake`` package, no JVM.
+
+Same semantics as the Spark engine (the same table tests run against both): one commit per
+group, lane marks in the commit's ``userMetadata``, the same cross-process table lock.
+
+Deletion vectors: delta-rs 1.x writes to a table that has them (its MERGE rewrites the files it
+touches, honouring their deletion vectors, and writes none itself), but a table it creates
+with deletion vectors also gets the ``variantType`` feature, which Delta 3.3 (Spark) cannot
+read. So this engine never creates such tables; create them with Spark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
+from .engine import DELETE_COLUMN, TableDescription, TableEngine
+from .tables import BUCKET_COLUMN, TableSettings, with_layout
+
+__all__ = ["DeltaRsTableEngine", "create_delta_table"]
+
+
+def _require_deltalake() -> Any:
+    try:
+        import deltalake
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "the delta-rs engine needs the deltalake package: pip install 'deltaflow[deltars]'"
+        ) from exc
+    return deltalake
+
+
+@contextlib.contextmanager
+def map_deltars_errors(table: str, node: str) -> Iterator[None]:
+    """Translate delta-rs errors at the engine boundary into deltaflow errors."""
+    from deltalake.exceptions import CommitFailedError, DeltaProtocolError, SchemaMismatchError
+
+    try:
+        yield
+    except DeltaflowError:
+        raise
+    except CommitFailedError as exc:
+        raise CommitConflictError(
+            f"commit to table {table!r} conflicted with another writer: {exc}", node=node
+        ) from exc
+    except DeltaProtocolError as exc:
+        raise ServerError(
+            f"delta-rs cannot write table {table!r}, which uses a Delta feature it does not "
+            f"support ({exc}); write it from nodes with the spark engine",
+            node=node,
+        ) from exc
+    except SchemaMismatchError as exc:
+        raise SchemaError(f"table {table!r} rejected the rows: {exc}", node=node) from exc
+    except Exception as exc:
+        raise ServerError(
+            f"commit to table {table!r} failed: {type(exc).__name__}: {str(exc)[:800]}", node=node
+        ) from exc
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def create_delta_table(
+    path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
+) -> None:
+    """Blocking: create the empty table at ``path`` with delta-rs (the caller holds the lock).
+
+    Args:
+        schema: the data columns (Arrow); the bucket column is added for a bucketed table.
+    """
+    from deltalake import DeltaTable
+
+    full, partition_by = with_layout(schema, settings)
+    with map_deltars_errors(table, node):
+        DeltaTable.create(
+            str(path),
+            full,
+            mode="error",
+            partition_by=partition_by or None,
+            configuration=settings.properties(),
+            # deltaflow.* keys are ours; delta-rs refuses keys it does not know without this.
+            raise_if_key_not_exists=False,
+        )
+
+
+class DeltaRsTableEngine(TableEngine):
+    """Delta through delta-rs (the ``deltalake`` package): fast commits, no JVM."""
+
+    name = "delta-rs"
+    creates_deletion_vectors = False
+
+    def _start_engine(self) -> None:
+        _require_deltalake()
+
+    def describe(self, table: str, path: Path) -> TableDescription:
+        import pyarrow as pa
+        from deltalake import DeltaTable
+
+        with map_deltars_errors(table, self.node_id):
+            dt = DeltaTable(str(path))
+            meta = dt.metadata()
+            return TableDescription(
+                schema=pa.schema(dt.schema().to_arrow()),
+                partition_columns=tuple(meta.partition_columns),
+                properties=dict(meta.configuration),
+            )
+
+    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+        create_delta_table(path, schema, settings, table=table, node=self.node_id)
+
+    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+        from deltalake import DeltaTable, Field
+
+        with map_deltars_errors(table, self.node_id):
+            DeltaTable(str(path)).alter.add_columns(
+                [Field.from_arrow(f.with_nullable(True)) for f in fields]
+            )
+
+    def write(
+        self,
+        table: str,
+        path: Path,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        buckets: Sequence[int] | None,
+    ) -> None:
+        import pyarrow.compute as pc
+        from deltalake import CommitProperties, DeltaTable, write_deltalake
+
+        props = CommitProperties(custom_metadata={"userMetadata": metadata})
+        columns = [c for c in data.column_names if c != DELETE_COLUMN]
+        with map_deltars_errors(table, self.node_id):
+            if not key:
+                rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
+                write_deltalake(str(path), rows, mode="append", commit_properties=props)
+                return
+            on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
+            if buckets is not None:
+                # The literal list prunes the target to the group's buckets; the equality lets
+                # the join use the partition column as well.
+                b = _quote(BUCKET_COLUMN)
+                on.append(f"t.{b} = s.{b}")
+                on.append(f"t.{b} IN ({', '.join(str(int(x)) for x in buckets)})")
+            flag = f"s.{_quote(DELETE_COLUMN)}"
+            values = {_quote(c): f"s.{_quote(c)}" for c in columns}
+            updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
+            (
+                DeltaTable(str(path))
+                .merge(
+                    data,
+                    predicate=" AND ".join(on),
+                    source_alias="s",
+                    target_alias="t",
+                    streamed_exec=False,
+                    commit_properties=props,
+                )
+                .when_matched_delete(predicate=flag)
+                .when_matched_update(updates=updates)
+                .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
+                .execute()
+            )

@@ -1,0 +1,961 @@
+"""The table engine seam: validate rows, group batches per table, one commit per group.
+
+A Delta MERGE has a fixed cost (one to two seconds with Spark), so no engine commits batch by
+batch. Each table has a committer task: while one commit runs, newly staged batches queue up,
+and the next commit takes all of them (up to ``max_group_rows`` and ``max_group_bytes``). Under
+load commits grow and amortise the fixed cost; under light load a lone batch commits at once. A
+group never waits to fill: it is cut the moment the previous commit ends.
+
+Within a group, several writes of one key collapse to the last in staging order (deletes
+included), which is the order the node's lanes staged them: per (stream, partition) sequence
+order. The result equals applying the batches one by one.
+
+Rows are validated and converted to Arrow when staged, so a bad row fails only its own batch
+(with the item and column named) and never poisons a group. Every commit holds the table's
+cross-process lock (:mod:`.lock`) and records the group's lane marks (:mod:`.marks`).
+
+Tables carry their settings (key, bucket layout, schema evolution, deletion vectors) in their
+Delta properties (:mod:`.tables`). A table that does not exist is created by the first commit
+that writes it, with the node's defaults, in a commit of its own before the group's write.
+Keyed tables get the bucket column, and each MERGE names the buckets its group holds, so it
+touches only their files.
+
+Engines (subclasses of :class:`TableEngine`): Spark (:mod:`.spark_engine`, the default) and
+delta-rs (:mod:`.deltars_engine`), selectable per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import dataclasses
+import functools
+import logging
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Final
+
+from .._faults import fault_point
+from ..errors import (
+    CommitConflictError,
+    LaneFailedError,
+    SchemaError,
+    ServerError,
+    UsageError,
+)
+from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
+from .marks import LaneMarks, Mark
+from .tables import (
+    BUCKET_COLUMN,
+    DEFAULT_BUCKETS,
+    MAX_BUCKETS,
+    PROP_SCHEMA_EVOLUTION,
+    TableSettings,
+    bucket_values,
+)
+
+__all__ = [
+    "COMMIT_SECONDS_BUCKETS",
+    "DEFAULT_MAX_GROUP_BYTES",
+    "DEFAULT_MAX_GROUP_ROWS",
+    "DEFAULT_MAX_QUEUED_ROWS",
+    "DELETE_COLUMN",
+    "GROUP_ROWS_BUCKETS",
+    "EngineStatistics",
+    "Histogram",
+    "TableDescription",
+    "TableEngine",
+    "to_arrow_rows",
+]
+
+log = logging.getLogger(__name__)
+
+DELETE_COLUMN: Final = "__deltaflow_delete"
+DEFAULT_MAX_GROUP_ROWS: Final = 500_000
+DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
+DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
+_COMMIT_ATTEMPTS: Final = 5
+_INTERNAL_COLUMNS: Final = (DELETE_COLUMN, BUCKET_COLUMN)
+#: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
+COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds of the buckets of ``EngineStatistics.group_rows_histogram``, rows.
+GROUP_ROWS_BUCKETS: Final = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations counted in buckets, as a Prometheus histogram counts them.
+
+    Immutable, so a copied :class:`EngineStatistics` is a true snapshot: :meth:`observe`
+    returns a new histogram.
+
+    Attributes:
+        bounds: the buckets' inclusive upper bounds, ascending; one unbounded bucket follows.
+        counts: observations per bucket (not cumulative), ``len(bounds) + 1`` of them.
+        sum: the sum of every observation.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: Sequence[float]) -> Histogram:
+        """A histogram with the buckets ``bounds`` and no observation."""
+        return cls(tuple(bounds), (0,) * (len(bounds) + 1))
+
+    @property
+    def count(self) -> int:
+        """The number of observations."""
+        return sum(self.counts)
+
+    def observe(self, value: float) -> Histogram:
+        """This histogram with ``value`` counted in the first bucket whose bound is >= it."""
+        counts = list(self.counts)
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        return Histogram(self.bounds, tuple(counts), self.sum + value)
+
+
+@dataclass(slots=True)
+class EngineStatistics:
+    """Counters of a node's table engine (typed snapshot, see ``Node.statistics()``)."""
+
+    commits: int = 0
+    rows_committed: int = 0
+    batches_committed: int = 0
+    batches_failed: int = 0
+    batches_deduplicated: int = 0
+    largest_group_rows: int = 0
+    commit_seconds: float = 0.0
+    queued_rows: int = 0
+    tables_created: int = 0
+    columns_added: int = 0
+    # Per commit: its duration in seconds and its rows (0 when every batch was a duplicate).
+    commit_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
+    )
+    group_rows_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TableDescription:
+    """What an engine reads about an existing table.
+
+    Attributes:
+        schema: the Arrow schema of every column, the bucket column included.
+        partition_columns: Delta partition columns.
+        properties: Delta table properties.
+    """
+
+    schema: Any
+    partition_columns: tuple[str, ...]
+    properties: Mapping[str, str]
+
+
+@dataclass(slots=True)
+class _Staged:
+    table: Any  # pyarrow.Table incl. DELETE_COLUMN (and BUCKET_COLUMN when buckets > 0)
+    future: asyncio.Future[None]
+    abandoned: Callable[[], bool] | None
+    mark: tuple[str, Mark] | None = None  # (lane, mark) for exactly-once; None: always apply
+    buckets: int = 0  # the bucket count the bucket column was computed with
+    # True while the receiver that staged the write still runs: the write is not committed
+    # until it returned (a receiver that raises after staging must leave no trace).
+    held: Callable[[], bool] | None = None
+
+    def takeable(self) -> bool:
+        return self.held is None or not self.held()
+
+    @property
+    def rows(self) -> int:
+        return int(self.table.num_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.table.nbytes)
+
+
+class _TableCommitter:
+    """Owns one table on this node: its settings, schema, staging queue and commit task."""
+
+    def __init__(self, engine: TableEngine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.path = engine.warehouse / name
+        self.lock_path = table_lock_path(engine.warehouse, name)
+        self.key: list[str] | None = None  # the key this node's writes use
+        self.settings: TableSettings | None = None  # None until the table exists
+        self.schema: Any = None  # the data columns (no bucket), None until the table exists
+        self.queue: deque[_Staged] = deque()
+        self.queued_rows = 0
+        self.ready = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.loaded = False
+        self.described_version = -1
+        self.marks = LaneMarks(self.path)
+        self.session: Any = None
+        self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
+
+    async def load(self) -> None:
+        if not self.loaded:
+            await self.engine._in_thread(self._describe)
+            self.loaded = True
+
+    def _exists(self) -> bool:
+        return (self.path / "_delta_log").is_dir()
+
+    def _describe_if_newer(self) -> bool:
+        """Blocking: read the table again if it has commits newer than the last read (an
+        operator may have changed its settings); whether it did."""
+        if _latest_version(self.path) <= self.described_version:
+            return False
+        self._describe()
+        return True
+
+    def _describe(self) -> None:
+        """Blocking: read the table's settings and schema (nothing if it does not exist)."""
+        if not self._exists():
+            self.settings = self.schema = None
+            return
+        import pyarrow as pa
+
+        self.described_version = _latest_version(self.path)
+        desc = self.engine.describe(self.name, self.path)
+        full = pa.schema(desc.schema)
+        self.settings = TableSettings.from_table(desc.properties, full.names)
+        self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
+        if self.settings.buckets and BUCKET_COLUMN not in desc.partition_columns:
+            log.warning("table %s: %s is not a partition column", self.name, BUCKET_COLUMN)
+
+    def plan(self, key: Sequence[str]) -> TableSettings:
+        """The settings a write with ``key`` is staged under (the table's, or the ones this
+        node would create it with).
+
+        Raises:
+            SchemaError: the write's key is not the table's.
+        """
+        settings = self.settings
+        if settings is not None and settings.managed:
+            if list(settings.key) != list(key):
+                how = f"merged on key {list(settings.key)}" if settings.key else "appended to"
+                raise SchemaError(
+                    f"table {self.name!r} is {how} (its deltaflow.key property); this write "
+                    f"{'appends' if not key else f'merges on {list(key)}'}",
+                    node=self.engine.node_id,
+                )
+        elif self.key is not None and self.key != list(key):
+            how = f"merged on key {self.key}" if self.key else "appended to"
+            raise SchemaError(
+                f"table {self.name!r} is {how} on this node; this write "
+                f"{'appends' if not key else f'merges on {list(key)}'}",
+                node=self.engine.node_id,
+            )
+        if self.key is None:
+            self.key = list(key)
+        if settings is not None:
+            return settings
+        return self.engine.new_table_settings(key)
+
+    async def _run(self) -> None:
+        while True:
+            await self.ready.wait()
+            if not self._any_takeable():
+                self.ready.clear()  # only writes of receivers still running: wait for release()
+                continue
+            # The group is taken only once the table lock is held: while another node commits
+            # to the table, this node's batches keep joining its next group, so under load the
+            # groups grow to cover the wait (instead of one taken early and then stuck waiting).
+            lock = table_lock(self.engine.warehouse, self.name)
+            entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
+            try:
+                await asyncio.shield(entering)
+            except asyncio.CancelledError:  # the node stops: release the lock once it is ours
+                entering.add_done_callback(functools.partial(_release_if_taken, lock=lock))
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
+                for staged in self._take_group():
+                    self.engine.stats.batches_failed += 1
+                    _settle(staged.future, ServerError(str(exc), node=self.engine.node_id))
+                continue
+            committing = asyncio.ensure_future(self._commit_group(self._take_group()))
+            try:
+                # Shielded: a commit under way finishes (and settles its batches) even when
+                # the node stops, so the lock is never released under a running commit.
+                await asyncio.shield(committing)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await committing
+                raise
+            finally:
+                lock.__exit__(None, None, None)  # a non-blocking unlock, on the loop
+            if await self.engine._in_thread(others_waiting, self.lock_path):
+                # flock is not fair: let the node waiting for this table commit first.
+                await asyncio.sleep(YIELD_SECONDS)
+
+    def _take_group(self) -> list[_Staged]:
+        """The next group: queued writes in staging order, up to the bounds, passing over the
+        writes of receivers still running (they stay queued, in order)."""
+        group: list[_Staged] = []
+        held: deque[_Staged] = deque()
+        rows = nbytes = 0
+        max_rows, max_bytes = self.engine.max_group_rows, self.engine.max_group_bytes
+        while self.queue:
+            staged = self.queue[0]
+            if not staged.takeable():
+                held.append(self.queue.popleft())
+                continue
+            if group and (rows + staged.rows > max_rows or nbytes + staged.nbytes > max_bytes):
+                break
+            group.append(self.queue.popleft())
+            rows += staged.rows
+            nbytes += staged.nbytes
+        held.extend(self.queue)
+        self.queue = held
+        self.queued_rows -= rows
+        self.engine.stats.queued_rows -= rows
+        if not self.queue:
+            self.ready.clear()
+        if self.queued_rows < self.engine.max_queued_rows or not self._any_takeable():
+            self.room.set()
+        return group
+
+    def _any_takeable(self) -> bool:
+        return any(staged.takeable() for staged in self.queue)
+
+    async def _commit_group(self, group: list[_Staged]) -> None:
+        live = []
+        for staged in group:  # checked right before every commit attempt
+            if staged.abandoned is not None and staged.abandoned():
+                _settle(
+                    staged.future,
+                    LaneFailedError(
+                        "not applied: this batch or an earlier one of its partition failed",
+                        node=self.engine.node_id,
+                    ),
+                )
+            else:
+                live.append(staged)
+        group = live
+        if not group:
+            return
+        try:
+            await self._commit_with_retries(group)
+        # Whatever the commit raised settles the batches' futures (or isolates the culprit).
+        except Exception as exc:  # noqa: BLE001
+            if len(group) == 1:
+                self.engine.stats.batches_failed += 1
+                _settle(group[0].future, exc)
+                return
+            # Isolate the culprit: the others must not fail with it.
+            log.warning(
+                "group commit to %s failed (%s); applying its %d batches one by one",
+                self.name,
+                exc,
+                len(group),
+            )
+            for staged in group:
+                await self._commit_group([staged])
+            return
+        for staged in group:
+            _settle(staged.future, None)
+
+    async def _commit_with_retries(self, group: list[_Staged]) -> None:
+        for attempt in range(1, _COMMIT_ATTEMPTS + 1):
+            try:
+                started = time.monotonic()
+                rows = await self.engine._in_thread(self._commit, group)
+            except CommitConflictError:
+                if attempt == _COMMIT_ATTEMPTS:
+                    raise
+                await asyncio.sleep(0.05 * 2**attempt)
+                continue
+            elapsed = time.monotonic() - started
+            stats = self.engine.stats
+            stats.commits += 1
+            stats.rows_committed += rows
+            stats.batches_committed += len(group)
+            stats.largest_group_rows = max(stats.largest_group_rows, rows)
+            stats.commit_seconds += elapsed
+            stats.commit_seconds_histogram = stats.commit_seconds_histogram.observe(elapsed)
+            stats.group_rows_histogram = stats.group_rows_histogram.observe(rows)
+            return
+
+    def _commit(self, group: list[_Staged]) -> int:
+        """Blocking, called with the table lock held (see ``_run``): drop writes the table
+        already holds, then create the table if needed and apply the rest in one commit that
+        also records the group's lane marks."""
+        # Another node may have created the table or changed its schema or settings.
+        if self.marks.refresh() or (self.settings is None and self._exists()):
+            self._describe()
+        todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
+        self.engine.stats.batches_deduplicated += len(group) - len(todo)
+        if not todo:
+            return 0
+        lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+        rows = self._commit_rows(todo, LaneMarks.user_metadata(self.engine.node_id, lanes))
+        self.marks.absorb(lanes)
+        fault_point("after_commit")
+        return rows
+
+    def _commit_rows(self, group: list[_Staged], metadata: str) -> int:
+        import pyarrow as pa
+
+        key = self.key or []
+        data = pa.concat_tables([s.table for s in group], promote_options="permissive")
+        if key:
+            data = _last_per_key(data, key)
+        if self.settings is None:
+            if all(data.column(DELETE_COLUMN).to_pylist()):
+                return 0  # only deletes, and no table: nothing exists to delete
+            self._create(data)
+        settings = self.settings
+        assert settings is not None
+        if settings.managed and list(settings.key) != key:
+            raise SchemaError(
+                f"table {self.name!r} was created with key {list(settings.key)} by another "
+                f"writer; these rows merge on {key}",
+                node=self.engine.node_id,
+            )
+        data = self._conform(data, recompute=any(s.buckets != settings.buckets for s in group))
+        held = None
+        if settings.buckets:
+            held = sorted(set(data.column(BUCKET_COLUMN).to_pylist()))
+        self.engine.write(self.name, self.path, key, data, metadata, held)
+        return int(data.num_rows)
+
+    def _create(self, data: Any) -> None:
+        """Blocking, under the lock: create the table from the group's columns."""
+        import pyarrow as pa
+
+        settings = self.engine.new_table_settings(self.key or [])
+        schema = pa.schema([f for f in data.schema if f.name not in _INTERNAL_COLUMNS])
+        self.engine.create(self.name, self.path, schema, settings)
+        self.engine.stats.tables_created += 1
+        log.info("created table %s (%s)", self.name, settings.describe())
+        self._describe()
+
+    def _conform(self, data: Any, *, recompute: bool) -> Any:
+        """Blocking, under the lock: the group with exactly the table's columns, in its order
+        (added first if the table allows schema evolution), plus the bucket and delete
+        columns. Rows checked against an older schema, or before the table existed, are cast
+        here.
+
+        Raises:
+            SchemaError: a column the table lacks (and may not add), or one whose type does not
+                convert.
+        """
+        import pyarrow as pa
+
+        settings, schema = self.settings, self.schema
+        assert settings is not None and schema is not None
+        node = self.engine.node_id
+        new = [
+            f for f in data.schema if f.name not in schema.names and f.name not in _INTERNAL_COLUMNS
+        ]
+        if new:
+            names = [f.name for f in new]
+            if not settings.schema_evolution:
+                raise SchemaError(_no_evolution_text(self.name, names), node=node)
+            untyped = [f.name for f in new if pa.types.is_null(f.type)]
+            if untyped:
+                raise SchemaError(
+                    f"new column(s) {untyped} of table {self.name!r} are null in every row, so "
+                    "their type cannot be inferred; send a non-null value",
+                    node=node,
+                    details={"column": untyped[0]},
+                )
+            self.engine.add_columns(self.name, self.path, new)
+            self.engine.stats.columns_added += len(new)
+            log.info("table %s: added columns %s", self.name, names)
+            self._describe()
+            schema = self.schema
+        columns: list[Any] = []
+        cast_key = False
+        for field in schema:
+            if field.name not in data.column_names:
+                columns.append(pa.nulls(data.num_rows, type=field.type))
+                continue
+            column = data.column(field.name)
+            if column.type != field.type:
+                column = _cast_column(column, field, self.name, node)
+                cast_key = cast_key or field.name in settings.key
+            columns.append(column)
+        out = pa.Table.from_arrays(columns, schema=schema)
+        if settings.buckets:
+            if recompute or cast_key or BUCKET_COLUMN not in data.column_names:
+                buckets = bucket_values(out, settings.key, settings.buckets)
+            else:
+                buckets = data.column(BUCKET_COLUMN)
+            out = out.append_column(pa.field(BUCKET_COLUMN, pa.int32()), buckets)
+        return out.append_column(DELETE_COLUMN, data.column(DELETE_COLUMN))
+
+
+def _latest_version(path: Path) -> int:
+    """The highest commit version in the table's log directory (-1 if none)."""
+    try:
+        names = [p.name for p in (path / "_delta_log").iterdir()]
+    except FileNotFoundError:
+        return -1
+    return max(
+        (int(n[:20]) for n in names if len(n) == 25 and n.endswith(".json") and n[:20].isdigit()),
+        default=-1,
+    )
+
+
+def _no_evolution_text(table: str, columns: Sequence[str]) -> str:
+    return (
+        f"table {table!r} has no column(s) {list(columns)} and does not allow schema "
+        "evolution; to add columns on write, create the table with allow_schema_evolution=True "
+        f"(deltaflow table create --allow-schema-evolution), or set its table property "
+        f"{PROP_SCHEMA_EVOLUTION}=true"
+    )
+
+
+def _family(t: Any) -> str:
+    import pyarrow as pa
+
+    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
+        return "number"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view":
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or str(t) == "binary_view":
+        return "binary"
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        return "time"
+    return str(t)
+
+
+def _cast_column(column: Any, field: Any, table: str, node: str) -> Any:
+    import pyarrow as pa
+
+    if pa.types.is_null(column.type) or _family(column.type) == _family(field.type):
+        try:
+            return column.cast(field.type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            pass
+    raise SchemaError(
+        f"column {field.name!r} of table {table!r} is {field.type}; these rows have {column.type}",
+        node=node,
+        details={"column": field.name},
+    )
+
+
+def _release_if_taken(entering: asyncio.Future[Any], lock: Any) -> None:
+    if not entering.cancelled() and entering.exception() is None:
+        lock.__exit__(None, None, None)
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+        # Marked as seen: the writes of a failed or stopped batch have nobody awaiting them
+        # (those who await still get the error).
+        fut.exception()
+
+
+def _last_per_key(table: Any, key: Sequence[str]) -> Any:
+    """Rows of ``table`` keeping only the last occurrence of each key (order preserved)."""
+    columns = [table.column(k).to_pylist() for k in key]
+    keys = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
+    seen: set[Any] = set()
+    keep: list[int] = []
+    for i in range(len(keys) - 1, -1, -1):
+        k = keys[i]
+        if k not in seen:
+            seen.add(k)
+            keep.append(i)
+    if len(keep) == len(keys):
+        return table
+    keep.reverse()
+    return table.take(keep)
+
+
+_ARROW_ERRORS: Final = (TypeError, ValueError, OverflowError)
+
+
+def to_arrow_rows(
+    rows: Sequence[Any],
+    deletes: frozenset[int],
+    key: Sequence[str],
+    schema: Any,
+    *,
+    table: str,
+    node: str,
+    evolve: bool = False,
+    buckets: int = 0,
+) -> Any:
+    """Validate rows and build an Arrow table (with the delete flag column, and the bucket
+    column when ``buckets`` > 0).
+
+    Args:
+        schema: the table's data columns (an Arrow schema without the bucket column), or None
+            when the table does not exist yet (the columns are then inferred from these rows).
+        evolve: columns the table lacks are inferred and kept (schema evolution) instead of
+            rejected.
+        buckets: the table's bucket count; 0 for no bucket column.
+
+    Raises:
+        SchemaError: naming the first bad item (its index in the batch) and column.
+    """
+    import pyarrow as pa
+
+    columns = set(schema.names) if schema is not None else None
+    new: dict[str, None] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise SchemaError(
+                f"item #{i} of the batch is a {type(row).__name__}; rows for table {table!r} "
+                "must be maps of column name to value",
+                node=node,
+                details={"item": i},
+            )
+        for k in key:
+            if row.get(k) is None:
+                raise SchemaError(
+                    f"item #{i} of the batch has no value for key column {k!r} of table {table!r}",
+                    node=node,
+                    details={"item": i, "column": k},
+                )
+        if BUCKET_COLUMN in row or DELETE_COLUMN in row:
+            reserved = BUCKET_COLUMN if BUCKET_COLUMN in row else DELETE_COLUMN
+            raise SchemaError(
+                f"item #{i} of the batch sets column {reserved!r}, which deltaflow reserves "
+                "(the bucket layout and the delete flag are computed on the node)",
+                node=node,
+                details={"item": i, "column": reserved},
+            )
+        if columns is not None and i not in deletes:
+            unknown = [c for c in row if c not in columns]
+            if unknown and not evolve:
+                raise SchemaError(
+                    f"item #{i} of the batch: {_no_evolution_text(table, unknown)} "
+                    f"(its columns: {sorted(columns)})",
+                    node=node,
+                    details={"item": i, "column": unknown[0]},
+                )
+            new.update(dict.fromkeys(unknown))
+    try:
+        if schema is None:
+            # Infer per column over every row (from_pylist would take the first row's keys).
+            names = list(dict.fromkeys(c for row in rows for c in row))
+            data = pa.table(
+                {c: _infer(c, [row.get(c) for row in rows], table, node) for c in names}
+            )
+        else:
+            data = pa.Table.from_pylist(list(rows), schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
+        raise _locate_bad_row(rows, schema, table, node, exc) from exc
+    for c in new:
+        values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
+        data = data.append_column(c, _infer(c, values, table, node))
+    if schema is None:
+        missing = [k for k in key if k not in data.column_names]
+        if missing:
+            raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
+    for field in data.schema:
+        if (schema is None or field.name in new) and pa.types.is_null(field.type):
+            raise SchemaError(
+                f"column {field.name!r} is null in every row of this write to table {table!r}, "
+                "which adds it, so its type cannot be inferred; send a non-null value",
+                node=node,
+                details={"column": field.name},
+            )
+    if buckets:
+        data = data.append_column(
+            pa.field(BUCKET_COLUMN, pa.int32()), bucket_values(data, key, buckets)
+        )
+    flags = pa.array([i in deletes for i in range(len(rows))], type=pa.bool_())
+    return data.append_column(DELETE_COLUMN, flags)
+
+
+def _infer(column: str, values: list[Any], table: str, node: str) -> Any:
+    """An Arrow array of ``values`` with an inferred type; a value that does not fit the type of
+    the column's first value is named by item."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
+        first = next((i for i, v in enumerate(values) if v is not None), None)
+        if first is not None:
+            try:
+                type_ = pa.array([values[first]]).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
+                type_ = None
+            for i, value in enumerate(values):
+                if type_ is None and i != first:
+                    continue
+                try:
+                    pa.array([value], type=type_)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
+                    return _raise(
+                        f"item #{i} of the batch: column {column!r} of table {table!r} "
+                        f"cannot hold {type(value).__name__} {value!r:.80}"
+                        + (f" (item #{first} made it {type_})" if type_ is not None else ""),
+                        node,
+                        {"item": i, "column": column},
+                        exc,
+                    )
+        return _raise(f"column {column!r} of table {table!r}: {exc}", node, {"column": column}, exc)
+
+
+def _raise(text: str, node: str, details: dict[str, Any], exc: Exception) -> Any:
+    raise SchemaError(text, node=node, details=details) from exc
+
+
+def _locate_bad_row(
+    rows: Sequence[Any], schema: Any, table: str, node: str, exc: Exception
+) -> SchemaError:
+    import pyarrow as pa
+
+    if schema is not None:
+        for i, row in enumerate(rows):
+            for field in schema:
+                if field.name not in row:
+                    continue
+                try:
+                    pa.array([row[field.name]], type=field.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
+                    return SchemaError(
+                        f"item #{i} of the batch: column {field.name!r} of table {table!r} is "
+                        f"{field.type}, got {type(row[field.name]).__name__} "
+                        f"{row[field.name]!r:.80}",
+                        node=node,
+                        details={"item": i, "column": field.name},
+                    )
+    return SchemaError(f"rows do not fit table {table!r}: {exc}", node=node)
+
+
+class TableEngine:
+    """Applies staged rows to Delta tables under ``warehouse``; the seam between the node and a
+    Delta implementation (Spark: :class:`~.spark_engine.SparkTableEngine`; delta-rs:
+    :class:`~.deltars_engine.DeltaRsTableEngine`).
+
+    The base class owns everything that must not differ between engines: validation, group
+    commit, table settings and the bucket layout, schema checks and evolution, the per-table
+    commit lock, lane marks (exactly-once) and statistics. A subclass supplies blocking methods
+    run in worker threads: :meth:`_start_engine`, :meth:`describe`, :meth:`create`,
+    :meth:`add_columns` and :meth:`write`.
+
+    Args:
+        warehouse: directory holding one Delta table per sub-directory.
+        node_id: for error messages and logs.
+        max_group_rows: rows per commit at most. Default 500,000.
+        max_group_bytes: Arrow bytes per commit at most. Default 256 MiB.
+        max_queued_rows: rows staged per table and not yet committed; staging waits beyond it
+            (backpressure reaches the client through the unacknowledged window). Default
+            1,000,000.
+        table_buckets: buckets of the keyed tables this node creates on first write (0: no
+            bucket layout). Default 64.
+        schema_evolution: tables this node creates on first write allow schema evolution.
+            Default False.
+        deletion_vectors: tables this node creates on first write have deletion vectors
+            (engines with ``creates_deletion_vectors`` only). Default False.
+        threads: worker threads for engine calls (the event loop never blocks on them).
+
+    Raises:
+        UsageError: a bound below 1, or deletion vectors asked of an engine that cannot create
+            them.
+    """
+
+    #: The name nodes select the engine by (``--engine``).
+    name: ClassVar[str] = ""
+    #: Whether the engine creates tables with deletion vectors that every engine can read.
+    creates_deletion_vectors: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        warehouse: Path,
+        *,
+        node_id: str,
+        max_group_rows: int = DEFAULT_MAX_GROUP_ROWS,
+        max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
+        max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
+        table_buckets: int = DEFAULT_BUCKETS,
+        schema_evolution: bool = False,
+        deletion_vectors: bool = False,
+        threads: int = 2,
+    ) -> None:
+        if min(max_group_rows, max_group_bytes, max_queued_rows) < 1:
+            raise UsageError("max_group_rows, max_group_bytes and max_queued_rows must be >= 1")
+        if deletion_vectors and not self.creates_deletion_vectors:
+            raise UsageError(
+                f"the {self.name} engine cannot create tables with deletion vectors (see "
+                "docs/tables.md); use the spark engine, or create the table with "
+                "`deltaflow table create --engine spark --deletion-vectors`: every engine "
+                "writes to it then"
+            )
+        self.warehouse = Path(warehouse)
+        self.node_id = node_id
+        self.max_group_rows = max_group_rows
+        self.max_group_bytes = max_group_bytes
+        self.max_queued_rows = max_queued_rows
+        if not 0 <= table_buckets <= MAX_BUCKETS:
+            raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+        self.table_buckets = table_buckets
+        self.schema_evolution = schema_evolution
+        self.deletion_vectors = deletion_vectors
+        self.stats = EngineStatistics()
+        self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
+        self._tables: dict[str, _TableCommitter] = {}
+
+    def new_table_settings(self, key: Sequence[str]) -> TableSettings:
+        """The settings of a table this node creates on first write with ``key``."""
+        return TableSettings(
+            key=tuple(key),
+            buckets=self.table_buckets if key else 0,
+            schema_evolution=self.schema_evolution,
+            deletion_vectors=self.deletion_vectors,
+        )
+
+    async def start(self) -> None:
+        """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
+        self.warehouse.mkdir(parents=True, exist_ok=True)
+        # Leftovers of this node's earlier run (other nodes may share the warehouse).
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        await self._in_thread(self._start_engine)
+
+    def _start_engine(self) -> None:
+        """Blocking: start the engine."""
+
+    def describe(self, table: str, path: Path) -> TableDescription:
+        """Blocking: the schema, partition columns and properties of the table at ``path``."""
+        raise NotImplementedError
+
+    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+        """Blocking, under the table's lock: create the empty table at ``path``.
+
+        Args:
+            schema: the data columns (Arrow); the engine adds the bucket column and partitions
+                by it when ``settings.buckets`` > 0.
+            settings: stored in the table's properties.
+        """
+        raise NotImplementedError
+
+    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+        """Blocking, under the table's lock: add nullable columns (Arrow fields), one commit."""
+        raise NotImplementedError
+
+    def write(
+        self,
+        table: str,
+        path: Path,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        buckets: Sequence[int] | None,
+    ) -> None:
+        """Blocking, under the table's lock: apply ``data`` to the existing table in one commit.
+
+        Args:
+            key: merge key columns, or empty to append.
+            data: a pyarrow Table with exactly the table's columns (the bucket column
+                included), plus the ``DELETE_COLUMN`` flag; at most one row per key.
+            metadata: the commit's ``userMetadata`` (lane marks): it must land in the same
+                commit as the data.
+            buckets: the buckets ``data`` holds (the MERGE must touch no others), or None for
+                a table without the bucket layout.
+        """
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        for committer in self._tables.values():
+            committer.task.cancel()
+        for committer in self._tables.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer.task
+            for staged in committer.queue:
+                _settle(staged.future, ServerError("node stopped before commit", node=self.node_id))
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+    def release(self) -> None:
+        """Some ``held`` writes may have become committable (their receiver returned)."""
+        for committer in self._tables.values():
+            if committer.queue:
+                committer.ready.set()
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def stage(
+        self,
+        table: str,
+        key: Sequence[str],
+        rows: Sequence[Any],
+        deletes: frozenset[int],
+        *,
+        abandoned: Callable[[], bool] | None = None,
+        mark: tuple[str, Mark] | None = None,
+        held: Callable[[], bool] | None = None,
+    ) -> asyncio.Future[None]:
+        """Validate ``rows`` and queue them for ``table``'s next commit.
+
+        Args:
+            key: merge key columns; empty to append (rows are inserted as they are).
+            deletes: indexes of rows that delete their key (merge tables only).
+            abandoned: checked right before the commit; true drops the write.
+            mark: ``(lane, (seq, k))``: the write is skipped if the table already holds it.
+            held: true while the write must not be committed yet (its receiver still runs);
+                call :meth:`release` when it turns false.
+
+        Returns a future that resolves when the commit holding the rows is durable (or fails
+        with the commit's error). Waits while the table's queue is full.
+
+        Raises:
+            SchemaError: a row does not fit (the batch is not staged at all).
+        """
+        if not key and deletes:
+            raise SchemaError(
+                f"table {table!r} is written by appends; deletes need a key", node=self.node_id
+            )
+        committer = self._tables.get(table)
+        if committer is None:
+            committer = self._tables[table] = _TableCommitter(self, table)
+        await committer.load()
+        for attempt in (1, 2):
+            settings = committer.plan(key)
+            try:
+                converted = await asyncio.to_thread(
+                    to_arrow_rows,
+                    rows,
+                    deletes,
+                    key,
+                    committer.schema,
+                    table=table,
+                    node=self.node_id,
+                    evolve=settings.schema_evolution,
+                    buckets=settings.buckets,
+                )
+                break
+            except SchemaError as exc:
+                # Checked against what this node last read of the table: if the table changed
+                # since (a column added, evolution allowed), check once more against it.
+                if attempt == 2 or "column" not in exc.details:
+                    raise
+                if not await self._in_thread(committer._describe_if_newer):
+                    raise
+        # Waits for room, unless everything queued is held by running receivers: then nothing
+        # could make room until they return (this one among them, perhaps).
+        while committer.queued_rows >= self.max_queued_rows and committer._any_takeable():
+            committer.room.clear()
+            await committer.room.wait()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        committer.queue.append(_Staged(converted, fut, abandoned, mark, settings.buckets, held))
+        committer.queued_rows += converted.num_rows
+        self.stats.queued_rows += converted.num_rows
+        committer.ready.set()
+        return fut

@@ -1,0 +1,95 @@
+"""Resolve Delta Lake's JVM jars from Maven Central into a local cache, once.
+
+Spark finds Delta through two jars (``delta-spark_<scala>`` and ``delta-storage``) whose
+version must match the installed ``delta-spark`` Python package. They are fetched with Maven
+(``mvn dependency:copy``) when it is installed, else straight from Maven Central over HTTPS
+with the published SHA-1 checked, into ``$DELTAFLOW_JARS_DIR`` (default
+``~/.cache/deltaflow/jars``). ``deltaflow jars`` does it ahead of time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["delta_artifacts", "ensure_jars", "jars_dir"]
+
+log = logging.getLogger(__name__)
+
+MAVEN_CENTRAL = "https://repo1.maven.org/maven2"
+SCALA_BINARY = "2.12"  # pyspark 3.5 is built for Scala 2.12
+
+
+def jars_dir() -> Path:
+    default = Path.home() / ".cache" / "deltaflow" / "jars"
+    return Path(os.environ.get("DELTAFLOW_JARS_DIR", default)).expanduser().resolve()
+
+
+def delta_artifacts() -> list[tuple[str, str, str]]:
+    """(group, artifact, version) of the jars matching the installed delta-spark."""
+    version = metadata.version("delta-spark")
+    return [
+        ("io.delta", f"delta-spark_{SCALA_BINARY}", version),
+        ("io.delta", "delta-storage", version),
+    ]
+
+
+def _jar_name(artifact: str, version: str) -> str:
+    return f"{artifact}-{version}.jar"
+
+
+def ensure_jars(directory: Path | None = None) -> list[Path]:
+    """Paths of the Delta jars, fetching any that are missing.
+
+    Raises:
+        RuntimeError: a jar could not be fetched (says which and how to fetch it by hand).
+    """
+    directory = directory or jars_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for group, artifact, version in delta_artifacts():
+        path = directory / _jar_name(artifact, version)
+        if not path.exists():
+            _fetch(group, artifact, version, path)
+        paths.append(path)
+    return paths
+
+
+def _fetch(group: str, artifact: str, version: str, path: Path) -> None:
+    coordinate = f"{group}:{artifact}:{version}"
+    if shutil.which("mvn"):
+        cmd = [
+            "mvn",
+            "-q",
+            "-B",
+            "dependency:copy",
+            f"-Dartifact={coordinate}:jar",
+            f"-DoutputDirectory={path.parent}",
+        ]
+        log.info("fetching %s with Maven", coordinate)
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode == 0 and path.exists():
+            return
+        log.warning("mvn could not fetch %s (%s); trying HTTPS", coordinate, done.stdout[-500:])
+    url = f"{MAVEN_CENTRAL}/{group.replace('.', '/')}/{artifact}/{version}/{path.name}"
+    try:
+        with urllib.request.urlopen(url, timeout=120) as resp:
+            data = resp.read()
+        with urllib.request.urlopen(url + ".sha1", timeout=60) as resp:
+            expected = resp.read().decode().split()[0].strip()
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot fetch Delta jar {coordinate} from Maven Central ({exc}); fetch it with "
+            f"'mvn dependency:copy -Dartifact={coordinate}:jar -DoutputDirectory={path.parent}'"
+        ) from exc
+    if hashlib.sha1(data).hexdigest() != expected:  # SHA-1 because that is what Maven publishes
+        raise RuntimeError(f"checksum mismatch for {url}; refusing to use it")
+    tmp = path.with_suffix(".part")
+    tmp.write_bytes(data)
+    tmp.replace(path)

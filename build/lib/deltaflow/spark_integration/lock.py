@@ -1,0 +1,113 @@
+"""A cross-process lock per table around each Delta commit.
+
+Spark's Delta on ``file:`` paths uses HDFSLogStore, whose put-if-absent of a commit file is
+atomic only inside one JVM. Two node processes committing to one table could overwrite each
+other's commit and silently lose one. Every commit deltaflow makes (table creation and MERGE)
+holds an exclusive ``flock`` on ``<warehouse>/.deltaflow/locks/<table>.lock`` for its whole
+read-modify-write, so commits to one table are serialized across all processes on the machine
+(and on any shared filesystem with working ``flock``). ``flock`` locks belong to the open file
+description, so two threads of one process exclude each other as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "YIELD_SECONDS",
+    "file_lock",
+    "others_waiting",
+    "table_lock",
+    "table_lock_path",
+]
+
+
+#: How often a waiter retries a held lock, and how long a holder that saw waiters stays away
+#: after releasing it (longer than the retry period, so a waiter gets its turn).
+POLL_SECONDS: Final = 0.01
+YIELD_SECONDS: Final = 0.05
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); yields the seconds spent
+    waiting. Polls every ``POLL_SECONDS`` so a timeout can be honoured.
+
+    ``flock`` is not fair: a holder that releases and re-locks at once can starve a polling
+    waiter indefinitely. So a waiter leaves a marker next to the lock while it waits
+    (:func:`others_waiting`), and a holder that sees one stays away for ``YIELD_SECONDS``
+    after releasing.
+
+    Blocking: call it from a worker thread, never on the event loop.
+
+    Raises:
+        TimeoutError: the lock was not free within ``timeout`` seconds (names ``what``).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    started = time.monotonic()
+    marker: Path | None = None
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if marker is None:
+                    marker = _waiting_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex}"
+                    marker.parent.mkdir(exist_ok=True)
+                    marker.touch()
+                if time.monotonic() - started > timeout:
+                    raise TimeoutError(
+                        f"{what} held by another process for more than {timeout}s ({path})"
+                    ) from None
+                time.sleep(POLL_SECONDS)
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+            marker = None
+        try:
+            yield time.monotonic() - started
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _waiting_dir(path: Path) -> Path:
+    return path.parent / f"{path.name}.waiting"
+
+
+def others_waiting(path: Path) -> bool:
+    """Whether another thread or process is waiting for the lock at ``path``."""
+    try:
+        return any(_waiting_dir(path).iterdir())
+    except FileNotFoundError:
+        return False
+
+
+def table_lock_path(warehouse: Path, table: str) -> Path:
+    return warehouse / ".deltaflow" / "locks" / f"{table}.lock"
+
+
+def table_lock(
+    warehouse: Path, table: str, *, timeout: float = 600.0
+) -> contextlib.AbstractContextManager[float]:
+    """Hold the table's commit lock (a context manager yielding the seconds spent waiting).
+
+    Blocking: call it from a worker thread, never on the event loop.
+
+    Raises:
+        TimeoutError: the lock was not free within ``timeout`` seconds.
+    """
+    return file_lock(
+        table_lock_path(warehouse, table), timeout=timeout, what=f"commit lock of table {table!r}"
+    )

@@ -1,0 +1,136 @@
+"""Lane marks: which batches a Delta table already holds, recorded in the table's own commits.
+
+Every commit deltaflow makes carries, in its ``commitInfo``, the highest *mark* it applied for
+each lane (one (stream, partition)): ``[seq, k]``, the batch's sequence number and the ordinal
+of the write within that batch (a receiver may write one table several times per batch). The
+marks are in the same commit file as the data, so they land or vanish with it: atomic by
+construction, surviving node restarts and visible to whichever node owns the partition next.
+
+Before a commit, while holding the table's lock, a node reads the commits it has not seen yet
+and drops every staged write whose mark the table already holds. A batch resent after its
+commit landed (lost ack, crash between commit and ack, failover) is therefore never applied
+twice, also for writes that are not idempotent (appends). Lanes of one stream are applied in
+order, so "the highest mark per lane" is all that needs remembering.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+__all__ = ["METADATA_KEY", "LaneMarks", "Mark"]
+
+log = logging.getLogger(__name__)
+
+METADATA_KEY: Final = "deltaflow"
+_COMMIT_FILE = re.compile(r"^(\d{20})\.json$")
+
+#: (seq, k): the batch's sequence number and the write's ordinal within the batch.
+Mark = tuple[int, int]
+
+
+class LaneMarks:
+    """The highest mark per lane found in a table's commits, read incrementally.
+
+    Blocking (file reads): use from a worker thread, under the table's commit lock.
+    """
+
+    def __init__(self, table_path: Path) -> None:
+        self._log_dir = table_path / "_delta_log"
+        self._marks: dict[str, Mark] = {}
+        self._scanned = -1
+
+    def applied(self, lane: str, mark: Mark) -> bool:
+        held = self._marks.get(lane)
+        return held is not None and mark <= held
+
+    def refresh(self) -> bool:
+        """Read the commits written since the last refresh (by any process).
+
+        Returns whether one of them changed the table's metadata or protocol (its schema or
+        properties, for instance): the caller then reads them again.
+        """
+        if not self._log_dir.is_dir():
+            return False
+        versions = sorted(
+            int(m.group(1))
+            for name in _listdir(self._log_dir)
+            if (m := _COMMIT_FILE.match(name)) and int(m.group(1)) > self._scanned
+        )
+        changed = False
+        for version in versions:
+            lanes, metadata = _read_commit(self._log_dir / f"{version:020d}.json")
+            self.absorb(lanes)
+            changed = changed or metadata
+            self._scanned = version
+        return changed
+
+    def absorb(self, lanes: Mapping[str, Mark]) -> None:
+        for lane, mark in lanes.items():
+            if lane not in self._marks or mark > self._marks[lane]:
+                self._marks[lane] = mark
+
+    @staticmethod
+    def user_metadata(node: str, lanes: Mapping[str, Mark]) -> str:
+        """The commit's ``userMetadata`` recording ``lanes``."""
+        return json.dumps(
+            {METADATA_KEY: {"node": node, "lanes": {k: list(v) for k, v in lanes.items()}}},
+            separators=(",", ":"),
+        )
+
+    @staticmethod
+    def highest(marks: Iterable[tuple[str, Mark]]) -> dict[str, Mark]:
+        out: dict[str, Mark] = {}
+        for lane, mark in marks:
+            if lane not in out or mark > out[lane]:
+                out[lane] = mark
+        return out
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except FileNotFoundError:
+        return []
+
+
+def _read_commit(path: Path) -> tuple[dict[str, Mark], bool]:
+    """Lane marks recorded in one commit file (empty if it has none), and whether the commit
+    has a ``metaData`` or ``protocol`` action."""
+    lanes: dict[str, Mark] = {}
+    metadata = False
+    try:
+        with path.open(encoding="utf-8") as fh:
+            for line in fh:
+                # Each line is one action, an object with one key.
+                if line.startswith(('{"metaData"', '{"protocol"')):
+                    metadata = True
+                elif not lanes and '"commitInfo"' in line:
+                    info = json.loads(line).get("commitInfo") or {}
+                    lanes = _lanes_of(info)
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read lane marks from %s: %s", path, exc)
+    return lanes, metadata
+
+
+def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:
+    raw = info.get("userMetadata")
+    meta: Any = None
+    if isinstance(raw, str) and METADATA_KEY in raw:
+        try:
+            meta = json.loads(raw).get(METADATA_KEY)
+        except (ValueError, AttributeError):
+            meta = None
+    elif isinstance(info.get(METADATA_KEY), Mapping):  # written as a top-level field
+        meta = info[METADATA_KEY]
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("lanes"), Mapping):
+        return {}
+    lanes: dict[str, Mark] = {}
+    for lane, mark in meta["lanes"].items():
+        if isinstance(mark, list) and len(mark) == 2 and all(isinstance(x, int) for x in mark):
+            lanes[str(lane)] = (mark[0], mark[1])
+    return lanes

@@ -1,0 +1,115 @@
+"""One SparkSession with Delta Lake per process.
+
+``local[*]`` by default (embedded), a Spark master URL (``spark://...``, ``yarn``...) or a Spark
+Connect URL (``sc://...``) when configured. Delta's jars come from the local cache filled by
+:mod:`.jars` (fetched from Maven Central on first use).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from ..errors import UsageError
+
+__all__ = ["DEFAULT_MASTER", "SparkConfig", "get_spark", "require_spark"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MASTER: Final = "local[*]"
+_lock = threading.Lock()
+_session: Any = None
+
+
+def require_spark() -> Any:
+    """Import pyspark, or fail with what to install."""
+    try:
+        import pyspark
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "deltaflow's table engine needs PySpark and Delta: pip install 'deltaflow[spark]'"
+        ) from exc
+    return pyspark
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparkConfig:
+    """How a node (or a test, or the demo) gets its SparkSession.
+
+    Attributes:
+        master: ``local[*]`` (default), a Spark master URL, or a Spark Connect ``sc://`` URL.
+        app_name: the Spark application name. Default ``"deltaflow"``.
+        driver_memory: JVM heap of the embedded driver. Default ``"2g"``.
+        shuffle_partitions: ``spark.sql.shuffle.partitions``; small keeps MERGE fixed costs
+            low on one machine. Default 4.
+        extra: any further Spark settings.
+    """
+
+    master: str = DEFAULT_MASTER
+    app_name: str = "deltaflow"
+    driver_memory: str = "2g"
+    shuffle_partitions: int = 4
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.master:
+            raise UsageError("SparkConfig.master must be set, e.g. 'local[*]'")
+        if self.shuffle_partitions < 1:
+            raise UsageError("SparkConfig.shuffle_partitions must be >= 1")
+
+
+def get_spark(config: SparkConfig | None = None) -> Any:
+    """The process's SparkSession with Delta, created on first call (blocking, seconds).
+
+    Later calls return the same session whatever ``config`` says.
+    """
+    global _session
+    with _lock:
+        if _session is not None:
+            return _session
+        config = config or SparkConfig()
+        require_spark()
+        from pyspark.sql import SparkSession
+
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        builder = SparkSession.builder.appName(config.app_name)
+        settings: dict[str, str] = {
+            "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+            "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+            "spark.sql.shuffle.partitions": str(config.shuffle_partitions),
+            "spark.default.parallelism": str(config.shuffle_partitions),
+            "spark.databricks.delta.snapshotPartitions": "2",
+            # A MERGE source here is a staging Parquet file written once and never changed, so
+            # Delta need not copy it before its two passes (saves a Spark job per commit).
+            "spark.databricks.delta.merge.materializeSource": "none",
+            "spark.ui.enabled": "false",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.sql.session.timeZone": "UTC",
+        }
+        if config.master.startswith("sc://"):
+            builder = builder.remote(config.master)
+        else:
+            from .jars import ensure_jars
+
+            builder = builder.master(config.master)
+            if config.master.startswith("local"):
+                # Keep the embedded driver on loopback: no traffic leaves the machine.
+                os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+                settings["spark.driver.host"] = "127.0.0.1"
+                settings["spark.driver.bindAddress"] = "127.0.0.1"
+            settings["spark.jars"] = ",".join(str(p) for p in ensure_jars())
+            settings["spark.driver.memory"] = config.driver_memory
+        settings.update(config.extra)
+        for k, v in settings.items():
+            builder = builder.config(k, v)
+        log.info("starting Spark (%s)", config.master)
+        session = builder.getOrCreate()
+        if not config.master.startswith("sc://"):
+            session.sparkContext.setLogLevel("ERROR")
+        _session = session
+        return session

@@ -1,0 +1,202 @@
+"""The Spark engine: each group is a Parquet staging file that Spark MERGEs (or appends) into
+the Delta table in one commit; the process's one SparkSession (``local[*]`` by default).
+
+Tables are created with Delta's table builder (columns, the bucket partition column and
+deltaflow's table properties), and may have deletion vectors: a MERGE then marks the rows it
+replaces instead of rewriting their files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
+from .engine import DELETE_COLUMN, TableDescription, TableEngine
+from .session import SparkConfig, get_spark
+from .tables import BUCKET_COLUMN, TableSettings, with_layout
+
+__all__ = ["SparkTableEngine", "create_delta_table", "map_spark_errors"]
+
+_USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
+
+
+@contextlib.contextmanager
+def map_spark_errors(table: str, node: str) -> Iterator[None]:
+    """Translate PySpark/Delta errors at the engine boundary into deltaflow errors."""
+    try:
+        yield
+    except DeltaflowError:
+        raise
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if "Concurrent" in text or "ProtocolChanged" in text or "MetadataChanged" in text:
+            raise CommitConflictError(
+                f"commit to table {table!r} conflicted with another writer: {text[:500]}", node=node
+            ) from exc
+        if "AnalysisException" in text or ("DELTA_" in text and "SCHEMA" in text):
+            raise SchemaError(
+                f"table {table!r} rejected the rows: {text[:800]}", node=node
+            ) from exc
+        raise ServerError(f"commit to table {table!r} failed: {text[:800]}", node=node) from exc
+
+
+def _quote(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+def _spark_type(arrow_type: Any) -> Any:
+    """The Spark type of an Arrow type (view and large variants as their plain kind)."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import BinaryType, StringType, TimestampNTZType
+
+    text = str(arrow_type)
+    if text in ("string_view", "large_string"):
+        return StringType()
+    if text in ("binary_view", "large_binary"):
+        return BinaryType()
+    if pa.types.is_timestamp(arrow_type) and arrow_type.tz is None:
+        return TimestampNTZType()
+    return from_arrow_type(arrow_type)
+
+
+def create_delta_table(
+    spark: Any, path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
+) -> None:
+    """Blocking: create the empty table at ``path`` through Spark (the caller holds the lock).
+
+    Args:
+        schema: the data columns (Arrow); the bucket column is added for a bucketed table.
+    """
+    from delta.tables import DeltaTable
+    from pyspark.sql.types import StructField, StructType
+
+    full, partition_by = with_layout(schema, settings)
+    struct = StructType([StructField(f.name, _spark_type(f.type), True) for f in full])
+    with map_spark_errors(table, node):
+        builder = DeltaTable.create(spark).location(str(path)).addColumns(struct)
+        if partition_by:
+            builder = builder.partitionedBy(*partition_by)
+        for name, value in settings.properties().items():
+            builder = builder.property(name, value)
+        builder.execute()
+
+
+class SparkTableEngine(TableEngine):
+    """Delta through PySpark with the Delta extension.
+
+    Args:
+        spark: Spark settings (the process's session is shared by every engine in it).
+        **kwargs: see :class:`~.engine.TableEngine`.
+    """
+
+    name = "spark"
+    creates_deletion_vectors = True
+
+    def __init__(self, warehouse: Path, *, spark: SparkConfig | None = None, **kwargs: Any):
+        super().__init__(warehouse, **kwargs)
+        self.spark_config = spark
+        self.spark: Any = None
+        self._sessions: dict[str, Any] = {}
+
+    def _start_engine(self) -> None:
+        self.spark = get_spark(self.spark_config)
+
+    def _session(self, table: str) -> Any:
+        # A session per table: its SQL conf (commit metadata) is not shared with the commits
+        # other tables run at the same time on other threads.
+        if table not in self._sessions:
+            self._sessions[table] = self.spark.newSession()
+        return self._sessions[table]
+
+    def describe(self, table: str, path: Path) -> TableDescription:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        session = self._session(table)
+        with map_spark_errors(table, self.node_id):
+            schema = session.read.format("delta").load(str(path)).schema
+            detail = session.sql(f"DESCRIBE DETAIL delta.{_quote(str(path))}").collect()[0]
+        return TableDescription(
+            schema=to_arrow_schema(schema),
+            partition_columns=tuple(detail["partitionColumns"] or ()),
+            properties=dict(detail["properties"] or {}),
+        )
+
+    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+        create_delta_table(
+            self._session(table), path, schema, settings, table=table, node=self.node_id
+        )
+
+    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+        columns = ", ".join(
+            f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in fields
+        )
+        with map_spark_errors(table, self.node_id):
+            self._session(table).sql(
+                f"ALTER TABLE delta.{_quote(str(path))} ADD COLUMNS ({columns})"
+            )
+
+    def write(
+        self,
+        table: str,
+        path: Path,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        buckets: Sequence[int] | None,
+    ) -> None:
+        import pyarrow.parquet as pq
+
+        staging = self.staging_dir / f"{uuid.uuid4().hex}.parquet"
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(data, staging)
+        session = self._session(table)
+        columns = [c for c in data.column_names if c != DELETE_COLUMN]
+        try:
+            with map_spark_errors(table, self.node_id):
+                session.conf.set(_USER_METADATA_CONF, metadata)
+                try:
+                    source = f"parquet.{_quote(str(staging))}"
+                    if key:
+                        session.sql(_merge_sql(path, key, source, data.column_names, buckets))
+                    else:
+                        cols = ", ".join(_quote(c) for c in columns)
+                        session.sql(
+                            f"INSERT INTO delta.{_quote(str(path))} ({cols}) "
+                            f"SELECT {cols} FROM {source} WHERE NOT {_quote(DELETE_COLUMN)}"
+                        )
+                finally:
+                    session.conf.unset(_USER_METADATA_CONF)
+        finally:
+            staging.unlink(missing_ok=True)
+
+
+def _merge_sql(
+    path: Path,
+    key: Sequence[str],
+    source: str,
+    columns: Sequence[str],
+    buckets: Sequence[int] | None,
+) -> str:
+    data = [c for c in columns if c != DELETE_COLUMN]
+    on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
+    if buckets is not None:
+        # Delta prunes a MERGE's target files by the literal predicates on target columns in
+        # its ON clause, not by a join on them: name the group's buckets.
+        b = _quote(BUCKET_COLUMN)
+        on.append(f"t.{b} = s.{b}")
+        on.append(f"t.{b} IN ({', '.join(str(int(x)) for x in buckets)})")
+    sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data if c != BUCKET_COLUMN)
+    cols = ", ".join(_quote(c) for c in data)
+    vals = ", ".join(f"s.{_quote(c)}" for c in data)
+    flag = f"s.{_quote(DELETE_COLUMN)}"
+    return (
+        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {' AND '.join(on)} "
+        f"WHEN MATCHED AND {flag} THEN DELETE "
+        f"WHEN MATCHED THEN UPDATE SET {sets} "
+        f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
+    )

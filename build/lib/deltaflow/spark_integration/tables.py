@@ -1,0 +1,350 @@
+"""Table settings, the bucket layout and explicit table creation.
+
+A table deltaflow creates carries its settings in Delta table properties, so every node (and
+every engine) reads the same ones from the table itself:
+
+- ``deltaflow.key``: the merge key columns, a JSON list (``[]`` for an append table);
+- ``deltaflow.buckets``: the number of buckets of the layout (``0``: no bucket column);
+- ``deltaflow.schemaEvolution``: ``true`` if writes may add columns;
+- ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors.
+
+**The bucket layout.** A keyed table gets the int column ``_deltaflow_bucket``, computed on the
+node as ``partition_of(key, buckets)``: the function the client routes by. The table is
+partitioned by it (Delta ``partitionBy``), and every MERGE names the buckets its group holds,
+so a group only reads and rewrites the files of those buckets. With ``buckets`` equal to the
+cluster's partition count (64 by default) a bucket *is* a partition, so the group a node
+commits touches only files of the partitions it owns; a bucket count that divides the
+partition count gives coarser buckets (``partition % buckets``). See docs/tables.md for the
+measurements behind the default.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from ..errors import UsageError
+from ..partitioning import DEFAULT_PARTITIONS, partition_of
+
+__all__ = [
+    "BUCKET_COLUMN",
+    "DEFAULT_BUCKETS",
+    "MAX_BUCKETS",
+    "TableSettings",
+    "bucket_values",
+    "create_table",
+    "default_buckets",
+    "parse_schema",
+    "read_table_settings",
+    "with_layout",
+]
+
+#: The layout column of keyed tables (an int, the bucket of the row's key).
+BUCKET_COLUMN: Final = "_deltaflow_bucket"
+#: Buckets of a keyed table unless told otherwise: the default partition count.
+DEFAULT_BUCKETS: Final = DEFAULT_PARTITIONS
+#: The most buckets a table may have (each is a Delta partition directory).
+MAX_BUCKETS: Final = 1024
+
+PROP_KEY: Final = "deltaflow.key"
+PROP_BUCKETS: Final = "deltaflow.buckets"
+PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
+PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
+
+_ENGINES: Final = ("delta-rs", "spark")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TableSettings:
+    """How deltaflow writes one table; stored in the table's properties.
+
+    Attributes:
+        key: merge key columns; empty for a table written by appends.
+        buckets: buckets of the layout; 0 means no bucket column (append tables, tables
+            created by other programs).
+        schema_evolution: writes may add columns the table does not have yet.
+        deletion_vectors: Delta deletion vectors are enabled (MERGE marks replaced rows
+            instead of rewriting their files; Spark only, see docs/tables.md).
+        managed: the table carries deltaflow's properties (False for a table another program
+            created: deltaflow then merges on the key the writer names, without buckets).
+    """
+
+    key: tuple[str, ...] = ()
+    buckets: int = 0
+    schema_evolution: bool = False
+    deletion_vectors: bool = False
+    managed: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.buckets <= MAX_BUCKETS:
+            raise UsageError(f"buckets must be between 0 and {MAX_BUCKETS}, got {self.buckets}")
+        if self.buckets and not self.key:
+            raise UsageError("a bucket layout needs a key: append tables have no buckets")
+        if len(set(self.key)) != len(self.key):
+            raise UsageError(f"key columns repeat: {list(self.key)}")
+
+    def properties(self) -> dict[str, str]:
+        """The Delta table properties that record these settings."""
+        props = {
+            PROP_KEY: json.dumps(list(self.key)),
+            PROP_BUCKETS: str(self.buckets),
+            PROP_SCHEMA_EVOLUTION: "true" if self.schema_evolution else "false",
+        }
+        if self.deletion_vectors:
+            props[PROP_DELETION_VECTORS] = "true"
+        return props
+
+    @classmethod
+    def from_table(cls, properties: Mapping[str, str], columns: Sequence[str]) -> TableSettings:
+        """The settings of an existing table, from its properties and column names."""
+        dv = str(properties.get(PROP_DELETION_VECTORS, "false")).lower() == "true"
+        raw_key = properties.get(PROP_KEY)
+        if raw_key is None:
+            return cls(deletion_vectors=dv, managed=False)
+        try:
+            key = json.loads(raw_key)
+            buckets = int(properties.get(PROP_BUCKETS, "0"))
+        except ValueError as exc:
+            raise UsageError(f"unreadable deltaflow table properties {dict(properties)}") from exc
+        if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
+            raise UsageError(f"table property {PROP_KEY} must be a JSON list, got {raw_key!r}")
+        return cls(
+            key=tuple(key),
+            buckets=buckets if BUCKET_COLUMN in columns else 0,
+            schema_evolution=str(properties.get(PROP_SCHEMA_EVOLUTION, "")).lower() == "true",
+            deletion_vectors=dv,
+        )
+
+    def describe(self) -> str:
+        """One line for people: ``key [id], 64 buckets, schema evolution off, ...``."""
+        if not self.managed:
+            return "not created by deltaflow (no key, layout or evolution settings)"
+        parts = [f"key {list(self.key)}" if self.key else "append (no key)"]
+        parts.append(f"{self.buckets} buckets" if self.buckets else "no bucket layout")
+        parts.append(f"schema evolution {'on' if self.schema_evolution else 'off'}")
+        parts.append(f"deletion vectors {'on' if self.deletion_vectors else 'off'}")
+        return ", ".join(parts)
+
+
+def default_buckets(partitions: int) -> int:
+    """The bucket count for keyed tables a node creates on first write: the largest divisor of
+    ``partitions`` up to :data:`DEFAULT_BUCKETS`, so each bucket lies inside one partition."""
+    for b in range(min(partitions, DEFAULT_BUCKETS), 0, -1):
+        if partitions % b == 0:
+            return b
+    return 1
+
+
+def _routable(value: Any) -> Any:
+    # Arrow gives back types msgpack cannot pack (date, Decimal, time ...); any stable
+    # encoding will do for those, the client cannot have routed by them anyway.
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+        return value
+    return str(value)
+
+
+def bucket_values(table: Any, key: Sequence[str], buckets: int) -> Any:
+    """The bucket of each row of the Arrow ``table`` (an int32 array).
+
+    Computed from the key as stored (after conversion to the column's type), so one key always
+    gets one bucket whatever the client sent; for keys sent with the column's own type this is
+    the partition the client routed the row by (modulo ``buckets``).
+    """
+    import pyarrow as pa
+
+    columns = [table.column(k).to_pylist() for k in key]
+    if len(columns) == 1:
+        values = [partition_of(_routable(v), buckets) for v in columns[0]]
+    else:
+        values = [
+            partition_of(tuple(_routable(v) for v in row), buckets)
+            for row in zip(*columns, strict=True)
+        ]
+    return pa.array(values, type=pa.int32())
+
+
+_DECIMAL = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
+
+
+def _arrow_type(name: str) -> Any:
+    import pyarrow as pa
+
+    simple = {
+        "byte": pa.int8(),
+        "tinyint": pa.int8(),
+        "short": pa.int16(),
+        "smallint": pa.int16(),
+        "int": pa.int32(),
+        "integer": pa.int32(),
+        "long": pa.int64(),
+        "bigint": pa.int64(),
+        "float": pa.float32(),
+        "real": pa.float32(),
+        "double": pa.float64(),
+        "boolean": pa.bool_(),
+        "bool": pa.bool_(),
+        "string": pa.string(),
+        "binary": pa.binary(),
+        "date": pa.date32(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+        "timestamp_ntz": pa.timestamp("us"),
+    }
+    text = name.strip().lower()
+    if text in simple:
+        return simple[text]
+    if m := _DECIMAL.match(text):
+        return pa.decimal128(int(m.group(1)), int(m.group(2)))
+    raise UsageError(
+        f"unknown column type {name!r}; use one of {', '.join(sorted(simple))} or decimal(p,s)"
+    )
+
+
+def parse_schema(schema: Any) -> Any:
+    """A pyarrow schema from a pyarrow schema, ``{column: type}`` or ``"id:long,name:string"``.
+
+    Type names are Delta's (Spark SQL's): byte, short, int, long, float, double, boolean,
+    string, binary, date, timestamp (UTC), timestamp_ntz, decimal(p,s).
+
+    Raises:
+        UsageError: an unknown type, an empty schema or a reserved column name.
+    """
+    import pyarrow as pa
+
+    if isinstance(schema, pa.Schema):
+        result = schema
+    else:
+        if isinstance(schema, str):
+            pairs = []
+            for part in re.split(r",(?![^()]*\))", schema):
+                name, sep, type_ = part.partition(":")
+                if not sep or not name.strip():
+                    raise UsageError(f"schema entry {part!r} is not 'column:type'")
+                pairs.append((name.strip(), type_))
+        elif isinstance(schema, Mapping):
+            pairs = [(str(k), str(v)) for k, v in schema.items()]
+        else:
+            raise UsageError(
+                "schema must be a pyarrow schema, a {column: type} dict or 'col:type,...'"
+            )
+        result = pa.schema([pa.field(name, _arrow_type(t)) for name, t in pairs])
+    if not len(result):
+        raise UsageError("the schema has no columns")
+    if len(set(result.names)) != len(result.names):
+        raise UsageError(f"the schema repeats a column: {result.names}")
+    if BUCKET_COLUMN in result.names:
+        raise UsageError(f"column {BUCKET_COLUMN!r} is reserved for deltaflow's bucket layout")
+    return result
+
+
+def with_layout(schema: Any, settings: TableSettings) -> tuple[Any, list[str]]:
+    """The table's full schema (data columns plus the bucket column) and partition columns."""
+    import pyarrow as pa
+
+    if not settings.buckets:
+        return schema, []
+    return schema.append(pa.field(BUCKET_COLUMN, pa.int32())), [BUCKET_COLUMN]
+
+
+def create_table(
+    warehouse: Path | str,
+    name: str,
+    *,
+    schema: Any,
+    key: str | Sequence[str] = (),
+    buckets: int | None = None,
+    allow_schema_evolution: bool = False,
+    deletion_vectors: bool = False,
+    engine: str = "delta-rs",
+    spark: Any = None,
+) -> TableSettings:
+    """Create an empty deltaflow table under ``warehouse`` (blocking; run it in a thread from
+    async code).
+
+    Args:
+        warehouse: the nodes' warehouse directory.
+        name: the table name (a directory under the warehouse).
+        schema: the columns: a pyarrow schema, ``{column: type}`` or ``"id:long,name:string"``
+            (types as in :func:`parse_schema`).
+        key: merge key column(s). Empty (default) makes an append table.
+        buckets: buckets of the layout. Default: 64 for a keyed table (one per partition of a
+            default cluster; use the cluster's partition count or a divisor of it), 0 for an
+            append table. 0 turns the layout off.
+        allow_schema_evolution: writes may add columns (default False: rows with unknown
+            columns are rejected).
+        deletion_vectors: enable Delta deletion vectors (default False). Needs
+            ``engine="spark"``: delta-rs cannot create a deletion-vector table that Delta 3.3
+            reads (see docs/tables.md).
+        engine: ``"delta-rs"`` (default; no JVM) or ``"spark"``.
+        spark: a :class:`~.session.SparkConfig` for ``engine="spark"``.
+
+    Returns the settings stored in the table's properties.
+
+    Raises:
+        UsageError: bad arguments, or the table exists already.
+    """
+    from ..receivers.base import check_table_name
+    from .lock import table_lock
+
+    check_table_name(name)
+    if engine not in _ENGINES:
+        raise UsageError(f"engine must be one of {_ENGINES}, got {engine!r}")
+    data_schema = parse_schema(schema)
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    missing = [k for k in keys if k not in data_schema.names]
+    if missing:
+        raise UsageError(f"key column(s) {missing} are not in the schema {data_schema.names}")
+    if deletion_vectors and engine != "spark":
+        raise UsageError(
+            "delta-rs cannot create a table with deletion vectors that Spark's Delta 3.3 can "
+            "read (it adds the variantType feature); create it with engine='spark' "
+            "(deltaflow table create --engine spark)"
+        )
+    settings = TableSettings(
+        key=keys,
+        buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
+        schema_evolution=allow_schema_evolution,
+        deletion_vectors=deletion_vectors,
+    )
+    warehouse = Path(warehouse)
+    path = warehouse / name
+    with table_lock(warehouse, name):
+        if (path / "_delta_log").is_dir():
+            raise UsageError(f"table {name!r} exists already under {warehouse}")
+        if engine == "spark":
+            from .session import get_spark
+            from .spark_engine import create_delta_table as create_spark
+
+            create_spark(get_spark(spark), path, data_schema, settings, table=name, node="cli")
+        else:
+            from .deltars_engine import create_delta_table as create_rs
+
+            create_rs(path, data_schema, settings, table=name, node="cli")
+    return settings
+
+
+def read_table_settings(warehouse: Path | str, name: str) -> TableSettings:
+    """The settings of an existing table, read with delta-rs (no JVM).
+
+    Raises:
+        UsageError: no such table.
+    """
+    from deltalake import DeltaTable
+
+    from .maintenance import table_path
+
+    dt = DeltaTable(str(table_path(Path(warehouse), name)))
+    columns = _column_names(dt.schema().to_arrow())
+    return TableSettings.from_table(dt.metadata().configuration, columns)
+
+
+def _column_names(schema: Any) -> list[str]:
+    import pyarrow as pa
+
+    return list(pa.schema(schema).names)
