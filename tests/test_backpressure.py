@@ -179,3 +179,50 @@ async def test_cancelling_a_stream_says_what_was_applied_and_what_is_in_doubt(
     assert err.applied == 0
     assert err.in_doubt == list(range(20))  # the two batches the gate holds
     assert err.not_applied == list(range(20, len(err.not_applied) + 20))
+
+
+async def test_linger_sends_a_trickle_at_once_and_a_busy_source_still_fills_pages(
+    cluster: list[Any],
+) -> None:
+    address = cluster[0].address
+    acked = asyncio.Queue[list[Any]]()
+
+    async def trickle(count: int) -> AsyncIterator[dict[str, int]]:
+        # Each item waits for the previous one's ack: only a send of the partly filled
+        # buffer (page 1,000, auto flush after a minute) lets it go on.
+        for i in range(count):
+            yield {"i": i}
+            assert [x["i"] for x in await acked.get()] == [i]
+
+    async with deltaflow.connect([address]) as client:
+        options = StreamerOptions(page_size=1000, auto_flush_interval=60, linger=0.02)
+        async with asyncio.timeout(20):
+            summary = await client.stream_data(
+                trickle(5),
+                key="i",
+                receiver="deltaflow.testing.Echo",
+                on_ack=acked.put_nowait,
+                options=options,
+            )
+        assert summary.items_acked == 5
+
+        # Without linger the first item sits in its buffer.
+        no_linger = StreamerOptions(page_size=1000, auto_flush_interval=60)
+        stream = asyncio.create_task(
+            client.stream_data(
+                trickle(1), key="i", receiver="deltaflow.testing.Echo", options=no_linger
+            )
+        )
+        done, _ = await asyncio.wait({stream}, timeout=0.5)
+        assert not done
+        stream.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stream
+
+        # A source that never stalls fills whole pages, linger or not.
+        items = [{"i": i % 7} for i in range(7_000)]  # 7 keys, 1,000 items each
+        busy = await client.stream_data(
+            items, key="i", receiver="deltaflow.testing.Echo", options=options
+        )
+    assert busy.items_acked == len(items)
+    assert sum(s.batches_acked for s in busy.per_node.values()) == 7

@@ -174,7 +174,8 @@ class Client:
                 partition, batch sequence) a table already holds, so a stream re-run with the
                 same id after a crash writes only what the first run did not. The replay must
                 cut the same batches: the same items in the same order, the same options, and
-                ``auto_flush_interval=0`` (batches cut by count and bytes only, never by time).
+                ``auto_flush_interval=0`` and no ``linger`` (batches cut by count and bytes
+                only, never by time).
                 Two streams running at the same time must not share an id.
 
         Returns:

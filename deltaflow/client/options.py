@@ -51,6 +51,10 @@ class StreamerOptions:
             many bytes. Default 4 MiB; must stay below the node's frame limit (16 MiB).
         auto_flush_interval: seconds after which a partly filled buffer is sent anyway.
             Default 5.0 (as Ignite 3).
+        linger: seconds the source may stay idle (the stream waiting for its next item) before
+            every partly filled buffer is sent, as Kafka's ``linger.ms``: a trickle of items
+            then reaches the nodes within about two lingers instead of ``auto_flush_interval``,
+            while a busy source still fills whole pages. Default 0: off.
         max_in_flight: batches sent and not yet acknowledged, across the whole stream. While
             the window is full the source is not pulled. Default 128.
         per_partition_in_flight: batches of one partition in flight at once (pipelining; the
@@ -79,6 +83,7 @@ class StreamerOptions:
     page_size: int = DEFAULT_PAGE_SIZE
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
     auto_flush_interval: float = DEFAULT_AUTO_FLUSH_INTERVAL
+    linger: float = 0.0
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     per_partition_in_flight: int = DEFAULT_PER_PARTITION_IN_FLIGHT
     retry_limit: int = DEFAULT_RETRY_LIMIT
@@ -111,7 +116,7 @@ class StreamerOptions:
             )
         if not isinstance(self.retry_limit, int) or self.retry_limit < 0:
             raise UsageError(f"StreamerOptions.retry_limit must be >= 0, got {self.retry_limit!r}")
-        for name in ("auto_flush_interval", "retry_initial_backoff", "retry_max_backoff"):
+        for name in ("auto_flush_interval", "linger", "retry_initial_backoff", "retry_max_backoff"):
             if getattr(self, name) < 0:
                 raise UsageError(f"StreamerOptions.{name} must be >= 0 seconds")
         if self.ack_timeout <= 0:

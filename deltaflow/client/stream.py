@@ -435,6 +435,22 @@ class StreamRun:
             "datetime) and carry the key"
         ) from cause
 
+    async def _linger(self, seconds: float) -> None:
+        """Send the partly filled buffers once the source stayed idle for ``seconds``: checked
+        every ``seconds``, so nothing is paid per item."""
+        seen = -1
+        while True:
+            await asyncio.sleep(seconds)
+            if (
+                self._awaiting_source
+                and self.pulled == seen
+                and not self.errors
+                and self.sender.has_room
+            ):
+                for batch in self.accumulator.drain():
+                    self.sender.submit(batch)
+            seen = self.pulled
+
     async def run(self, source: Any) -> StreamSummary:
         started = time.monotonic()
         options = self.options
@@ -442,6 +458,11 @@ class StreamRun:
         items = aiter_source(source, buffer=options.source_buffer)
         chunked = items if isinstance(items, _ChunkedIterator) else None
         self._task = asyncio.current_task()
+        lingering = (
+            asyncio.create_task(self._linger(options.linger), name="deltaflow-linger")
+            if options.linger > 0
+            else None
+        )
         try:
             while not self.errors:
                 if not sender.has_room:
@@ -490,6 +511,8 @@ class StreamRun:
                 if dead is not None:
                     await dead.join()
         finally:
+            if lingering is not None:
+                lingering.cancel()
             for batch in acc.discard():
                 self.failed.extend(zip(batch.positions, batch.items, strict=True))
             if isinstance(items, _ChunkedIterator):

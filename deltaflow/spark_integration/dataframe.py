@@ -179,8 +179,8 @@ def stream_dataframe(
     the wire format cannot carry (decimal, date, intervals, user-defined types, all-null
     ``NullType``) are rejected before any job runs, with the cast to apply.
 
-    Batches are cut by count and bytes only (``auto_flush_interval`` is set to 0), so a
-    partition that Spark runs again (a task retry) is cut the same way and, under the same
+    Batches are cut by count and bytes only (``auto_flush_interval`` and ``linger`` are set to
+    0), so a partition that Spark runs again (a task retry) is cut the same way and, under the same
     stream id, skipped where its writes already landed, provided the partition yields the same
     rows in the same order.
 
@@ -193,7 +193,8 @@ def stream_dataframe(
         receiver: a receiver registered on the nodes, instead of ``table``.
         receiver_args: a msgpack value handed to the receiver with every batch.
         options: batching, window and retry settings; each partition uses them as they are,
-            except ``auto_flush_interval``, which is 0. Default ``StreamerOptions()``.
+            except ``auto_flush_interval`` and ``linger``, which are 0. Default
+            ``StreamerOptions()``.
         token: the cluster's shared secret, if the nodes require one.
         stream_id: the base stream id, 1 to 100 characters of ``A-Z a-z 0-9 . _ -``. Default:
             a random one. Streaming the same DataFrame again under the same id writes only what
@@ -503,11 +504,12 @@ def _node_list(nodes: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def _deterministic(options: StreamerOptions | None) -> StreamerOptions:
-    """The options with the flush timer off: batches are cut by count and bytes only, so a
-    replay of the same rows is cut into the same batches (and hits the same lane marks)."""
+    """The options with the flush timer and linger off: batches are cut by count and bytes
+    only, so a replay of the same rows is cut into the same batches (and hits the same lane
+    marks)."""
     if options is not None and not isinstance(options, StreamerOptions):
         raise UsageError(f"options= must be a StreamerOptions, got {type(options).__name__}")
-    return dataclasses.replace(options or StreamerOptions(), auto_flush_interval=0.0)
+    return dataclasses.replace(options or StreamerOptions(), auto_flush_interval=0.0, linger=0.0)
 
 
 # -- rows to msgpack values ------------------------------------------------------------------
