@@ -240,3 +240,18 @@ async def test_frames_share_a_message_only_with_a_client_that_lists_multi(
         assert max(sizes) > 1, per_message
     else:
         assert set(sizes) == {1}, per_message
+
+
+async def test_a_client_joins_frames_only_up_to_the_nodes_limit(guarded: list[Node]) -> None:
+    # 32 batches of one 12 KB item go out in one event-loop turn: joined, they would be far
+    # over the nodes' 64 KiB limit, and a node closes a connection sending such a message.
+    items = [{"i": i, "blob": "x" * 12_000} for i in range(200)]
+    async with deltaflow.connect([guarded[0].address], token=TOKEN) as client:
+        summary = await client.stream_data(
+            items,
+            key="i",
+            receiver="deltaflow.testing.Echo",
+            options=StreamerOptions(page_size=1, max_in_flight=32),
+        )
+    assert summary.items_acked == len(items)
+    assert summary.batches_retried == 0
