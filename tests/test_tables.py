@@ -24,6 +24,7 @@ from deltaflow.server import Node
 from deltaflow.spark_integration import BUCKET_COLUMN, create_table, read_table_settings
 from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
 from deltaflow.spark_integration.engine import TableEngine
+from deltaflow.spark_integration.footprint import Footprint
 from deltaflow.spark_integration.lock import table_lock
 from deltaflow.spark_integration.spark_engine import SparkTableEngine
 from deltaflow.spark_integration.tables import TableSettings
@@ -412,6 +413,102 @@ async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: 
     want = {i: "a" for i in range(100) if i != 2} | {1: "b"}
     assert {r["id"]: r["name"] for r in read_all(warehouse / "dv")} == want
     assert {k: r["name"] for k, r in read_spark(spark, warehouse / "dv").items()} == want
+
+
+async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(
+    spark: Any, warehouse: Path, engine: str, tmp_path: Path
+) -> None:
+    """Keys that arrive roughly in order fall in few files: the MERGE names their ranges, so it
+    reads those files only, however large the table. Proven by hiding every other file: the
+    MERGE would fail if it opened one."""
+    path = warehouse / "ranged"
+    async with table_engine(engine, warehouse, table_buckets=0) as eng:
+        for start in range(0, 1000, 100):  # ten commits, files of disjoint id ranges
+            await upsert(eng, "ranged", [{"id": i, "name": "a"} for i in range(start, start + 100)])
+        files = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).to_pylist()
+        # Two ranges, cut at the wide gap: 510-529 and the new key 5000.
+        changed = [*range(510, 530), 5000]
+        others = [f["path"] for f in files if f["max.id"] < 510 or f["min.id"] > 529]
+        assert len(others) >= 9
+        for name in others:
+            (path / name).rename(tmp_path / name)
+        await upsert(eng, "ranged", [{"id": i, "name": "b"} for i in changed])
+        for name in others:
+            (tmp_path / name).rename(path / name)
+        # String keys: their range is quoted into the MERGE, quotes and backslashes included.
+        keys = ["it's", "back\\slash", "plain", 'say "hi"']
+        await (await eng.stage("named", ["k"], [{"k": k, "v": 1} for k in keys], frozenset()))
+        await (await eng.stage("named", ["k"], [{"k": k, "v": 2} for k in keys[:2]], frozenset()))
+    rows = {r["id"]: r["name"] for r in read_all(path)}
+    assert rows == {i: "b" if i in changed else "a" for i in [*range(1000), 5000]}
+    named = DeltaTable(str(warehouse / "named")).to_pyarrow_table().to_pylist()
+    assert {r["k"]: r["v"] for r in named} == {
+        "it's": 2,
+        "back\\slash": 2,
+        "plain": 1,
+        'say "hi"': 1,
+    }
+
+
+async def test_a_group_of_new_keys_is_appended_and_one_with_an_old_key_merged(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    path = warehouse / "fresh"
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "fresh", [{"id": i, "name": "a"} for i in range(100)])
+        # Only new keys, and a delete of a key the table never held: appended, the delete
+        # dropped (it deletes nothing).
+        rows = [{"id": i, "name": "b"} for i in range(100, 200)] + [{"id": 7000}]
+        await upsert(eng, "fresh", rows, frozenset({100}))
+        # One old key among new ones: merged.
+        await upsert(eng, "fresh", [{"id": 5, "name": "c"}, {"id": 300, "name": "c"}])
+        await upsert(eng, "fresh", [{"id": 6}], frozenset({0}))
+    operations = [h["operation"] for h in reversed(DeltaTable(str(path)).history())]
+    assert operations[1:] == ["WRITE", "WRITE", "MERGE", "MERGE"], operations
+    want = {i: "a" for i in range(100)} | {i: "b" for i in range(100, 200)} | {5: "c", 300: "c"}
+    del want[6]
+    assert {r["id"]: r["name"] for r in read_all(path)} == want
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
+
+
+def test_a_footprint_is_fresh_only_if_no_file_of_its_buckets_can_hold_a_key() -> None:
+    files = pa.table(
+        {
+            "min.id": pa.array([0, None], pa.int64()),
+            "max.id": pa.array([10, None], pa.int64()),
+            f"partition.{BUCKET_COLUMN}": pa.array([1, 2], pa.int32()),
+        }
+    )
+    assert Footprint((1,), "id", ((20, 30),)).checked_against(files).fresh
+    assert not Footprint((1,), "id", ((5, 30),)).checked_against(files).fresh
+    # A file without statistics may hold any key of its bucket.
+    assert not Footprint((2,), "id", ((20, 30),)).checked_against(files).fresh
+    assert (
+        not Footprint(None, "id", ((20, 30),))
+        .checked_against(files.drop_columns(["partition._deltaflow_bucket"]))
+        .fresh
+    )
+    assert not Footprint(None, "id", ((20, 30),)).checked_against(pa.table({"path": ["x"]})).fresh
+    assert (
+        Footprint(None, "id", ((1, 2),))
+        .checked_against(pa.table({"path": pa.array([], pa.string())}))
+        .fresh
+    )
+    assert not Footprint(None).checked_against(pa.table({"path": pa.array([], pa.string())})).fresh
+
+
+def test_footprint_cuts_integer_keys_at_their_widest_gaps() -> None:
+    data = pa.table({"id": [7, 3, 1000, 5, 4, 9_000_000, 1001, 3], "_deltaflow_bucket": [1] * 8})
+    footprint = Footprint.of(data, ["id"], bucketed=True, max_ranges=3)
+    assert footprint.buckets == (1,)
+    assert footprint.ranges == ((3, 7), (1000, 1001), (9_000_000, 9_000_000))
+    assert Footprint.of(data, ["id"], bucketed=False, max_ranges=1).ranges == ((3, 9_000_000),)
+    # Consecutive keys are never cut apart: one range however many are allowed.
+    assert Footprint.of(pa.table({"id": [2, 1, 3]}), ["id"], bucketed=False).ranges == ((1, 3),)
+    assert Footprint.of(pa.table({"k": ["b", "a"]}), ["k"], bucketed=False).ranges == (("a", "b"),)
+    # Composite and non-orderable keys get no range: the MERGE then names buckets only.
+    assert Footprint.of(pa.table({"a": [1], "b": [2]}), ["a", "b"], bucketed=False).ranges == ()
+    assert Footprint.of(pa.table({"f": [1.5]}), ["f"], bucketed=False).ranges == ()
 
 
 async def test_max_group_bytes_bounds_a_group(warehouse: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
+from .footprint import Footprint
 from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
 __all__ = ["DeltaRsTableEngine", "create_delta_table"]
@@ -62,6 +63,13 @@ def map_deltars_errors(table: str, node: str) -> Iterator[None]:
 
 def _quote(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(value: Any) -> str:
+    """A key value as a DataFusion SQL literal."""
+    if isinstance(value, str):
+        return "'" + value.replace("'", "''") + "'"
+    return str(int(value))
 
 
 def create_delta_table(
@@ -127,30 +135,45 @@ class DeltaRsTableEngine(TableEngine):
         key: list[str],
         data: Any,
         metadata: str,
-        buckets: Sequence[int] | None,
+        footprint: Footprint | None,
+    ) -> None:
+        try:
+            self._write(path, key, data, metadata, footprint, table)
+        except BaseException:
+            self._open.pop(path, None)  # opened afresh next time, whatever state it is in
+            raise
+
+    def _write(
+        self,
+        path: Path,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        footprint: Footprint | None,
+        table: str,
     ) -> None:
         import pyarrow.compute as pc
-        from deltalake import CommitProperties, DeltaTable, write_deltalake
+        from deltalake import CommitProperties, write_deltalake
 
         props = CommitProperties(custom_metadata={"userMetadata": metadata})
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         with map_deltars_errors(table, self.node_id):
-            if not key:
+            if not key or (footprint is not None and footprint.fresh):
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
-                write_deltalake(str(path), rows, mode="append", commit_properties=props)
+                write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
             on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
-            if buckets is not None:
-                # The literal list prunes the target to the group's buckets; the equality lets
-                # the join use the partition column as well.
-                b = _quote(BUCKET_COLUMN)
-                on.append(f"t.{b} = s.{b}")
-                on.append(f"t.{b} IN ({', '.join(str(int(x)) for x in buckets)})")
+            if footprint is not None:
+                if footprint.buckets is not None:
+                    # Lets the join use the partition column as well.
+                    b = _quote(BUCKET_COLUMN)
+                    on.append(f"t.{b} = s.{b}")
+                on += footprint.predicates("t", _quote, _literal)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
             (
-                DeltaTable(str(path))
+                self._latest(path)
                 .merge(
                     data,
                     predicate=" AND ".join(on),

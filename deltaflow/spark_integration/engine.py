@@ -49,6 +49,7 @@ from ..errors import (
     ServerError,
     UsageError,
 )
+from .footprint import Footprint
 from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
 from .tables import (
@@ -426,10 +427,13 @@ class _TableCommitter:
                 node=self.engine.node_id,
             )
         data = self._conform(data, recompute=any(s.buckets != settings.buckets for s in group))
-        held = None
-        if settings.buckets:
-            held = sorted(set(data.column(BUCKET_COLUMN).to_pylist()))
-        self.engine.write(self.name, self.path, key, data, metadata, held)
+        footprint = None
+        if key:
+            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
+            files = self.engine.live_files(self.path) if footprint.ranges else None
+            if files is not None:
+                footprint = footprint.checked_against(files)
+        self.engine.write(self.name, self.path, key, data, metadata, footprint)
         return int(data.num_rows)
 
     def _create(self, data: Any) -> None:
@@ -568,19 +572,24 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
 
 def _last_per_key(table: Any, key: Sequence[str]) -> Any:
     """Rows of ``table`` keeping only the last occurrence of each key (order preserved)."""
-    columns = [table.column(k).to_pylist() for k in key]
-    keys = columns[0] if len(columns) == 1 else list(zip(*columns, strict=True))
-    seen: set[Any] = set()
-    keep: list[int] = []
-    for i in range(len(keys) - 1, -1, -1):
-        k = keys[i]
-        if k not in seen:
-            seen.add(k)
-            keep.append(i)
-    if len(keep) == len(keys):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rows = table.num_rows
+    if rows < 2:
         return table
-    keep.reverse()
-    return table.take(keep)
+    # Arrow's hash aggregation, not a Python pass: the highest row index of every key.
+    index = "__deltaflow_row"
+    last = (
+        table.select(list(key))
+        .append_column(index, pa.array(range(rows), type=pa.int64()))
+        .group_by(list(key), use_threads=False)
+        .aggregate([(index, "max")])
+        .column(f"{index}_max")
+    )
+    if len(last) == rows:
+        return table
+    return table.take(pc.take(last, pc.sort_indices(last)))
 
 
 _ARROW_ERRORS: Final = (TypeError, ValueError, OverflowError)
@@ -612,6 +621,73 @@ def to_arrow_rows(
     """
     import pyarrow as pa
 
+    new: dict[str, None] = {}
+    # The common case costs no Python pass per row: plain dicts whose columns the table has
+    # (so none is reserved or unknown); keys are checked on the built columns. Anything else,
+    # and a null key, takes the row-by-row check, which names the offending item.
+    fast = (
+        schema is not None
+        and set(map(type, rows)) <= {dict}
+        and all(k in schema.names for k in key)
+        and all(map(frozenset(schema.names).issuperset, rows))
+    )
+    if not fast:
+        new = _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+    try:
+        if schema is None:
+            # Infer per column over every row (from_pylist would take the first row's keys).
+            names = list(dict.fromkeys(c for row in rows for c in row))
+            data = pa.table(
+                {c: _infer(c, [row.get(c) for row in rows], table, node) for c in names}
+            )
+        else:
+            data = pa.Table.from_pylist(list(rows), schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
+        raise _locate_bad_row(rows, schema, table, node, exc) from exc
+    if fast and any(data.column(k).null_count for k in key):
+        _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+    for c in new:
+        values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
+        data = data.append_column(c, _infer(c, values, table, node))
+    if schema is None:
+        missing = [k for k in key if k not in data.column_names]
+        if missing:
+            raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
+    for field in data.schema:
+        if (schema is None or field.name in new) and pa.types.is_null(field.type):
+            raise SchemaError(
+                f"column {field.name!r} is null in every row of this write to table {table!r}, "
+                "which adds it, so its type cannot be inferred; send a non-null value",
+                node=node,
+                details={"column": field.name},
+            )
+    if buckets:
+        data = data.append_column(
+            pa.field(BUCKET_COLUMN, pa.int32()), bucket_values(data, key, buckets)
+        )
+    if deletes:
+        flags = pa.array([i in deletes for i in range(len(rows))], type=pa.bool_())
+    else:
+        flags = pa.repeat(pa.scalar(False), len(rows))
+    return data.append_column(DELETE_COLUMN, flags)
+
+
+def _check_rows(
+    rows: Sequence[Any],
+    deletes: frozenset[int],
+    key: Sequence[str],
+    schema: Any,
+    *,
+    table: str,
+    node: str,
+    evolve: bool,
+) -> dict[str, None]:
+    """Check every row, naming the first bad one; the columns the rows add to the table (only
+    when ``evolve``, else an unknown column is an error).
+
+    Raises:
+        SchemaError: naming the item (its index in the batch) and column.
+    """
     columns = set(schema.names) if schema is not None else None
     new: dict[str, None] = {}
     for i, row in enumerate(rows):
@@ -647,38 +723,7 @@ def to_arrow_rows(
                     details={"item": i, "column": unknown[0]},
                 )
             new.update(dict.fromkeys(unknown))
-    try:
-        if schema is None:
-            # Infer per column over every row (from_pylist would take the first row's keys).
-            names = list(dict.fromkeys(c for row in rows for c in row))
-            data = pa.table(
-                {c: _infer(c, [row.get(c) for row in rows], table, node) for c in names}
-            )
-        else:
-            data = pa.Table.from_pylist(list(rows), schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
-        raise _locate_bad_row(rows, schema, table, node, exc) from exc
-    for c in new:
-        values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
-        data = data.append_column(c, _infer(c, values, table, node))
-    if schema is None:
-        missing = [k for k in key if k not in data.column_names]
-        if missing:
-            raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
-    for field in data.schema:
-        if (schema is None or field.name in new) and pa.types.is_null(field.type):
-            raise SchemaError(
-                f"column {field.name!r} is null in every row of this write to table {table!r}, "
-                "which adds it, so its type cannot be inferred; send a non-null value",
-                node=node,
-                details={"column": field.name},
-            )
-    if buckets:
-        data = data.append_column(
-            pa.field(BUCKET_COLUMN, pa.int32()), bucket_values(data, key, buckets)
-        )
-    flags = pa.array([i in deletes for i in range(len(rows))], type=pa.bool_())
-    return data.append_column(DELETE_COLUMN, flags)
+    return new
 
 
 def _infer(column: str, values: list[Any], table: str, node: str) -> Any:
@@ -812,6 +857,7 @@ class TableEngine:
         self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
         self._tables: dict[str, _TableCommitter] = {}
+        self._open: dict[Path, Any] = {}  # delta-rs tables, see _latest
 
     def new_table_settings(self, key: Sequence[str]) -> TableSettings:
         """The settings of a table this node creates on first write with ``key``."""
@@ -857,7 +903,7 @@ class TableEngine:
         key: list[str],
         data: Any,
         metadata: str,
-        buckets: Sequence[int] | None,
+        footprint: Footprint | None,
     ) -> None:
         """Blocking, under the table's lock: apply ``data`` to the existing table in one commit.
 
@@ -867,10 +913,36 @@ class TableEngine:
                 included), plus the ``DELETE_COLUMN`` flag; at most one row per key.
             metadata: the commit's ``userMetadata`` (lane marks): it must land in the same
                 commit as the data.
-            buckets: the buckets ``data`` holds (the MERGE must touch no others), or None for
-                a table without the bucket layout.
+            footprint: for a merge, where ``data``'s keys can be in the table; the MERGE
+                names it (:meth:`Footprint.predicates`) so it reads and rewrites no other
+                files. When ``footprint.fresh`` the table holds none of the keys: append the
+                rows that are not deletes instead. None for a table without a key.
         """
         raise NotImplementedError
+
+    def live_files(self, path: Path) -> Any:
+        """Blocking, under the table's lock: the table's live files with their statistics
+        (``DeltaTable.get_add_actions(flatten=True)`` of delta-rs, which reads the Delta log
+        whichever engine wrote it), or None if they cannot be read (the ``deltalake`` package
+        missing, a table feature delta-rs does not read): the group is then merged."""
+        try:
+            return self._latest(path).get_add_actions(flatten=True)
+        except Exception as exc:  # noqa: BLE001 - any failure only costs the append shortcut
+            self._open.pop(path, None)
+            log.debug("cannot read the file statistics of %s (%s): merging", path, exc)
+            return None
+
+    def _latest(self, path: Path) -> Any:
+        """Blocking: the delta-rs table at ``path``, at its latest version. Kept open between
+        commits and brought up to date by reading only the commits made since."""
+        from deltalake import DeltaTable
+
+        table = self._open.get(path)
+        if table is None:
+            table = self._open[path] = DeltaTable(str(path))
+        else:
+            table.update_incremental()
+        return table
 
     async def stop(self) -> None:
         for committer in self._tables.values():

@@ -102,6 +102,10 @@ def get_spark(config: SparkConfig | None = None) -> Any:
                 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
                 settings["spark.driver.host"] = "127.0.0.1"
                 settings["spark.driver.bindAddress"] = "127.0.0.1"
+                # Adaptive query execution re-plans between stages to even out a cluster's
+                # skew; on one machine it only adds planning to every commit's jobs (MERGEs
+                # measured 10-15% faster without it on 2 cores).
+                settings["spark.sql.adaptive.enabled"] = "false"
             settings["spark.jars"] = ",".join(str(p) for p in ensure_jars())
             settings["spark.driver.memory"] = config.driver_memory
         settings.update(config.extra)

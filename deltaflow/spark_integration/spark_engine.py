@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
+from .footprint import Footprint
 from .session import SparkConfig, get_spark
 from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
@@ -46,6 +47,13 @@ def map_spark_errors(table: str, node: str) -> Iterator[None]:
 
 def _quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
+
+
+def _literal(value: Any) -> str:
+    """A key value as a Spark SQL literal (backslash escapes, Spark's default parsing)."""
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(int(value))
 
 
 def _spark_type(arrow_type: Any) -> Any:
@@ -147,7 +155,7 @@ class SparkTableEngine(TableEngine):
         key: list[str],
         data: Any,
         metadata: str,
-        buckets: Sequence[int] | None,
+        footprint: Footprint | None,
     ) -> None:
         import pyarrow.parquet as pq
 
@@ -161,8 +169,8 @@ class SparkTableEngine(TableEngine):
                 session.conf.set(_USER_METADATA_CONF, metadata)
                 try:
                     source = f"parquet.{_quote(str(staging))}"
-                    if key:
-                        session.sql(_merge_sql(path, key, source, data.column_names, buckets))
+                    if key and not (footprint is not None and footprint.fresh):
+                        session.sql(_merge_sql(path, key, source, data.column_names, footprint))
                     else:
                         cols = ", ".join(_quote(c) for c in columns)
                         session.sql(
@@ -180,16 +188,17 @@ def _merge_sql(
     key: Sequence[str],
     source: str,
     columns: Sequence[str],
-    buckets: Sequence[int] | None,
+    footprint: Footprint | None,
 ) -> str:
     data = [c for c in columns if c != DELETE_COLUMN]
     on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
-    if buckets is not None:
+    if footprint is not None:
         # Delta prunes a MERGE's target files by the literal predicates on target columns in
-        # its ON clause, not by a join on them: name the group's buckets.
-        b = _quote(BUCKET_COLUMN)
-        on.append(f"t.{b} = s.{b}")
-        on.append(f"t.{b} IN ({', '.join(str(int(x)) for x in buckets)})")
+        # its ON clause, not by the join: name the group's buckets and key ranges.
+        if footprint.buckets is not None:
+            b = _quote(BUCKET_COLUMN)
+            on.append(f"t.{b} = s.{b}")
+        on += footprint.predicates("t", _quote, _literal)
     sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data if c != BUCKET_COLUMN)
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)

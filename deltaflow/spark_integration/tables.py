@@ -23,13 +23,13 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from ..errors import UsageError
-from ..partitioning import DEFAULT_PARTITIONS, partition_of
+from ..partitioning import DEFAULT_PARTITIONS, partition_many
 
 __all__ = [
     "BUCKET_COLUMN",
@@ -160,14 +160,31 @@ def bucket_values(table: Any, key: Sequence[str], buckets: int) -> Any:
     import pyarrow as pa
 
     columns = [table.column(k).to_pylist() for k in key]
+    # Columns whose Python values msgpack packs as they are need no per-value conversion.
+    plain = all(_is_plain(table.schema.field(k).type) for k in key)
     if len(columns) == 1:
-        values = [partition_of(_routable(v), buckets) for v in columns[0]]
+        keys: Iterable[Any] = columns[0] if plain else map(_routable, columns[0])
+    elif plain:
+        keys = zip(*columns, strict=True)
     else:
-        values = [
-            partition_of(tuple(_routable(v) for v in row), buckets)
-            for row in zip(*columns, strict=True)
-        ]
-    return pa.array(values, type=pa.int32())
+        keys = (tuple(map(_routable, row)) for row in zip(*columns, strict=True))
+    return pa.array(partition_many(keys, buckets), type=pa.int32())
+
+
+def _is_plain(arrow_type: Any) -> bool:
+    """Whether Arrow gives values of this type back as bool, int, float, str or bytes."""
+    import pyarrow as pa
+
+    t = pa.types
+    return bool(
+        t.is_boolean(arrow_type)
+        or t.is_integer(arrow_type)
+        or t.is_floating(arrow_type)
+        or t.is_string(arrow_type)
+        or t.is_large_string(arrow_type)
+        or t.is_binary(arrow_type)
+        or t.is_large_binary(arrow_type)
+    )
 
 
 _DECIMAL = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
