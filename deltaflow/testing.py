@@ -76,25 +76,31 @@ class ConnectionDropper:
         self.after_batches = after_batches
         self.limit = limit
         self.dropped = 0
+        self._cuts: set[asyncio.Task[None]] = set()
 
     async def __call__(self, address: str, **kwargs: Any) -> Connection:
         conn = await Connection.open(address, **kwargs)
         if self.dropped >= self.limit:
             return conn
-        original = conn.send_batch
+        original = conn.start_batch  # every batch send goes through it
         sent = 0
 
-        async def send_batch(frame: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        async def cut() -> None:
+            await conn._outbox.drain()  # on the wire, then the connection goes
+            conn._abort_transport()
+
+        def start_batch(frame: dict[str, Any], *, timeout: float) -> asyncio.Future[Any]:
             nonlocal sent
             sent += 1
+            answer = original(frame, timeout=timeout)
             if sent == self.after_batches and self.dropped < self.limit:
                 self.dropped += 1
-                await conn._send(frame)
-                await conn._outbox.drain()  # on the wire, then the connection goes
-                conn._abort_transport()
-            return await original(frame, timeout=timeout)
+                task = asyncio.ensure_future(cut())
+                self._cuts.add(task)
+                task.add_done_callback(self._cuts.discard)
+            return answer
 
-        conn.send_batch = send_batch  # type: ignore[method-assign]
+        conn.start_batch = start_batch  # type: ignore[method-assign]
         return conn
 
 
@@ -114,19 +120,27 @@ class RequestDropper:
 
     async def __call__(self, address: str, **kwargs: Any) -> Connection:
         conn = await Connection.open(address, **kwargs)
-        original = conn.send_batch
+        original = conn.start_batch  # every batch send goes through it
 
-        async def send_batch(frame: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        def lost(answer: asyncio.Future[Any], timeout: float) -> None:
+            if not answer.done():
+                answer.set_exception(
+                    ConnectionLostError(
+                        f"no ack from {address} within {timeout}s (request lost by "
+                        "deltaflow.testing)"
+                    )
+                )
+
+        def start_batch(frame: dict[str, Any], *, timeout: float) -> asyncio.Future[Any]:
             self.sent += 1
             if self.sent % self.every == 0:
                 self.dropped += 1
-                await asyncio.sleep(timeout)  # the ack that never comes
-                raise ConnectionLostError(
-                    f"no ack from {address} within {timeout}s (request lost by deltaflow.testing)"
-                )
-            return await original(frame, timeout=timeout)
+                answer = asyncio.get_running_loop().create_future()
+                asyncio.get_running_loop().call_later(timeout, lost, answer, timeout)
+                return answer  # the ack that never comes
+            return original(frame, timeout=timeout)
 
-        conn.send_batch = send_batch  # type: ignore[method-assign]
+        conn.start_batch = start_batch  # type: ignore[method-assign]
         return conn
 
 

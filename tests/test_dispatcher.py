@@ -37,8 +37,12 @@ class Peer:
         self.changed = asyncio.Event()
 
     async def send(self, frame: dict[str, Any]) -> None:
+        self.send_nowait(frame)
+
+    def send_nowait(self, frame: dict[str, Any]) -> bool:
         self.frames.append(frame)
         self.changed.set()
+        return True
 
     async def wait_for(self, kind: str, seq: int) -> dict[str, Any]:
         while True:

@@ -196,6 +196,29 @@ async def test_outbox_sends_what_one_turn_queued_as_one_message_only_when_allowe
     assert errors == []
 
 
+async def test_outbox_send_nowait_queues_a_turn_as_one_message_and_reports_its_room() -> None:
+    written: list[bytes] = []
+
+    async def write(data: bytes) -> None:
+        written.append(data)
+
+    outbox = Outbox(write, multi=True, on_error=lambda exc: None)
+    frames = [encode_frame({"t": "opened", "sid": f"s{i}"}) for i in range(3)]
+    for f in frames:
+        outbox.send_nowait(f)  # no await: nothing is written yet
+    assert written == []
+    await outbox.drain()
+    assert written == [b"".join(frames)]
+
+    big = encode_frame({"t": "opened", "sid": "x" * 100})
+    while outbox.has_room:
+        outbox.send_nowait(big)
+    waiter = asyncio.create_task(outbox.wait_for_room())
+    await outbox.drain()
+    await asyncio.wait_for(waiter, 5)  # the queue went out: room again
+    assert outbox.has_room
+
+
 async def test_outbox_reports_a_failed_write_and_drops_what_was_queued() -> None:
     errors: list[BaseException] = []
     calls = 0

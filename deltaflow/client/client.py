@@ -252,6 +252,14 @@ class Client:
             self._stale = True
             raise
 
+    def _connection_now(self, partition: int) -> Connection | None:
+        """What :meth:`_connection_for` would return without waiting: the open connection to
+        the partition's owner, or None (the map is stale, or there is no such connection yet)."""
+        if self._stale:
+            return None
+        conn = self._conns.get(self.partition_map.owner_address(partition))
+        return conn if conn is not None and not conn.closed else None
+
     def _adopt_map(self, wire: Any) -> None:
         if wire is None:
             self._stale = True

@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 ResultSink = Callable[[list[Any]], Awaitable[None]]
 BatchKey = tuple[str, int, int]
+#: A batch waiting for its answer: the future the answer resolves, and its ack deadline.
+_Waiter = tuple["asyncio.Future[Frame]", asyncio.TimerHandle]
 #: How long ``Connection.close`` lets queued frames go out before it closes anyway.
 _CLOSE_DRAIN_SECONDS = 5.0
 
@@ -84,7 +86,7 @@ class Connection:
         self.max_frame_bytes: int = welcome["max"]
         self._session = session
         self._ws = ws
-        self._pending: dict[BatchKey, asyncio.Future[Frame]] = {}
+        self._pending: dict[BatchKey, _Waiter] = {}
         self._opening: dict[str, asyncio.Future[None]] = {}
         self._result_sinks: dict[str, ResultSink] = {}
         self._error: DeltaflowError | None = None
@@ -204,31 +206,81 @@ class Connection:
             with contextlib.suppress(DeltaflowError):
                 await self._send({"t": "close", "sid": sid})
 
+    def stream_open(self, sid: str) -> bool:
+        """Whether the node confirmed ``sid`` on this connection (batches may go without
+        :meth:`open_stream`)."""
+        fut = self._opening.get(sid)
+        return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
+
+    @property
+    def has_room(self) -> bool:
+        """:meth:`start_batch` may queue a frame now: the outbox is below its high-water mark
+        (else :meth:`send_batch` waits for it)."""
+        return self._outbox.has_room
+
+    def start_batch(self, frame: Frame, *, timeout: float) -> asyncio.Future[Frame]:
+        """Queue a batch frame and return the future of its answer, without waiting (the
+        sender needs no task per batch). The future gets the ack, or the error the node sent,
+        or :class:`ConnectionLostError` if the connection fails or no answer comes within
+        ``timeout`` seconds. Cancelling it abandons the wait; the node may still apply the batch.
+
+        The outbox's high-water mark is not checked: see :attr:`has_room`.
+
+        Raises:
+            ConnectionLostError: the connection failed already.
+            FrameTooLargeError: the frame exceeds the node's limit.
+        """
+        data = self._encode(frame)
+        key: BatchKey = (frame["sid"], frame["p"], frame["seq"])
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Frame] = loop.create_future()
+        # A timer per batch rather than a timeout scope: nothing awaits on the sender's side.
+        deadline = loop.call_later(timeout, self._ack_overdue, key, fut, timeout)
+        self._pending[key] = (fut, deadline)
+        self._outbox.send_nowait(data)
+        return fut
+
     async def send_batch(self, frame: Frame, *, timeout: float) -> Frame:
-        """Send a batch frame and wait for its ack (returned) or error (raised).
+        """Send a batch frame and wait for its ack (returned) or error (raised): see
+        :meth:`start_batch`. Waits first while the outbox is above its high-water mark.
 
         Cancellation abandons the wait; the node may still apply the batch.
         """
-        key: BatchKey = (frame["sid"], frame["p"], frame["seq"])
-        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self._pending[key] = fut
+        await self._outbox.wait_for_room()
+        fut = self.start_batch(frame, timeout=timeout)
         try:
-            await self._send(frame)
-            try:
-                async with asyncio.timeout(timeout):
-                    return await fut
-            except TimeoutError:
-                raise ConnectionLostError(
+            return await fut
+        finally:
+            if not fut.done() or fut.cancelled():
+                self.abandon_batch(frame, fut)
+
+    def abandon_batch(self, frame: Frame, fut: asyncio.Future[Frame]) -> None:
+        """Stop waiting for the answer to a batch started with :meth:`start_batch`."""
+        key: BatchKey = (frame["sid"], frame["p"], frame["seq"])
+        waiter = self._pending.get(key)
+        if waiter is not None and waiter[0] is fut:
+            del self._pending[key]
+            waiter[1].cancel()
+        fut.cancel()
+
+    def _ack_overdue(self, key: BatchKey, fut: asyncio.Future[Frame], timeout: float) -> None:
+        waiter = self._pending.get(key)
+        if waiter is not None and waiter[0] is fut:
+            del self._pending[key]
+        if not fut.done():
+            fut.set_exception(
+                ConnectionLostError(
                     f"no ack from node {self.node_id} at {self.address} for partition "
                     f"{key[1]} batch {key[2]} within {timeout}s"
-                ) from None
-        finally:
-            if self._pending.get(key) is fut:
-                del self._pending[key]
+                )
+            )
 
     async def _send(self, frame: Frame) -> None:
         """Queue ``frame`` for the outbox. A write that fails later fails every waiter of the
         connection (batches wait for their ack, so none is lost unnoticed)."""
+        await self._outbox.send(self._encode(frame))
+
+    def _encode(self, frame: Frame) -> bytes:
         if self._error is not None:
             raise self._error
         data = encode_frame(frame)
@@ -237,7 +289,7 @@ class Connection:
                 f"frame of {len(data)} bytes exceeds node {self.node_id}'s limit of "
                 f"{self.max_frame_bytes} bytes; lower StreamerOptions.max_batch_bytes"
             )
-        await self._outbox.send(data)
+        return data
 
     async def _write(self, data: bytes) -> None:
         with map_transport_errors(self.address):
@@ -259,7 +311,10 @@ class Connection:
             while True:
                 msg = await self._ws.receive()
                 for frame in _frames_of(msg, self.address, self.max_frame_bytes):
-                    await self._route(frame)
+                    if frame["t"] == "ack":  # most frames: resolved without a coroutine each
+                        self._resolve((frame["sid"], frame["p"], frame["seq"]), frame)
+                    else:
+                        await self._route(frame)
         except asyncio.CancelledError:
             raise
         except DeltaflowError as exc:
@@ -273,10 +328,9 @@ class Connection:
         await self._session.close()
 
     async def _route(self, frame: Frame) -> None:
+        """Route a frame other than an ack (the read loop resolves those itself)."""
         ftype = frame["t"]
-        if ftype == "ack":
-            self._resolve((frame["sid"], frame["p"], frame["seq"]), frame)
-        elif ftype == "result":
+        if ftype == "result":
             sink = self._result_sinks.get(frame["sid"])
             if sink is not None:
                 await sink(frame["values"])
@@ -300,27 +354,34 @@ class Connection:
             fut = self._opening.pop(sid, None)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
-            for key, pending in list(self._pending.items()):
-                if key[0] == sid and not pending.done():
-                    pending.set_exception(err)
+            for key in [key for key in self._pending if key[0] == sid]:
+                self._resolve(key, err)
         else:  # a connection-level error: the node is about to close the socket
             raise err
 
     def _resolve(self, key: BatchKey, outcome: Frame | BaseException) -> None:
-        fut = self._pending.get(key)
-        if fut is None or fut.done():
+        waiter = self._pending.pop(key, None)
+        if waiter is None:
             return  # a late answer for a batch we stopped waiting for
+        fut, deadline = waiter
+        deadline.cancel()
+        if fut.done():
+            return
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
         else:
             fut.set_result(outcome)
 
     def _fail_all(self, error: DeltaflowError) -> None:
-        futs: list[asyncio.Future[Any]] = [*self._pending.values(), *self._opening.values()]
+        futs: list[asyncio.Future[Any]] = [*self._opening.values()]
+        for fut, deadline in self._pending.values():
+            deadline.cancel()
+            futs.append(fut)
         for fut in futs:
             if not fut.done():
                 fut.set_exception(error)
                 fut.exception()  # waiters may be gone; avoid "never retrieved" noise
+        self._pending.clear()
         self._opening.clear()
 
 

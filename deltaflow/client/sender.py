@@ -1,7 +1,8 @@
 """The sender: delivers cut batches to partition owners inside a bounded window, with retries.
 
-Each batch gets its own task. ``wait_for_room`` is what the stream awaits before pulling the
-next source item, so the source is not pulled while ``max_in_flight`` batches are outstanding.
+A batch's first send needs no task of its own (see :class:`Sender`). ``wait_for_room`` is
+what the stream awaits before pulling the next source item, so the source is not pulled while
+``max_in_flight`` batches are outstanding.
 Retries use tenacity (exponential backoff with jitter) and resend the *same* sequence number,
 so the owner applies each batch once and in order. The decision to retry is
 :func:`deltaflow.errors.is_retriable`, nothing else.
@@ -10,6 +11,9 @@ so the owner applies each batch once and in order. The decision to retry is
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
+import itertools
 import logging
 import random
 from collections.abc import Callable
@@ -32,13 +36,13 @@ from ..errors import (
     TransportError,
     is_retriable,
 )
-from ..protocol import join_items
+from ..protocol import Frame, join_items
 from .accumulator import Batch
 from .options import StreamerOptions
 
 if TYPE_CHECKING:
     from .client import Client
-    from .connection import ResultSink
+    from .connection import Connection, ResultSink
 
 __all__ = ["NodeStatistics", "Sender", "StreamStoppedError"]
 
@@ -66,6 +70,15 @@ class _Counters:
 
 class Sender:
     """Sends the batches of one stream.
+
+    A batch is sent as soon as the window (``max_in_flight``) and its partition's lane
+    (``per_partition_in_flight``) have room, in cut order, and from the code that makes the
+    room: :meth:`submit`, or the settling of an earlier batch. That first send needs no task:
+    the frame goes into the connection's outbox at once and a callback takes the answer
+    (almost every batch is acked at once, and a task per batch cost more than the send itself
+    at small pages). A batch whose first send cannot start that way (no connection yet, the
+    stream not open on it yet, a full outbox, its partition's sends still at a previous owner)
+    or failed goes on a task of its own, which retries with tenacity.
 
     Args:
         client: routes partitions to connections and keeps the partition map fresh.
@@ -95,8 +108,16 @@ class Sender:
         self._on_acked = on_acked
         self._on_failed = on_failed
         self._results = results
-        self._window = asyncio.Semaphore(options.max_in_flight)
-        self._lanes: dict[int, asyncio.Semaphore] = {}
+        # The window and the lanes are counters, not semaphores: they are taken and given back
+        # synchronously. Batches waiting for the window, in cut order:
+        self._waiting: collections.deque[Batch] = collections.deque()
+        self._window_used = 0
+        self._lane_used: dict[int, int] = {}
+        # Batches holding a window slot while their partition's lane is full (FIFO per lane),
+        # and batches just handed a lane slot by a settled one, to be sent by ``_start``.
+        self._lane_waiting: dict[int, collections.deque[Batch]] = {}
+        self._ready: collections.deque[Batch] = collections.deque()
+        self._starting = False
         # Sequence numbers of each partition not yet settled: the smallest is the ``base`` a
         # batch frame carries, so a new owner knows every lower batch is already acknowledged.
         self._unacked: dict[int, set[int]] = {}
@@ -104,22 +125,28 @@ class Sender:
         # only once those settled, so two nodes never hold batches of one lane at once (the
         # new owner would otherwise wait for a batch the old one is still applying).
         self._owner: dict[int, tuple[str, int]] = {}
-        self._owner_changed = asyncio.Condition()
+        self._owner_changed = asyncio.Event()  # replaced by a fresh one each time it is set
         self._claim_waiters = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._unsettled = 0
+        self._answers: set[asyncio.Future[Frame]] = set()  # first sends awaiting their answer
+        self._tasks: set[asyncio.Task[None]] = set()  # sends that have to wait, and resends
         self._room = asyncio.Event()
         self._room.set()
+        self._all_settled = asyncio.Event()
+        self._all_settled.set()
         self._stopped = False
         self.counters = _Counters()
 
     def submit(self, batch: Batch) -> None:
-        """Take a cut batch (synchronous; the send happens on a task)."""
+        """Take a cut batch (synchronous): it is sent now if the window and its lane have
+        room, else as soon as they do."""
         self._unacked.setdefault(batch.partition, set()).add(batch.seq)
-        task = asyncio.create_task(self._deliver(batch), name=f"deltaflow-batch-{batch.partition}")
-        self._tasks.add(task)
-        task.add_done_callback(self._settled)
-        if len(self._tasks) >= self._options.max_in_flight:
+        self._unsettled += 1
+        if self._unsettled >= self._options.max_in_flight:
             self._room.clear()
+        self._all_settled.clear()
+        self._waiting.append(batch)
+        self._start()
 
     @property
     def has_room(self) -> bool:
@@ -134,62 +161,150 @@ class Sender:
 
     async def join(self) -> None:
         """Wait until every submitted batch is acked or failed."""
-        while self._tasks:
-            await asyncio.wait(set(self._tasks))
+        while self._unsettled:
+            await self._all_settled.wait()
 
     async def cancel(self) -> None:
-        for task in self._tasks:
+        """Settle every batch as cancelled: those not sent yet are not applied, those sent are
+        in doubt (the node may still apply them)."""
+        unsent = [*self._waiting, *self._ready, *itertools.chain(*self._lane_waiting.values())]
+        # Their window and lane slots are not handed on: nothing is sent any more.
+        self._window_used -= len(unsent) - len(self._waiting)
+        for batch in self._ready:
+            self._lane_used[batch.partition] -= 1
+        self._waiting.clear()
+        self._ready.clear()
+        self._lane_waiting.clear()
+        for batch in unsent:
+            self._report(batch, asyncio.CancelledError("stream cancelled"))
+            self._forget(batch)
+        for fut in list(self._answers):
+            fut.cancel()
+        for task in list(self._tasks):
             task.cancel()
         await self.join()
 
-    def _settled(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if len(self._tasks) < self._options.max_in_flight:
-            self._room.set()
+    # -- the window (synchronous) ---------------------------------------------------------
 
-    async def _deliver(self, batch: Batch) -> None:
-        lane = self._lanes.setdefault(
-            batch.partition, asyncio.Semaphore(self._options.per_partition_in_flight)
-        )
+    def _start(self) -> None:
+        """Send the batches the window and their lanes have room for, in cut order."""
+        if self._starting:
+            return  # called back from a send below; that loop goes on with the room made
+        self._starting = True
         try:
-            await self._deliver_in_window(batch, lane)
+            opts, waiting, ready = self._options, self._waiting, self._ready
+            while True:
+                if ready:
+                    self._launch(ready.popleft())
+                elif waiting and self._window_used < opts.max_in_flight:
+                    batch = waiting.popleft()
+                    self._window_used += 1
+                    used = self._lane_used.get(batch.partition, 0)
+                    if used < opts.per_partition_in_flight:
+                        self._lane_used[batch.partition] = used + 1
+                        self._launch(batch)
+                    else:
+                        self._lane_waiting.setdefault(batch.partition, collections.deque()).append(
+                            batch
+                        )
+                else:
+                    return
         finally:
-            self._unacked[batch.partition].discard(batch.seq)
-            # Settled now rather than in the done callback a loop turn later: the pump waiting
-            # for room resumes one turn sooner (the callback then finds nothing left to do).
-            task = asyncio.current_task()
-            if task is not None:
-                self._settled(task)
+            self._starting = False
 
-    async def _deliver_in_window(self, batch: Batch, lane: asyncio.Semaphore) -> None:
+    def _launch(self, batch: Batch) -> None:
+        """The first send of a batch that holds its window and lane slots."""
+        if self._stopped:
+            self._settle(batch, StreamStoppedError("not sent: the stream stopped"))
+            return
+        self.counters.in_flight += 1
+        frame = self._frame(batch)
+        p = batch.partition
+        conn = self._client._connection_now(p)
+        if (
+            conn is None
+            or not conn.stream_open(self._sid)
+            or not conn.has_room
+            or not self._try_claim(p, conn.node_id)
+        ):
+            self._spawn(batch, frame, None)
+            return
+        self._stamp(batch, frame)
         try:
-            async with self._window, lane:
-                if self._stopped:
-                    # Leave the window and lane, then report the batch as not sent below.
-                    raise StreamStoppedError  # noqa: TRY301
-                self.counters.in_flight += 1
-                try:
-                    await self._send_with_retries(batch)
-                finally:
-                    self.counters.in_flight -= 1
-        except asyncio.CancelledError:
-            self._on_failed(batch, asyncio.CancelledError("stream cancelled"))
-            raise
-        except StreamStoppedError:
-            self._on_failed(batch, StreamStoppedError("not sent: the stream stopped"))
-        # Any failure of the send settles the batch as failed, so the stream never waits on it.
-        except Exception as exc:  # noqa: BLE001
-            self.counters.failed_items += len(batch.items)
-            self._on_failed(batch, exc)
-        else:
+            frame["base"] = min(self._unacked[p])
+            fut = conn.start_batch(frame, timeout=self._options.ack_timeout)
+        except Exception as exc:  # noqa: BLE001 - the send failed: retried or reported there
+            self._release(p)
+            self._spawn(batch, frame, exc)
+            return
+        self._answers.add(fut)
+        fut.add_done_callback(functools.partial(self._answered, batch, frame, conn))
+
+    def _answered(
+        self, batch: Batch, frame: Frame, conn: Connection, fut: asyncio.Future[Frame]
+    ) -> None:
+        """The answer to a batch's first send (a callback of its future)."""
+        self._answers.discard(fut)
+        self._release(batch.partition)
+        if fut.cancelled():
+            conn.abandon_batch(frame, fut)
+            self._done(batch, asyncio.CancelledError("stream cancelled"))
+            return
+        error = fut.exception()
+        if error is None:
+            try:
+                self._record_ack(batch, conn, fut.result())
+            except Exception as exc:  # noqa: BLE001 - a malformed ack: retried like any failure
+                error = exc
+            else:
+                self._done(batch, None)
+                return
+        self._spawn(batch, frame, error)
+
+    def _done(self, batch: Batch, error: BaseException | None) -> None:
+        """A batch's sends are over: settle it and give its slots on."""
+        self.counters.in_flight -= 1
+        self._settle(batch, error)
+
+    def _settle(self, batch: Batch, error: BaseException | None) -> None:
+        """Report a batch that held window and lane slots, and hand the slots on."""
+        try:
+            self._report(batch, error)
+        finally:  # whatever a callback raised, the window must not shrink for good
+            p = batch.partition
+            lane_waiting = self._lane_waiting.get(p)
+            if lane_waiting:  # the lane's slot goes to its next batch, which has a window slot
+                self._ready.append(lane_waiting.popleft())
+            else:
+                self._lane_used[p] -= 1
+            self._window_used -= 1
+            self._forget(batch)
+            self._start()
+
+    def _report(self, batch: Batch, error: BaseException | None) -> None:
+        if error is None:
             rejected = len(batch.failures or ())
             self.counters.acked_items += len(batch.items) - rejected
             self.counters.failed_items += rejected
             self._on_acked(batch)
+        elif isinstance(error, (asyncio.CancelledError, StreamStoppedError)):
+            self._on_failed(batch, error)
+        else:  # any failure of the send settles the batch, so the stream never waits on it
+            self.counters.failed_items += len(batch.items)
+            self._on_failed(batch, error)
 
-    async def _send_with_retries(self, batch: Batch) -> None:
-        opts = self._options
-        frame = {
+    def _forget(self, batch: Batch) -> None:
+        self._unacked[batch.partition].discard(batch.seq)
+        self._unsettled -= 1
+        if self._unsettled < self._options.max_in_flight:
+            self._room.set()
+        if not self._unsettled:
+            self._all_settled.set()
+
+    # -- sends ----------------------------------------------------------------------------
+
+    def _frame(self, batch: Batch) -> Frame:
+        frame: Frame = {
             "t": "batch",
             "sid": self._sid,
             "p": batch.partition,
@@ -200,16 +315,44 @@ class Sender:
         if batch.deletes:
             frame["del"] = batch.deletes
         self.counters.sent_items += len(batch.items)
-        # The first send goes without a retry loop: almost every batch is acked at once, and
-        # tenacity's per-call machinery would cost more than the send itself at small pages.
-        try:
-            await self._attempt(batch, frame)
-        except Exception as exc:
-            if opts.retry_limit == 0 or not self._can_retry(exc):
-                raise
-            self._note_retry(exc, 1)
+        return frame
+
+    @staticmethod
+    def _stamp(batch: Batch, frame: Frame) -> None:
+        batch.attempts += 1
+        frame["att"] = batch.attempts
+
+    def _spawn(self, batch: Batch, frame: Frame, failed: BaseException | None) -> None:
+        """Send ``batch`` on a task of its own (its first send, unless ``failed`` is how that
+        ended). The task's end settles the batch, also if it is cancelled before it ran."""
+        task = asyncio.create_task(
+            self._send_with_retries(batch, frame, failed),
+            name=f"deltaflow-batch-{batch.partition}",
+        )
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._sent_on_task, batch))
+
+    def _sent_on_task(self, batch: Batch, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            self._done(batch, asyncio.CancelledError("stream cancelled"))
         else:
-            return
+            self._done(batch, task.exception())
+
+    async def _send_with_retries(
+        self, batch: Batch, frame: Frame, failed: BaseException | None
+    ) -> None:
+        opts = self._options
+        if failed is None:
+            try:
+                await self._attempt(batch, frame)
+            except Exception as exc:  # noqa: BLE001 - decided below
+                failed = exc
+            else:
+                return
+        if opts.retry_limit == 0 or not self._can_retry(failed):
+            raise failed
+        self._note_retry(failed, 1)
         # Resends: tenacity, its attempt numbers counting from the second send. Waits are
         # ``initial * 2**(k-1)`` plus jitter after the k-th failed send, capped at the maximum.
         await asyncio.sleep(
@@ -230,10 +373,9 @@ class Sender:
             with attempt:
                 await self._attempt(batch, frame)
 
-    async def _attempt(self, batch: Batch, frame: dict[str, Any]) -> None:
+    async def _attempt(self, batch: Batch, frame: Frame) -> None:
         """One send of ``batch`` to its partition's owner, through to its ack."""
-        batch.attempts += 1
-        frame["att"] = batch.attempts
+        self._stamp(batch, frame)
         conn = await self._client._connection_for(batch.partition)
         await conn.open_stream(self._sid, *self._receiver, self._results)
         await self._claim(batch.partition, conn.node_id)
@@ -241,7 +383,10 @@ class Sender:
             frame["base"] = min(self._unacked[batch.partition])
             ack = await conn.send_batch(frame, timeout=self._options.ack_timeout)
         finally:
-            await self._release(batch.partition)
+            self._release(batch.partition)
+        self._record_ack(batch, conn, ack)
+
+    def _record_ack(self, batch: Batch, conn: Connection, ack: Frame) -> None:
         batch.node = conn.node_id
         batch.failures = item_failures(ack, len(batch.items), conn.node_id)
         stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())
@@ -257,34 +402,35 @@ class Sender:
             return True
         return is_retriable(exc)
 
-    async def _claim(self, partition: int, node: str) -> None:
+    # -- ownership handoff ----------------------------------------------------------------
+
+    def _try_claim(self, partition: int, node: str) -> bool:
+        """Count a send of ``partition`` to ``node`` unless sends to another node are still
+        under way (synchronous: one event loop, no await between the check and the claim)."""
         owner = self._owner.get(partition)
-        if owner is None or owner[0] == node or owner[1] == 0:
-            # Free for this node: take it without the condition (one event loop, no await).
-            count = owner[1] if owner is not None and owner[0] == node else 0
-            self._owner[partition] = (node, count + 1)
-            return
+        if owner is None or owner[1] == 0:
+            self._owner[partition] = (node, 1)
+        elif owner[0] == node:
+            self._owner[partition] = (node, owner[1] + 1)
+        else:
+            return False
+        return True
 
-        def free_for_node() -> bool:
-            owner = self._owner.get(partition)
-            return owner is None or owner[0] == node or owner[1] == 0
-
-        async with self._owner_changed:
+    async def _claim(self, partition: int, node: str) -> None:
+        while not self._try_claim(partition, node):
             self._claim_waiters += 1
             try:
-                await self._owner_changed.wait_for(free_for_node)
+                await self._owner_changed.wait()
             finally:
                 self._claim_waiters -= 1
-            owner = self._owner.get(partition)
-            count = owner[1] if owner is not None and owner[0] == node else 0
-            self._owner[partition] = (node, count + 1)
 
-    async def _release(self, partition: int) -> None:
+    def _release(self, partition: int) -> None:
         node, count = self._owner[partition]
         self._owner[partition] = (node, count - 1)
-        if self._claim_waiters:
-            async with self._owner_changed:
-                self._owner_changed.notify_all()
+        if count == 1 and self._claim_waiters:
+            # Wake every waiter; each checks its partition again (and waits on the new event).
+            self._owner_changed.set()
+            self._owner_changed = asyncio.Event()
 
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None

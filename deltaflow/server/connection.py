@@ -61,6 +61,16 @@ class ClientConnection:
             return
         await self._outbox.send(encode_frame(frame))
 
+    def send_nowait(self, frame: Frame) -> bool:
+        """Queue a frame without waiting, unless the outbox is above its high-water mark (then
+        False: use :meth:`send`). Frames queued in one loop turn go out as one message."""
+        if self._ws.closed:
+            return True  # dropped, as by send
+        if not self._outbox.has_room:
+            return False
+        self._outbox.send_nowait(encode_frame(frame))
+        return True
+
     async def _write(self, data: bytes) -> None:
         if not self._ws.closed:
             await self._ws.send_bytes(data)

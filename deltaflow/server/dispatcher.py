@@ -70,6 +70,10 @@ class Peer(Protocol):
 
     async def send(self, frame: Frame) -> None: ...
 
+    def send_nowait(self, frame: Frame) -> bool:
+        """Queue ``frame`` without waiting; False if the peer is backed up (then ``send``)."""
+        ...
+
 
 def error_frame(err: ServerError, **where: Any) -> Frame:
     frame: Frame = {
@@ -343,8 +347,10 @@ class Dispatcher:
                     lane.next_seq = max(lane.next_seq, seq + 1)
                 if ctx._durable:
                     lane.staged[seq] = list(ctx._durable)
-                # On a task of its own: an ack waiting for a slow reader must not stall the lane.
-                self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+                    # On a task of its own: the lane goes on while the writes commit.
+                    self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+                else:  # nothing to wait for (no table writes): acknowledged now, no task
+                    self._acknowledge(lane, ctx, durable, peer, frame)
         finally:
             lane.task = None
 
@@ -516,13 +522,24 @@ class Dispatcher:
             self._fail_lane(stream, p, lane, seq, err, peer, frame)
             lane.staged.pop(seq, None)
             return
-        durable.set_result(None)
-        lane.committing.pop(seq, None)
         lane.staged.pop(seq, None)
+        self._acknowledge(lane, ctx, durable, peer, frame)
+
+    def _acknowledge(
+        self,
+        lane: _Lane,
+        ctx: ReceiverContext,
+        durable: asyncio.Future[None],
+        peer: Peer,
+        frame: Frame,
+    ) -> None:
+        """The batch is applied and durable: count it and queue its ack."""
+        durable.set_result(None)
+        lane.committing.pop(frame["seq"], None)
         self.stats.batches_acked += 1
         self.stats.items_applied += frame["n"] - len(ctx._failed)
         self.stats.items_failed += len(ctx._failed)
-        await peer.send(_ack(frame, failed=ctx._failed))
+        self._send_soon(peer, _ack(frame, failed=ctx._failed))
 
     async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: _Lane) -> None:
         """A resend of an applied batch: replay its results, ack once it is durable."""
@@ -565,7 +582,14 @@ class Dispatcher:
             self._reply_error(later_peer, _lane_failed(self.node_id, p, lane), later_frame)
 
     def _reply_error(self, peer: Peer, err: ServerError, frame: Frame) -> None:
-        self._spawn(peer.send(error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"])))
+        self._send_soon(peer, error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"]))
+
+    def _send_soon(self, peer: Peer, frame: Frame) -> None:
+        """Queue an answer without waiting: acks and errors of one loop turn then share a
+        message, and neither a lane nor the connection's reader waits for a slow client. Only
+        a peer above its high-water mark gets it from a task that waits."""
+        if not peer.send_nowait(frame):
+            self._spawn(peer.send(frame))
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

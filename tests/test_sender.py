@@ -1,0 +1,216 @@
+"""The sender's window, lanes, retries and ownership handoff, against scripted connections.
+
+No network: each fake connection records the frames it was given and the test answers them, so
+every step (what is sent when, with which ``base``) is checked exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from deltaflow import StreamerOptions
+from deltaflow.client.accumulator import Batch
+from deltaflow.client.client import Client
+from deltaflow.client.sender import Sender, StreamStoppedError
+from deltaflow.errors import ConnectionLostError
+
+FAST_RETRY = {"retry_initial_backoff": 0.001, "retry_max_backoff": 0.001}
+
+
+class FakeConnection:
+    """Takes batch frames and keeps their answers open until the test gives them."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.sent: list[dict[str, Any]] = []
+        self.answers: dict[tuple[int, int], asyncio.Future[dict[str, Any]]] = {}
+
+    def stream_open(self, sid: str) -> bool:
+        return True
+
+    @property
+    def has_room(self) -> bool:
+        return True
+
+    async def open_stream(self, sid: str, receiver: str, args: Any, results: Any) -> None:
+        return None
+
+    def start_batch(self, frame: dict[str, Any], *, timeout: float) -> asyncio.Future[Any]:
+        answer = asyncio.get_running_loop().create_future()
+        self.sent.append(dict(frame))
+        self.answers[frame["p"], frame["seq"]] = answer
+        return answer
+
+    async def send_batch(self, frame: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+        return await self.start_batch(frame, timeout=timeout)  # type: ignore[no-any-return]
+
+    def abandon_batch(self, frame: dict[str, Any], answer: asyncio.Future[Any]) -> None:
+        answer.cancel()
+
+    def ack(self, p: int, seq: int) -> None:
+        self.answers.pop((p, seq)).set_result({"t": "ack", "p": p, "seq": seq})
+
+    def fail(self, p: int, seq: int, exc: BaseException) -> None:
+        self.answers.pop((p, seq)).set_exception(exc)
+
+    def sent_keys(self) -> list[tuple[int, int]]:
+        return [(f["p"], f["seq"]) for f in self.sent]
+
+
+class FakeClient:
+    """Routes each partition to the connection the test says owns it."""
+
+    def __init__(self, owners: dict[int, FakeConnection]) -> None:
+        self.owners = owners
+
+    def _connection_now(self, partition: int) -> FakeConnection:
+        return self.owners[partition]
+
+    async def _connection_for(self, partition: int) -> FakeConnection:
+        return self.owners[partition]
+
+    def _adopt_map(self, wire: Any) -> None:
+        return None
+
+    def _map_is_stale(self) -> None:
+        return None
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.acked: list[tuple[int, int]] = []
+        self.failed: list[tuple[int, int, BaseException, int]] = []
+
+    def on_acked(self, batch: Batch) -> None:
+        self.acked.append((batch.partition, batch.seq))
+
+    def on_failed(self, batch: Batch, exc: BaseException) -> None:
+        self.failed.append((batch.partition, batch.seq, exc, batch.attempts))
+
+
+def make_sender(client: FakeClient, outcomes: Outcomes, **options: Any) -> Sender:
+    return Sender(
+        cast("Client", client),
+        sid="s",
+        receiver=("r", None),
+        options=StreamerOptions(**options),
+        on_acked=outcomes.on_acked,
+        on_failed=outcomes.on_failed,
+        results=None,
+    )
+
+
+def batch(p: int, seq: int) -> Batch:
+    return Batch(p, seq, items=[seq], positions=[seq], packed=[b"\x01"])
+
+
+async def turns(n: int = 3) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_batches_go_out_when_submitted_within_the_window_and_lanes_in_cut_order() -> None:
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(
+        FakeClient({0: conn, 1: conn}), outcomes, max_in_flight=3, per_partition_in_flight=2
+    )
+    for b in [batch(0, 0), batch(0, 1), batch(0, 2), batch(1, 0), batch(1, 1)]:
+        sender.submit(b)
+    # Sent by submit itself. Partition 0's lane is full, and its third batch holds the window's
+    # last slot while it waits, so partition 1 waits for the window.
+    assert conn.sent_keys() == [(0, 0), (0, 1)]
+    assert [f["base"] for f in conn.sent] == [0, 0]
+    assert not sender.has_room
+    assert sender.counters.in_flight == 2
+
+    conn.ack(0, 0)
+    await turns()
+    # The ack gave partition 0's lane slot to its next batch and a window slot to partition 1.
+    assert conn.sent_keys() == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert conn.sent[2]["base"] == 1  # batch 0 is settled
+    assert outcomes.acked == [(0, 0)]
+
+    for p, seq in [(0, 2), (0, 1), (1, 0)]:
+        conn.ack(p, seq)
+    await turns()
+    conn.ack(1, 1)
+    await asyncio.wait_for(sender.join(), 5)
+    assert conn.sent_keys() == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert sorted(outcomes.acked) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert sender.has_room
+    assert sender.counters.in_flight == 0
+    assert sender.counters.acked_items == 5
+
+
+async def test_a_failed_first_send_is_resent_with_the_same_seq() -> None:
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(FakeClient({0: conn}), outcomes, per_partition_in_flight=2, **FAST_RETRY)
+    sender.submit(batch(0, 0))
+    sender.submit(batch(0, 1))
+    conn.fail(0, 0, ConnectionLostError("gone"))
+    for _ in range(100):
+        await asyncio.sleep(0.002)
+        if len(conn.sent) == 3:
+            break
+    resent = conn.sent[2]
+    assert (resent["seq"], resent["att"], resent["base"]) == (0, 2, 0)
+    conn.ack(0, 0)
+    conn.ack(0, 1)
+    await asyncio.wait_for(sender.join(), 5)
+    assert sorted(outcomes.acked) == [(0, 0), (0, 1)]
+    assert sender.counters.retried_batches == 1
+
+
+async def test_sends_to_a_new_owner_wait_until_those_to_the_old_one_ended() -> None:
+    old, new, outcomes = FakeConnection("a"), FakeConnection("b"), Outcomes()
+    client = FakeClient({0: old})
+    sender = make_sender(client, outcomes, per_partition_in_flight=4)
+    sender.submit(batch(0, 0))
+    client.owners[0] = new  # the partition moved while batch 0 is at the old owner
+    sender.submit(batch(0, 1))
+    await turns(10)
+    assert new.sent == []  # the new owner would wait for batch 0, which it never gets
+
+    old.ack(0, 0)
+    await turns(10)
+    assert new.sent_keys() == [(0, 1)]
+    assert new.sent[0]["base"] == 1
+    new.ack(0, 1)
+    await asyncio.wait_for(sender.join(), 5)
+    assert outcomes.acked == [(0, 0), (0, 1)]
+
+
+async def test_cancel_reports_sent_batches_in_doubt_and_the_rest_not_sent() -> None:
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(
+        FakeClient({0: conn}), outcomes, max_in_flight=2, per_partition_in_flight=1
+    )
+    for seq in range(4):
+        sender.submit(batch(0, seq))
+    assert conn.sent_keys() == [(0, 0)]  # batch 1 holds a window slot, waiting for the lane
+    await asyncio.wait_for(sender.cancel(), 5)
+    reported = {(p, seq): (type(exc), attempts) for p, seq, exc, attempts in outcomes.failed}
+    assert reported == {
+        (0, 0): (asyncio.CancelledError, 1),  # on the wire: in doubt
+        (0, 1): (asyncio.CancelledError, 0),
+        (0, 2): (asyncio.CancelledError, 0),
+        (0, 3): (asyncio.CancelledError, 0),
+    }
+    assert sender.has_room
+    assert sender.counters.in_flight == 0
+
+
+async def test_after_stop_waiting_batches_fail_unsent_and_sent_ones_finish() -> None:
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(FakeClient({0: conn}), outcomes, max_in_flight=1)
+    sender.submit(batch(0, 0))
+    sender.submit(batch(0, 1))
+    sender.stop()
+    conn.ack(0, 0)
+    await asyncio.wait_for(sender.join(), 5)
+    assert conn.sent_keys() == [(0, 0)]
+    assert outcomes.acked == [(0, 0)]
+    assert [(p, seq, type(exc)) for p, seq, exc, _ in outcomes.failed] == [
+        (0, 1, StreamStoppedError)
+    ]
