@@ -214,3 +214,35 @@ async def test_after_stop_waiting_batches_fail_unsent_and_sent_ones_finish() -> 
     assert [(p, seq, type(exc)) for p, seq, exc, _ in outcomes.failed] == [
         (0, 1, StreamStoppedError)
     ]
+
+
+async def test_a_failed_answer_that_comes_in_as_the_stream_is_cancelled_is_not_resent() -> None:
+    """The dead-letter sender is cancelled without being stopped first: an answer already in
+    (not yet handled) must settle its batch as cancelled, in doubt, not start a resend."""
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(FakeClient({0: conn}), outcomes, **FAST_RETRY)
+    sender.submit(batch(0, 0))
+    conn.fail(0, 0, ConnectionLostError("lost"))  # its callback is queued, not yet run
+    async with asyncio.timeout(5):
+        await sender.cancel()  # not wrapped in a task: runs before the queued callback
+    await turns()
+    assert conn.sent_keys() == [(0, 0)]  # never resent
+    [(p, seq, exc, attempts)] = outcomes.failed
+    assert (p, seq, attempts) == (0, 0, 1) and isinstance(exc, asyncio.CancelledError)
+
+
+async def test_a_batch_whose_route_cannot_be_looked_up_fails_instead_of_hanging() -> None:
+    class NoRoute(FakeClient):
+        def _connection_now(self, partition: int) -> FakeConnection:
+            raise IndexError("partition 0 not in the map")
+
+        async def _connection_for(self, partition: int) -> FakeConnection:
+            raise IndexError("partition 0 not in the map")
+
+    outcomes = Outcomes()
+    sender = make_sender(NoRoute({}), outcomes)
+    sender.submit(batch(0, 0))
+    await asyncio.wait_for(sender.join(), 5)
+    [(p, seq, exc, _)] = outcomes.failed
+    assert (p, seq) == (0, 0) and isinstance(exc, IndexError)
+    assert sender.has_room and sender.counters.in_flight == 0

@@ -135,6 +135,7 @@ class Sender:
         self._all_settled = asyncio.Event()
         self._all_settled.set()
         self._stopped = False
+        self._cancelled = False
         self.counters = _Counters()
 
     def submit(self, batch: Batch) -> None:
@@ -167,6 +168,8 @@ class Sender:
     async def cancel(self) -> None:
         """Settle every batch as cancelled: those not sent yet are not applied, those sent are
         in doubt (the node may still apply them)."""
+        # Also answers already in and not yet handled: a failed one is not resent (_spawn).
+        self._stopped = self._cancelled = True
         unsent = [*self._waiting, *self._ready, *itertools.chain(*self._lane_waiting.values())]
         # Their window and lane slots are not handed on: nothing is sent any more.
         self._window_used -= len(unsent) - len(self._waiting)
@@ -218,15 +221,19 @@ class Sender:
             self._settle(batch, StreamStoppedError("not sent: the stream stopped"))
             return
         self.counters.in_flight += 1
-        frame = self._frame(batch)
+        try:
+            frame = self._frame(batch)
+        except Exception as exc:  # noqa: BLE001 - settled as failed, never left holding its slots
+            self._done(batch, exc)
+            return
         p = batch.partition
-        conn = self._client._connection_now(p)
-        if (
-            conn is None
-            or not conn.stream_open(self._sid)
-            or not conn.has_room
-            or not self._try_claim(p, conn.node_id)
-        ):
+        try:
+            conn = self._client._connection_now(p)
+            ready = conn is not None and conn.stream_open(self._sid) and conn.has_room
+        except Exception as exc:  # noqa: BLE001 - e.g. a map without this partition
+            self._spawn(batch, frame, exc)  # reported (or retried) by the task's path
+            return
+        if conn is None or not ready or not self._try_claim(p, conn.node_id):
             self._spawn(batch, frame, None)
             return
         self._stamp(batch, frame)
@@ -325,6 +332,9 @@ class Sender:
     def _spawn(self, batch: Batch, frame: Frame, failed: BaseException | None) -> None:
         """Send ``batch`` on a task of its own (its first send, unless ``failed`` is how that
         ended). The task's end settles the batch, also if it is cancelled before it ran."""
+        if self._cancelled:  # an answer that came in as the stream was cancelled
+            self._done(batch, asyncio.CancelledError("stream cancelled"))
+            return
         task = asyncio.create_task(
             self._send_with_retries(batch, frame, failed),
             name=f"deltaflow-batch-{batch.partition}",
