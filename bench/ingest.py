@@ -289,6 +289,8 @@ PACED_RATE: Final = 50_000
 #: Their ``auto_flush_interval``: at 50,000 rows/s over 64 partitions a 1,000-row page takes
 #: 1.3 s to fill, which a latency-minded stream does not wait for.
 PACED_FLUSH_INTERVAL: Final = 0.25
+PACED_WINDOW_BATCHES: Final = 4096
+PACED_WINDOW_PER_PARTITION: Final = 64
 
 
 def run_deltaflow(
@@ -340,7 +342,14 @@ def run_deltaflow(
         else deltaflow.StreamerOptions()
     )
     if rate is not None:
-        options = dataclasses.replace(options, auto_flush_interval=PACED_FLUSH_INTERVAL)
+        # Pages flushed after a quarter second hold ~200 rows, so the window (counted in
+        # batches) must hold more of them to keep a few seconds of rows in flight.
+        options = dataclasses.replace(
+            options,
+            auto_flush_interval=PACED_FLUSH_INTERVAL,
+            max_in_flight=PACED_WINDOW_BATCHES,
+            per_partition_in_flight=PACED_WINDOW_PER_PARTITION,
+        )
 
     async def main() -> Run:
         address, statistics, stop = await _start_two_nodes(warehouse, engine, buckets, layout)
