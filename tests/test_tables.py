@@ -471,6 +471,22 @@ async def test_a_group_of_new_keys_is_appended_and_one_with_an_old_key_merged(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
 
 
+async def test_a_resent_group_of_new_keys_is_not_applied_twice(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """The append shortcut keeps exactly-once: a batch sent again after its append landed (a
+    crash before the ack, another node taking over) is skipped by its lane mark."""
+    rows = [{"id": i, "name": "a"} for i in range(50)]
+    for _ in range(2):  # the second engine is a node that got the batch again
+        async with table_engine(engine, warehouse) as eng:
+            staged = await eng.stage("resent", ["id"], rows, frozenset(), mark=("s/0", (0, 0)))
+            await staged
+    path = warehouse / "resent"
+    assert [r["id"] for r in read_all(path)] == list(range(50))
+    operations = [h["operation"] for h in reversed(DeltaTable(str(path)).history())]
+    assert operations[1:] == ["WRITE"], operations  # one append; the resend committed nothing
+
+
 def test_a_footprint_is_fresh_only_if_no_file_of_its_buckets_can_hold_a_key() -> None:
     files = pa.table(
         {

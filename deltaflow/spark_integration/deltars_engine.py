@@ -158,17 +158,10 @@ class DeltaRsTableEngine(TableEngine):
         props = CommitProperties(custom_metadata={"userMetadata": metadata})
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         with map_deltars_errors(table, self.node_id):
-            if not key or (footprint is not None and footprint.fresh):
+            if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
-            on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
-            if footprint is not None:
-                if footprint.buckets is not None:
-                    # Lets the join use the partition column as well.
-                    b = _quote(BUCKET_COLUMN)
-                    on.append(f"t.{b} = s.{b}")
-                on += footprint.predicates("t", _quote, _literal)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
@@ -176,7 +169,7 @@ class DeltaRsTableEngine(TableEngine):
                 self._latest(path)
                 .merge(
                     data,
-                    predicate=" AND ".join(on),
+                    predicate=footprint.merge_condition(key, _quote, _literal),
                     source_alias="s",
                     target_alias="t",
                     streamed_exec=False,

@@ -431,8 +431,8 @@ class _TableCommitter:
         if key:
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
             files = self.engine.live_files(self.path) if footprint.ranges else None
-            if files is not None:
-                footprint = footprint.checked_against(files)
+            if files is not None and footprint.checked_against(files).fresh:
+                footprint = None  # no key of the group can be in the table: appended
         self.engine.write(self.name, self.path, key, data, metadata, footprint)
         return int(data.num_rows)
 
@@ -914,9 +914,9 @@ class TableEngine:
             metadata: the commit's ``userMetadata`` (lane marks): it must land in the same
                 commit as the data.
             footprint: for a merge, where ``data``'s keys can be in the table; the MERGE
-                names it (:meth:`Footprint.predicates`) so it reads and rewrites no other
-                files. When ``footprint.fresh`` the table holds none of the keys: append the
-                rows that are not deletes instead. None for a table without a key.
+                names it (:meth:`Footprint.merge_condition`) so it reads and rewrites no other
+                files. None to append the rows that are not deletes instead: the table has
+                no key, or holds none of the group's keys.
         """
         raise NotImplementedError
 

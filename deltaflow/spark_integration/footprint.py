@@ -111,17 +111,20 @@ class Footprint:
                     return self
         return dataclasses.replace(self, fresh=True)
 
-    def predicates(
-        self, target: str, quote: Callable[[str], str], literal: Callable[[Any], str]
-    ) -> list[str]:
-        """The footprint as conjuncts on the target table (alias ``target``) in an engine's SQL
-        dialect: ``quote`` quotes a column name, ``literal`` renders a key value."""
-        out = []
+    def merge_condition(
+        self, key: Sequence[str], quote: Callable[[str], str], literal: Callable[[Any], str]
+    ) -> str:
+        """The MERGE's ON clause, target ``t`` and source ``s``, in an engine's SQL dialect
+        (``quote`` quotes a column name, ``literal`` renders a key value): the key equalities,
+        the bucket equality (so the join can use the partition column), and the footprint's
+        literal predicates on the target, which are what prune its files."""
+        on = [f"t.{quote(k)} = s.{quote(k)}" for k in key]
         if self.buckets is not None:
-            listed = ", ".join(str(int(b)) for b in self.buckets)
-            out.append(f"{target}.{quote(BUCKET_COLUMN)} IN ({listed})")
+            b = quote(BUCKET_COLUMN)
+            listed = ", ".join(str(int(x)) for x in self.buckets)
+            on += [f"t.{b} = s.{b}", f"t.{b} IN ({listed})"]
         if self.column is not None and self.ranges:
-            c = f"{target}.{quote(self.column)}"
+            c = f"t.{quote(self.column)}"
             # Comparisons, not BETWEEN: delta-rs keeps only comparisons for file pruning.
             terms = [
                 f"{c} = {literal(lo)}"
@@ -129,8 +132,8 @@ class Footprint:
                 else f"({c} >= {literal(lo)} AND {c} <= {literal(hi)})"
                 for lo, hi in self.ranges
             ]
-            out.append(terms[0] if len(terms) == 1 else f"({' OR '.join(terms)})")
-        return out
+            on.append(terms[0] if len(terms) == 1 else f"({' OR '.join(terms)})")
+        return " AND ".join(on)
 
 
 def _integer_ranges(column: Any, limit: int) -> tuple[tuple[int, int], ...]:

@@ -169,7 +169,7 @@ class SparkTableEngine(TableEngine):
                 session.conf.set(_USER_METADATA_CONF, metadata)
                 try:
                     source = f"parquet.{_quote(str(staging))}"
-                    if key and not (footprint is not None and footprint.fresh):
+                    if footprint is not None:
                         session.sql(_merge_sql(path, key, source, data.column_names, footprint))
                     else:
                         cols = ", ".join(_quote(c) for c in columns)
@@ -188,23 +188,18 @@ def _merge_sql(
     key: Sequence[str],
     source: str,
     columns: Sequence[str],
-    footprint: Footprint | None,
+    footprint: Footprint,
 ) -> str:
     data = [c for c in columns if c != DELETE_COLUMN]
-    on = [f"t.{_quote(k)} = s.{_quote(k)}" for k in key]
-    if footprint is not None:
-        # Delta prunes a MERGE's target files by the literal predicates on target columns in
-        # its ON clause, not by the join: name the group's buckets and key ranges.
-        if footprint.buckets is not None:
-            b = _quote(BUCKET_COLUMN)
-            on.append(f"t.{b} = s.{b}")
-        on += footprint.predicates("t", _quote, _literal)
+    # Delta prunes a MERGE's target files by the literal predicates on target columns in its
+    # ON clause, not by the join: the footprint names the group's buckets and key ranges.
+    on = footprint.merge_condition(key, _quote, _literal)
     sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data if c != BUCKET_COLUMN)
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)
     flag = f"s.{_quote(DELETE_COLUMN)}"
     return (
-        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {' AND '.join(on)} "
+        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {on} "
         f"WHEN MATCHED AND {flag} THEN DELETE "
         f"WHEN MATCHED THEN UPDATE SET {sets} "
         f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
