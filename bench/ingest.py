@@ -43,6 +43,10 @@ WARMUP_MERGES: Final = 5  # untimed MERGEs that bring a fresh JVM to speed (see 
 WARMUP_ROWS: Final = 50_000
 DELETE_FRACTION: Final = 0.01
 SEED: Final = 20_240_601
+TS_BASE: Final = 1_700_000_000.0  # ts of row i is TS_BASE + i / 1000
+COLUMNS: Final = ("id", "key", "ts", "value", "payload")
+#: Rows per record batch of the Arrow-source variants (10 generated chunks).
+ARROW_BATCH_ROWS: Final = 10_000
 OUT_DIR: Final = Path(__file__).resolve().parent / "out"
 STAMP_LINE: Final = "-" * 133
 
@@ -98,7 +102,7 @@ def generate(total: int, limit: int | None = None) -> Iterator[Chunk]:
             row_id = i % distinct
             chunk.ids.append(row_id)
             chunk.keys.append(f"key-{row_id}")
-            chunk.ts.append(1_700_000_000.0 + i / 1000)
+            chunk.ts.append(TS_BASE + i / 1000)
             chunk.values.append(rng.random() * 1000)
             chunk.deletes.append(rng.random() < DELETE_FRACTION)
             chunk.payloads.append(f"{i:012d}{rng.randbytes(44).hex()}")
@@ -302,10 +306,14 @@ def run_deltaflow(
     buckets: int | None = None,
     layout: str = "shared",
     rate: float | None = None,
+    arrow: bool = False,
 ) -> Run:
     """One client streaming all rows to two nodes.
 
     Args:
+        arrow: the source yields Arrow record batches of ``ARROW_BATCH_ROWS`` rows (the form
+            the baselines get their rows in) instead of one dict per row; deltaflow routes
+            them by key column and sends Arrow pages.
         rate: rows per second the source produces at most (None: as fast as the stream
             takes them). A paced stream measures time to table at a sustained rate, as a
             service would see it; its client flushes partly filled pages after
@@ -330,8 +338,33 @@ def run_deltaflow(
                 produced[id(item)] = time.monotonic()
                 yield item
 
-    def on_ack(items: list[Any]) -> None:
+    chunk_produced: dict[int, float] = {}  # Arrow source: first row of a chunk -> time
+
+    def arrow_source() -> Iterator[Any]:
+        from deltaflow import DELETE_COLUMN
+
+        began = time.monotonic()
+        pending: list[Chunk] = []
+        for chunk in generate(total):
+            if rate is not None:
+                time.sleep(max(0.0, began + chunk.start / rate - time.monotonic()))
+            chunk_produced[chunk.start] = time.monotonic()
+            pending.append(chunk)
+            if len(pending) * CHUNK_ROWS >= ARROW_BATCH_ROWS or rate is not None:
+                yield arrow_of(pending).rename_columns([*COLUMNS, DELETE_COLUMN])
+                pending = []
+        if pending:
+            yield arrow_of(pending).rename_columns([*COLUMNS, DELETE_COLUMN])
+
+    def on_ack(items: Any) -> None:
         now = time.monotonic()
+        if arrow:  # a row's index is in its ts (see generate); its chunk's time is kept
+            index = items.table.column("ts").to_pylist()
+            latencies.extend(
+                now - chunk_produced[round((ts - TS_BASE) * 1000) // CHUNK_ROWS * CHUNK_ROWS]
+                for ts in index
+            )
+            return
         latencies.extend(now - produced.pop(id(item)) for item in items)
 
     options = (
@@ -366,7 +399,11 @@ def run_deltaflow(
             started = time.monotonic()
             async with deltaflow.connect([address]) as client:
                 summary = await client.stream_data(
-                    source(), table=table, key="id", on_ack=on_ack, options=options
+                    arrow_source() if arrow else source(),
+                    table=table,
+                    key="id",
+                    on_ack=on_ack,
+                    options=options,
                 )
             seconds = time.monotonic() - started
             commits, commit_seconds, largest = await statistics()
@@ -619,6 +656,18 @@ VARIANTS: Final = (
         ),
     ),
     Variant(
+        "deltaflow-spark-arrow",
+        "deltaflow_spark_arrow",
+        lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_arrow", arrow=True),
+    ),
+    Variant(
+        "deltaflow-delta-rs-arrow-procs",
+        "deltaflow_delta_rs_arrow_procs",
+        lambda w, n: run_deltaflow(
+            w, n, "delta-rs", table="deltaflow_delta_rs_arrow_procs", layout="process", arrow=True
+        ),
+    ),
+    Variant(
         "deltaflow-spark-paced",
         "deltaflow_spark_paced",
         lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_paced", rate=PACED_RATE),
@@ -730,12 +779,18 @@ def print_ratios(results: list[Result]) -> None:
             print(f"  {a} / {b} rows/s: {by[a].rows_per_s / by[b].rows_per_s:8.2f}x")
 
     print("ratios:")
-    for spark_variant in ("deltaflow-spark", "deltaflow-spark-flat", "deltaflow-spark-procs"):
+    for spark_variant in (
+        "deltaflow-spark",
+        "deltaflow-spark-flat",
+        "deltaflow-spark-procs",
+        "deltaflow-spark-arrow",
+    ):
         ratio(spark_variant, "naive-spark-merge")
         ratio(spark_variant, "microbatch-spark")
         ratio(spark_variant, "bulk-spark")
     ratio("deltaflow-delta-rs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-procs", "bulk-delta-rs")
+    ratio("deltaflow-delta-rs-arrow-procs", "bulk-delta-rs")
     for name in by:
         if name.endswith("-paced"):
             r = by[name]

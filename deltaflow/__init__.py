@@ -15,9 +15,12 @@ from .client import (
     connect,
     stream_data,
 )
+from .columnar import DELETE_COLUMN, ArrowRows
 from .errors import DataStreamerError, DeltaflowError
 
 __all__ = [
+    "DELETE_COLUMN",
+    "ArrowRows",
     "Client",
     "CommitPosition",
     "DataStreamerError",

@@ -11,10 +11,11 @@ node joins or leaves only the partitions it wins or held move.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -26,6 +27,7 @@ __all__ = [
     "assign_partitions",
     "partition_many",
     "partition_of",
+    "partition_table",
 ]
 
 DEFAULT_PARTITIONS: Final = 64
@@ -58,6 +60,54 @@ def partition_many(keys: Iterable[Any], partitions: int) -> list[int]:
     """``partition_of`` of every key, in one pass (the client's per-chunk fast path)."""
     pack, crc = _key_packer.pack, zlib.crc32
     return [crc(pack(key)) % partitions for key in keys]
+
+
+def _routable(value: Any) -> Any:
+    # Arrow gives back types msgpack cannot pack (date, Decimal, time ...); any stable
+    # encoding will do for those, the client cannot have routed by them anyway.
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
+        return value
+    return str(value)
+
+
+def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
+    """``partition_of`` the key of each row of the Arrow ``table`` (an int32 array): the
+    client routes Arrow rows by it, and the node computes a table's bucket column with it.
+
+    Computed from the key as stored (after conversion to the column's type), so one key always
+    gets one bucket whatever the client sent; for keys sent with the column's own type this is
+    the partition the client routed the row by.
+    """
+    import pyarrow as pa
+
+    columns = [table.column(k).to_pylist() for k in key]
+    # Columns whose Python values msgpack packs as they are need no per-value conversion.
+    plain = all(_is_plain(table.schema.field(k).type) for k in key)
+    if len(columns) == 1:
+        keys: Iterable[Any] = columns[0] if plain else map(_routable, columns[0])
+    elif plain:
+        keys = zip(*columns, strict=True)
+    else:
+        keys = (tuple(map(_routable, row)) for row in zip(*columns, strict=True))
+    return pa.array(partition_many(keys, partitions), type=pa.int32())
+
+
+def _is_plain(arrow_type: Any) -> bool:
+    """Whether Arrow gives values of this type back as bool, int, float, str or bytes."""
+    import pyarrow as pa
+
+    t = pa.types
+    return bool(
+        t.is_boolean(arrow_type)
+        or t.is_integer(arrow_type)
+        or t.is_floating(arrow_type)
+        or t.is_string(arrow_type)
+        or t.is_large_string(arrow_type)
+        or t.is_binary(arrow_type)
+        or t.is_large_binary(arrow_type)
+    )
 
 
 def assign_partitions(node_ids: Iterable[str], partitions: int) -> list[str]:

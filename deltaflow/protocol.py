@@ -47,7 +47,8 @@ PROTOCOL_VERSION: Final = 1
 SUPPORTED_VERSIONS: Final = (1,)
 #: Features a node may offer in ``welcome``; a client uses only those both sides list.
 #: ``multi``: a WebSocket message may carry several frames back to back (see :class:`Outbox`).
-CAPABILITIES: Final = ("results", "deletes", "pipelining", "multi")
+#: ``arrow``: a batch may carry its rows as an Arrow IPC stream (``arrow``) instead of ``items``.
+CAPABILITIES: Final = ("results", "deletes", "pipelining", "multi", "arrow")
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 WS_PATH: Final = "/v1/stream"
 #: Frames queued in one event-loop turn share a message up to this size; larger ones go alone.
@@ -79,7 +80,8 @@ _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
         "p": (int,),
         "seq": (int,),
         "n": (int,),
-        "items": (bytes,),
+        "items?": (bytes,),
+        "arrow?": (bytes,),
         "del?": (list,),
         "base?": (int,),
         "att?": (int,),

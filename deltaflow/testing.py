@@ -147,22 +147,22 @@ class RequestDropper:
 class Discard(Receiver):
     """Accepts every item and does nothing (a no-op receiver, for load tests)."""
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
         return None
 
 
 class Echo(Receiver):
     """Returns each item as its result."""
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
-        return items
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
+        return list(items)
 
 
 class EchoStream(Receiver):
     """Yields each item as its result as it goes (an async-generator receiver)."""
 
     async def receive(  # type: ignore[override]
-        self, items: list[Any], ctx: ReceiverContext
+        self, items: Sequence[Any], ctx: ReceiverContext
     ) -> AsyncIterator[Any]:
         for item in items:
             yield item
@@ -177,7 +177,7 @@ class FailOn(Receiver):
 
     raised = 0
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
         args = ctx.args or {}
         if args.get("fail_on") in items:
             if args.get("retriable"):
@@ -186,14 +186,14 @@ class FailOn(Receiver):
                     raise OverloadedError("injected retriable failure")
             else:
                 raise ValueError(f"injected failure on item {args['fail_on']!r}")
-        return items
+        return list(items)
 
 
 class AppendRows(Receiver):
     """Appends every item (a row) to the table ``args["table"]``: not idempotent by itself,
     so it shows that resent batches are not applied twice."""
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
         await ctx.table(ctx.args["table"]).append(items)
 
 
@@ -201,7 +201,7 @@ class Validate(Receiver):
     """Echoes dict items, but marks failed (``ctx.fail``) every item whose ``"ok"`` is false:
     the rest of the batch is applied."""
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
         out = []
         for i, item in enumerate(items):
             if item.get("ok", True):
@@ -218,7 +218,7 @@ class Flaky(Receiver):
     idempotent = True
     calls = 0
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
         Flaky.calls += 1
         if Flaky.calls <= (ctx.args or {}).get("times", 1):
             raise OverloadedError(f"injected retriable failure {Flaky.calls}")
@@ -233,14 +233,14 @@ class Concurrency(Receiver):
     running = 0
     peak = 0
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[Any]:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
         Concurrency.running += 1
         Concurrency.peak = max(Concurrency.peak, Concurrency.running)
         try:
             await asyncio.sleep(0.01)  # stands for work; lets other lanes start meanwhile
         finally:
             Concurrency.running -= 1
-        return items
+        return list(items)
 
 
 class Gated(Receiver):
@@ -250,7 +250,7 @@ class Gated(Receiver):
     gate: asyncio.Event | None = None
 
     async def receive(  # type: ignore[override]
-        self, items: list[Any], ctx: ReceiverContext
+        self, items: Sequence[Any], ctx: ReceiverContext
     ) -> AsyncIterator[Any]:
         for i, item in enumerate(items):
             yield item
@@ -353,7 +353,7 @@ class SideInputEcho(Receiver):
     item was processed: ``{"item", "stamp", "ok", "node"}``, read per item from a worker
     thread through ``ctx.side_input(name, parse=check_stamped)``."""
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> list[dict[str, Any]]:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[dict[str, Any]]:
         name = (ctx.args or {}).get("name", "file")
 
         def read() -> list[dict[str, Any]]:

@@ -7,9 +7,13 @@ hands it to a callback, it never does I/O itself.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
+
+from ..columnar import ArrowRows
+from ..errors import UsageError
+from ..protocol import pack_items
 
 __all__ = ["Accumulator", "Batch", "BatchCreator", "SizeBatchCreator"]
 
@@ -29,11 +33,13 @@ class Batch:
         attempts: sends so far.
         failures: after the ack, the items the receiver marked failed: index -> reason.
         node: the node that acknowledged the batch.
+        wire: an Arrow page's IPC encoding (``items`` is then :class:`ArrowRows` and
+            ``packed`` is empty), made on first send.
     """
 
     partition: int
     seq: int
-    items: list[Any] = field(default_factory=list)
+    items: Sequence[Any] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     packed: list[bytes] = field(default_factory=list)
     deletes: list[int] = field(default_factory=list)
@@ -41,10 +47,32 @@ class Batch:
     attempts: int = 0
     failures: dict[int, str] | None = None
     node: str | None = None
+    wire: bytes | None = None
+
+    @property
+    def columnar(self) -> bool:
+        """Whether this is an Arrow page."""
+        return isinstance(self.items, ArrowRows)
+
+    def packed_items(self) -> list[bytes]:
+        """Each item's msgpack encoding (an Arrow page's rows are packed on demand)."""
+        return self.packed if not self.columnar else pack_items(self.items)
 
     def subset(self, indexes: Iterable[int]) -> Batch:
         """The batch's items at ``indexes`` (ascending), as a batch of the same lane."""
         picked = list(indexes)
+        if isinstance(self.items, ArrowRows):
+            rows = self.items.take(picked)
+            part = Batch(
+                self.partition,
+                self.seq,
+                items=rows,
+                positions=[self.positions[i] for i in picked],
+                deletes=sorted(rows.deletes),
+                attempts=self.attempts,
+            )
+            part.nbytes = int(rows.table.nbytes)
+            return part
         at = {i: j for j, i in enumerate(picked)}
         part = Batch(
             self.partition,
@@ -90,11 +118,13 @@ class SizeBatchCreator:
 
 
 class _Buffer:
-    __slots__ = ("batch", "timer")
+    __slots__ = ("batch", "pages", "rows", "timer")
 
     def __init__(self, batch: Batch) -> None:
         self.batch = batch
         self.timer: asyncio.TimerHandle | None = None
+        self.pages: list[tuple[ArrowRows, Any]] | None = None  # Arrow rows, their positions
+        self.rows = 0
 
 
 class Accumulator:
@@ -130,7 +160,49 @@ class Accumulator:
 
     def __len__(self) -> int:
         """Items buffered and not yet cut."""
-        return sum(len(b.batch.items) for b in self._buffers.values())
+        return sum(len(b.batch.items) + b.rows for b in self._buffers.values())
+
+    def add_rows(self, partition: int, rows: ArrowRows, positions: Any) -> None:
+        """Buffer Arrow rows of one partition (``positions``: their source positions, an
+        Arrow array); full pages go to ``on_cut``, split at ``page_size`` rows and before
+        ``max_batch_bytes``.
+
+        Raises:
+            UsageError: the stream has a custom batch creator (it decides per item).
+        """
+        if self._limits is None:
+            raise UsageError(
+                "Arrow sources are cut into pages by page_size and max_batch_bytes; "
+                "StreamerOptions.batch_creator applies to row items only"
+            )
+        page_size, max_bytes = self._limits
+        offset, left = 0, len(rows)
+        while left:
+            buf = self._buffers.get(partition)
+            if buf is None:
+                buf = self._buffers[partition] = _Buffer(Batch(partition, -1))
+                buf.pages = []
+                if self._interval > 0:
+                    buf.timer = self._call_later(self._interval, self._timer_fired, partition)
+            assert buf.pages is not None
+            take = min(left, page_size - buf.rows)
+            part = rows.part(offset, take)
+            nbytes = int(part.table.nbytes)
+            if buf.batch.nbytes + nbytes > max_bytes:
+                if buf.rows:
+                    self._on_cut(self._cut(partition))
+                    continue
+                if take > 1:  # wide rows: fewer of them per page
+                    take = max(1, take * max_bytes // nbytes)
+                    part = rows.part(offset, take)
+                    nbytes = int(part.table.nbytes)
+            buf.pages.append((part, positions.slice(offset, take)))
+            buf.rows += take
+            buf.batch.nbytes += nbytes
+            offset += take
+            left -= take
+            if buf.rows >= page_size or buf.batch.nbytes >= max_bytes:
+                self._on_cut(self._cut(partition))
 
     def add(self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool) -> None:
         """Buffer one item; batches it completes go to ``on_cut`` (zero, one or two)."""
@@ -151,7 +223,7 @@ class Accumulator:
         batch = buf.batch
         if is_delete:
             batch.deletes.append(len(batch.items))
-        batch.items.append(item)
+        cast("list[Any]", batch.items).append(item)
         batch.positions.append(position)
         batch.packed.append(packed)
         batch.nbytes += nbytes
@@ -184,7 +256,7 @@ class Accumulator:
                 if interval > 0:
                     buf.timer = self._call_later(interval, self._timer_fired, partition)
             batch = buf.batch
-            batch_items = batch.items
+            batch_items = cast("list[Any]", batch.items)
             if deletes and j in deletes:
                 batch.deletes.append(len(batch_items))
             batch_items.append(item)
@@ -213,4 +285,16 @@ class Accumulator:
         seq = self._next_seq.get(partition, 0)
         self._next_seq[partition] = seq + 1
         buf.batch.seq = seq
+        if buf.pages is not None:
+            _fill_page(buf.batch, buf.pages)
         return buf.batch
+
+
+def _fill_page(batch: Batch, pages: list[tuple[ArrowRows, Any]]) -> None:
+    """Make ``batch`` the Arrow page of the buffered ``pages``."""
+    import pyarrow as pa
+
+    rows = ArrowRows.concat([rows for rows, _ in pages])
+    batch.items = rows
+    batch.positions = pa.concat_arrays([p for _, p in pages]).to_pylist()
+    batch.deletes = sorted(rows.deletes)

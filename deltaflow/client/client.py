@@ -144,7 +144,7 @@ class Client:
         receiver: str | None = None,
         receiver_args: Any = None,
         on_result: OnResult | None = None,
-        on_ack: Callable[[list[Any]], Any] | None = None,
+        on_ack: Callable[[Sequence[Any]], Any] | None = None,
         on_commit: Callable[[CommitPosition], Any] | None = None,
         options: StreamerOptions | None = None,
         stream_id: str | None = None,
@@ -220,6 +220,7 @@ class Client:
             receiver=receiver,
             receiver_args=receiver_args,
             key=key_function(key),
+            key_columns=_key_columns(key),
             on_result=on_result,
             on_ack=on_ack,
             on_commit=on_commit,
@@ -354,6 +355,15 @@ async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[st
                 raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
             body = await resp.json()
             return body["map"]  # type: ignore[no-any-return]
+
+
+def _key_columns(key: Any) -> list[str] | None:
+    """The key's column names (what Arrow rows are routed by), if ``key=`` names columns."""
+    if isinstance(key, str):
+        return [key]
+    if isinstance(key, (tuple, list)) and key and all(isinstance(k, str) for k in key):
+        return list(key)
+    return None
 
 
 def _normalise(address: str) -> str:

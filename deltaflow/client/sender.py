@@ -29,6 +29,7 @@ from tenacity import (
     wait_random,
 )
 
+from ..columnar import ArrowRows, encode_page
 from ..errors import (
     LaneFailedError,
     NotOwnerError,
@@ -316,11 +317,16 @@ class Sender:
             "sid": self._sid,
             "p": batch.partition,
             "seq": batch.seq,
-            "n": len(batch.packed),
-            "items": join_items(batch.packed),
+            "n": len(batch.items),
         }
-        if batch.deletes:
-            frame["del"] = batch.deletes
+        if isinstance(batch.items, ArrowRows):  # its deletes are a column of the page
+            if batch.wire is None:
+                batch.wire = encode_page(batch.items)
+            frame["arrow"] = batch.wire
+        else:
+            frame["items"] = join_items(batch.packed)
+            if batch.deletes:
+                frame["del"] = batch.deletes
         self.counters.sent_items += len(batch.items)
         return frame
 

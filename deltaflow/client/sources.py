@@ -21,6 +21,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from concurrent.futures import CancelledError as FutureCancelledError
 from typing import Any
 
+from ..columnar import is_arrow
 from ..errors import UsageError
 
 __all__ = ["SourceOverflowError", "aiter_source"]
@@ -73,7 +74,7 @@ class _ChunkedIterator:
         self._it = it
         self._blocking = blocking
         self._chunk: collections.deque[Any] = collections.deque()
-        self._pending: asyncio.Future[tuple[list[Any], BaseException | None]] | None = None
+        self._pending: asyncio.Future[tuple[list[Any], BaseException | None, bool]] | None = None
         self._exhausted = False
         # An error the source raised: handed out after the items read before it.
         self._error: BaseException | None = None
@@ -102,19 +103,25 @@ class _ChunkedIterator:
                 return await self.__anext__()  # the end, or the source's error
         return self._chunk.popleft()
 
-    def _read_chunk(self) -> tuple[list[Any], BaseException | None]:
-        """Up to ``_CHUNK`` items, and the error the source raised after them, if any."""
+    def _read_chunk(self) -> tuple[list[Any], BaseException | None, bool]:
+        """Up to ``_CHUNK`` items (an Arrow batch, which holds many rows, alone), the error the
+        source raised after them if any, and whether the source ended."""
         items: list[Any] = []
         try:
-            items.extend(itertools.islice(self._it, _CHUNK))
+            for first in self._it:
+                items.append(first)
+                if is_arrow(type(first)):
+                    return items, None, False
+                items.extend(itertools.islice(self._it, _CHUNK - 1))
+                break
         except Exception as exc:  # noqa: BLE001 - the items read before it are kept
-            return items, exc
-        return items, None
+            return items, exc, True
+        return items, None, len(items) < _CHUNK
 
-    def _take(self, chunk: tuple[list[Any], BaseException | None]) -> None:
-        items, error = chunk
+    def _take(self, chunk: tuple[list[Any], BaseException | None, bool]) -> None:
+        items, error, ended = chunk
         self._chunk.extend(items)
-        self._exhausted = error is not None or len(items) < _CHUNK
+        self._exhausted = ended
         self._error = error
 
     def take_buffered(self) -> list[Any]:
@@ -131,7 +138,7 @@ class _ChunkedIterator:
     async def leftovers(self) -> list[Any]:
         """Items taken from the source and not handed out (waits for a pull under way)."""
         if self._pending is not None:
-            items, _ = await self._pending  # a source error was (or will be) raised by anext
+            items, _, _ = await self._pending  # a source error was (or will be) raised by anext
             self._chunk.extend(items)
             self._pending = None
         items = list(self._chunk)

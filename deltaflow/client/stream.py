@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..columnar import ArrowRows, is_arrow
 from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, UsageError
-from ..partitioning import partition_many, partition_of
+from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .options import StreamerOptions
@@ -173,8 +174,9 @@ class StreamRun:
         receiver: str,
         receiver_args: Any,
         key: KeyFn,
+        key_columns: Sequence[str] | None = None,
         on_result: OnResult | None,
-        on_ack: Callable[[list[Any]], Any] | None,
+        on_ack: Callable[[Sequence[Any]], Any] | None,
         on_commit: Callable[[CommitPosition], Any] | None,
         options: StreamerOptions,
         stream_id: str | None = None,
@@ -184,6 +186,8 @@ class StreamRun:
         self.sid = stream_id or uuid.uuid4().hex
         self.options = options
         self.key = key
+        self.key_columns = list(key_columns) if key_columns is not None else None
+        self.columnar: bool | None = None  # Arrow pages or row items; the first item decides
         self.on_ack = on_ack
         self.on_commit = on_commit
         self.partitions = client._partition_count()
@@ -355,7 +359,9 @@ class StreamRun:
                 "payload": packed,
                 "deleted": i in batch.deletes,
             }
-            for i, (pos, packed) in enumerate(zip(batch.positions, batch.packed, strict=True))
+            for i, (pos, packed) in enumerate(
+                zip(batch.positions, batch.packed_items(), strict=True)
+            )
         ]
         seq = self._dead_letter_seq.get(batch.partition, 0)
         self._dead_letter_seq[batch.partition] = seq + 1
@@ -390,8 +396,14 @@ class StreamRun:
         """
         position = self.pulled
         values, deletes = taken, frozenset[int]()
+        kinds = set(map(type, taken))
+        if self.columnar is None and taken:
+            self.columnar = is_arrow(type(taken[0]))
+        if self.columnar:
+            self._admit_arrow(taken, chunked)
+            return
         # The item types are few: no Python-level pass over the chunk unless it holds a Delete.
-        if any(issubclass(t, Delete) for t in set(map(type, taken))):
+        if any(issubclass(t, Delete) for t in kinds):
             values = [x.item if isinstance(x, Delete) else x for x in taken]
             deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
         key, partitions = self.key, self.partitions
@@ -432,8 +444,60 @@ class StreamRun:
         raise UsageError(
             f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
             "msgpack values (dict, list, str, int, float, bool, None, bytes, "
-            "datetime) and carry the key"
+            "datetime) and carry the key; a stream of row items cannot also carry Arrow batches"
         ) from cause
+
+    def _admit_arrow(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+        """Route the rows of Arrow items taken from the source by their key columns and buffer
+        them as pages (synchronous).
+
+        Raises:
+            UsageError: an item that is not Arrow in an Arrow stream (or the other way round),
+                a key that is not column names, or a missing or bad column; the item is
+                reported failed and the items after it go back to the source's leftovers.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        for j, item in enumerate(taken):
+            try:
+                if not is_arrow(type(item)):
+                    raise UsageError(  # noqa: TRY301 - reported below with the item
+                        "a stream carries row items or Arrow batches, not both; this one "
+                        f"began with Arrow batches and then gave a {type(item).__name__}"
+                    )
+                if self.key_columns is None:
+                    raise UsageError(  # noqa: TRY301
+                        "Arrow batches are routed by key columns: pass key= as column names"
+                    )
+                rows = ArrowRows.of(item)
+                missing = [k for k in self.key_columns if k not in rows.table.column_names]
+                if missing:
+                    raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
+                parts = partition_table(rows.table, self.key_columns, self.partitions)
+            except Exception as exc:
+                self.failed.append((self.pulled, item))
+                self.pulled += 1
+                if chunked is not None:
+                    chunked.put_back(taken[j + 1 :])
+                raise UsageError(f"source item #{self.pulled - 1} cannot be sent: {exc}") from exc
+            if not len(rows):
+                continue
+            # One stable sort by partition, then a zero-copy slice per partition.
+            order = pc.sort_indices(parts)
+            runs = pc.run_end_encode(parts.take(order))
+            rows = rows.take(order)
+            positions = pc.add(order.cast(pa.int64()), self.pulled)
+            start = 0
+            for end, partition in zip(
+                runs.run_ends.to_pylist(), runs.values.to_pylist(), strict=True
+            ):
+                length = end - start
+                self.accumulator.add_rows(
+                    partition, rows.part(start, length), positions.slice(start, length)
+                )
+                start = end
+            self.pulled += len(rows)
 
     async def _linger(self, seconds: float) -> None:
         """Send the partly filled buffers once the source stayed idle for ``seconds``: checked

@@ -25,7 +25,7 @@ def stream_data(
     receiver: str | None = None,
     receiver_args: Any = None,
     on_result: OnResult | None = None,
-    on_ack: Callable[[list[Any]], Any] | None = None,
+    on_ack: Callable[[Sequence[Any]], Any] | None = None,
     on_commit: Callable[[CommitPosition], Any] | None = None,
     options: StreamerOptions | None = None,
     stream_id: str | None = None,

@@ -258,6 +258,6 @@ class Receiver:
     node_retries: ClassVar[int] = 2
 
     async def receive(
-        self, items: list[Any], ctx: ReceiverContext
+        self, items: Sequence[Any], ctx: ReceiverContext
     ) -> Iterable[Any] | AsyncIterator[Any] | None:
         raise NotImplementedError

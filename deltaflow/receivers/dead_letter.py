@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SchemaError
@@ -24,7 +25,7 @@ class DeadLetter(Receiver):
     # Its only effects are table writes, which are exactly-once: re-running is safe.
     idempotent = True
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
         args = ctx.args if isinstance(ctx.args, dict) else {}
         if not isinstance(args.get("table"), str):
             raise SchemaError("the dead-letter receiver needs receiver_args {'table': name}")

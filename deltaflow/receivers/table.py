@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SchemaError
@@ -21,7 +22,7 @@ class TableUpsert(Receiver):
     # Its only effects are table writes, which are exactly-once: re-running is safe.
     idempotent = True
 
-    async def receive(self, items: list[Any], ctx: ReceiverContext) -> None:
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
         args = ctx.args
         if not isinstance(args, dict) or not isinstance(args.get("key"), list):
             raise SchemaError(

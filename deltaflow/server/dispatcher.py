@@ -25,7 +25,7 @@ import contextlib
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, cast
 
@@ -37,6 +37,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from ..columnar import decode_page
 from ..errors import (
     DeltaflowError,
     LaneFailedError,
@@ -358,8 +359,17 @@ class Dispatcher:
         self, stream: _Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: _Lane
     ) -> ReceiverContext:
         try:
-            items = unpack_items(frame["items"], frame["n"])
-            deletes = frozenset(frame.get("del") or ())
+            if ("items" in frame) == ("arrow" in frame):
+                raise ProtocolError("a batch carries exactly one of 'items' and 'arrow'")  # noqa: TRY301
+            if "arrow" in frame:
+                if "del" in frame:
+                    raise ProtocolError("an Arrow page carries its deletes as a column")  # noqa: TRY301
+                page = decode_page(frame["arrow"], frame["n"])
+                items: Sequence[Any] = page
+                deletes = page.deletes
+            else:
+                items = unpack_items(frame["items"], frame["n"])
+                deletes = frozenset(frame.get("del") or ())
             if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
                 # Translated below like a frame that fails to unpack.
                 raise ProtocolError("'del' holds indexes outside the batch")  # noqa: TRY301
@@ -398,7 +408,7 @@ class Dispatcher:
         peer: Peer,
         frame: Frame,
         lane: _Lane,
-        items: list[Any],
+        items: Sequence[Any],
         deletes: frozenset[int],
         attempt: int,
     ) -> ReceiverContext:
@@ -454,7 +464,7 @@ class Dispatcher:
     @staticmethod
     async def _call_receiver(
         receiver: Receiver,
-        items: list[Any],
+        items: Sequence[Any],
         ctx: ReceiverContext,
         produced: list[Any],
         peer: Peer,

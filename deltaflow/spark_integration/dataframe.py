@@ -424,7 +424,7 @@ class _PartitionStreamer:
         source = (convert(row) for row in itertools.chain((first,), remaining))
         applied = 0
 
-        def count_applied(items: list[Any]) -> None:
+        def count_applied(items: Sequence[Any]) -> None:
             nonlocal applied
             applied += len(items)
 

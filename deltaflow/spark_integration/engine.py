@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from .._faults import fault_point
+from ..columnar import ArrowRows
 from ..errors import (
     CommitConflictError,
     LaneFailedError,
@@ -49,6 +50,7 @@ from ..errors import (
     ServerError,
     UsageError,
 )
+from ..partitioning import partition_table
 from .footprint import Footprint
 from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
@@ -58,7 +60,6 @@ from .tables import (
     MAX_BUCKETS,
     PROP_SCHEMA_EVOLUTION,
     TableSettings,
-    bucket_values,
 )
 
 __all__ = [
@@ -496,7 +497,7 @@ class _TableCommitter:
         out = pa.Table.from_arrays(columns, schema=schema)
         if settings.buckets:
             if recompute or cast_key or BUCKET_COLUMN not in data.column_names:
-                buckets = bucket_values(out, settings.key, settings.buckets)
+                buckets = partition_table(out, settings.key, settings.buckets)
             else:
                 buckets = data.column(BUCKET_COLUMN)
             out = out.append_column(pa.field(BUCKET_COLUMN, pa.int32()), buckets)
@@ -649,7 +650,82 @@ def to_arrow_rows(
     for c in new:
         values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
         data = data.append_column(c, _infer(c, values, table, node))
-    if schema is None:
+    return _staged_columns(data, deletes, key, schema, new, table=table, node=node, buckets=buckets)
+
+
+def arrow_page_rows(
+    page: ArrowRows,
+    key: Sequence[str],
+    schema: Any,
+    *,
+    table: str,
+    node: str,
+    evolve: bool = False,
+    buckets: int = 0,
+) -> Any:
+    """:func:`to_arrow_rows` for rows that came as an Arrow page: the columns are checked as
+    columns (a row is named only for a null key); values are converted to the table's types
+    at commit time, as for rows checked before the table changed.
+
+    Raises:
+        SchemaError: naming the column (and the item, for a null key).
+    """
+    data = page.table
+    for name in (BUCKET_COLUMN, DELETE_COLUMN):
+        if name in data.column_names:
+            raise SchemaError(
+                f"the page sets column {name!r}, which deltaflow reserves (the bucket layout "
+                "and the delete flag are computed on the node)",
+                node=node,
+                details={"column": name},
+            )
+    new: dict[str, None] = {}
+    if schema is not None:
+        unknown = [c for c in data.column_names if c not in schema.names]
+        if unknown and not evolve:
+            raise SchemaError(
+                f"{_no_evolution_text(table, unknown)} (its columns: {sorted(schema.names)})",
+                node=node,
+                details={"column": unknown[0]},
+            )
+        new = dict.fromkeys(unknown)
+    for k in key:
+        if k not in data.column_names:
+            continue  # reported below, as for rows
+        column = data.column(k)
+        if column.null_count:
+            import pyarrow.compute as pc
+
+            i = pc.index(pc.is_null(column), True).as_py()
+            raise SchemaError(
+                f"item #{i} of the batch has no value for key column {k!r} of table {table!r}",
+                node=node,
+                details={"item": i, "column": k},
+            )
+    if schema is not None:
+        for field in schema:
+            if field.name in data.column_names and data.schema.field(field.name).type != field.type:
+                _cast_column(data.column(field.name), field, table, node)  # raises if it cannot
+    return _staged_columns(
+        data, page.deletes, key, schema, new, table=table, node=node, buckets=buckets
+    )
+
+
+def _staged_columns(
+    data: Any,
+    deletes: frozenset[int],
+    key: Sequence[str],
+    schema: Any,
+    new: Mapping[str, None],
+    *,
+    table: str,
+    node: str,
+    buckets: int,
+) -> Any:
+    """The checked columns with the bucket and delete flag columns added."""
+    import pyarrow as pa
+
+    if schema is None or any(k not in data.column_names for k in key):
         missing = [k for k in key if k not in data.column_names]
         if missing:
             raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
@@ -663,12 +739,12 @@ def to_arrow_rows(
             )
     if buckets:
         data = data.append_column(
-            pa.field(BUCKET_COLUMN, pa.int32()), bucket_values(data, key, buckets)
+            pa.field(BUCKET_COLUMN, pa.int32()), partition_table(data, key, buckets)
         )
     if deletes:
-        flags = pa.array([i in deletes for i in range(len(rows))], type=pa.bool_())
+        flags = pa.array([i in deletes for i in range(data.num_rows)], type=pa.bool_())
     else:
-        flags = pa.repeat(pa.scalar(False), len(rows))
+        flags = pa.repeat(pa.scalar(False), data.num_rows)
     return data.append_column(DELETE_COLUMN, flags)
 
 
@@ -1001,17 +1077,29 @@ class TableEngine:
         for attempt in (1, 2):
             settings = committer.plan(key)
             try:
-                converted = await asyncio.to_thread(
-                    to_arrow_rows,
-                    rows,
-                    deletes,
-                    key,
-                    committer.schema,
-                    table=table,
-                    node=self.node_id,
-                    evolve=settings.schema_evolution,
-                    buckets=settings.buckets,
-                )
+                if isinstance(rows, ArrowRows):
+                    converted = await asyncio.to_thread(
+                        arrow_page_rows,
+                        rows,
+                        key,
+                        committer.schema,
+                        table=table,
+                        node=self.node_id,
+                        evolve=settings.schema_evolution,
+                        buckets=settings.buckets,
+                    )
+                else:
+                    converted = await asyncio.to_thread(
+                        to_arrow_rows,
+                        rows,
+                        deletes,
+                        key,
+                        committer.schema,
+                        table=table,
+                        node=self.node_id,
+                        evolve=settings.schema_evolution,
+                        buckets=settings.buckets,
+                    )
                 break
             except SchemaError as exc:
                 # Checked against what this node last read of the table: if the table changed

@@ -20,23 +20,21 @@ measurements behind the default.
 
 from __future__ import annotations
 
-import datetime
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from ..errors import UsageError
-from ..partitioning import DEFAULT_PARTITIONS, partition_many
+from ..partitioning import DEFAULT_PARTITIONS
 
 __all__ = [
     "BUCKET_COLUMN",
     "DEFAULT_BUCKETS",
     "MAX_BUCKETS",
     "TableSettings",
-    "bucket_values",
     "create_table",
     "default_buckets",
     "parse_schema",
@@ -138,53 +136,6 @@ def default_buckets(partitions: int) -> int:
         if partitions % b == 0:
             return b
     return 1
-
-
-def _routable(value: Any) -> Any:
-    # Arrow gives back types msgpack cannot pack (date, Decimal, time ...); any stable
-    # encoding will do for those, the client cannot have routed by them anyway.
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
-        return value
-    if isinstance(value, datetime.datetime) and value.tzinfo is not None:
-        return value
-    return str(value)
-
-
-def bucket_values(table: Any, key: Sequence[str], buckets: int) -> Any:
-    """The bucket of each row of the Arrow ``table`` (an int32 array).
-
-    Computed from the key as stored (after conversion to the column's type), so one key always
-    gets one bucket whatever the client sent; for keys sent with the column's own type this is
-    the partition the client routed the row by (modulo ``buckets``).
-    """
-    import pyarrow as pa
-
-    columns = [table.column(k).to_pylist() for k in key]
-    # Columns whose Python values msgpack packs as they are need no per-value conversion.
-    plain = all(_is_plain(table.schema.field(k).type) for k in key)
-    if len(columns) == 1:
-        keys: Iterable[Any] = columns[0] if plain else map(_routable, columns[0])
-    elif plain:
-        keys = zip(*columns, strict=True)
-    else:
-        keys = (tuple(map(_routable, row)) for row in zip(*columns, strict=True))
-    return pa.array(partition_many(keys, buckets), type=pa.int32())
-
-
-def _is_plain(arrow_type: Any) -> bool:
-    """Whether Arrow gives values of this type back as bool, int, float, str or bytes."""
-    import pyarrow as pa
-
-    t = pa.types
-    return bool(
-        t.is_boolean(arrow_type)
-        or t.is_integer(arrow_type)
-        or t.is_floating(arrow_type)
-        or t.is_string(arrow_type)
-        or t.is_large_string(arrow_type)
-        or t.is_binary(arrow_type)
-        or t.is_large_binary(arrow_type)
-    )
 
 
 _DECIMAL = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")

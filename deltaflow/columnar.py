@@ -1,0 +1,186 @@
+"""Arrow pages: rows that travel as Arrow columns instead of one msgpack value per row.
+
+A source may yield ``pyarrow.RecordBatch`` or ``pyarrow.Table`` objects instead of row dicts.
+The client then routes their rows by key column without a Python pass per row (beyond the
+key's hash), cuts each partition's rows into pages of ``page_size`` rows, and sends a page as
+one Arrow IPC stream in the batch frame's ``arrow`` field. The node hands the page to the
+receiver as :class:`ArrowRows`, a read-only sequence of row dicts that also exposes the Arrow
+table, and the table engine stages the columns as they are.
+
+Rows whose ``DELETE_COLUMN`` (a boolean column, optional) is true delete their key, as
+:class:`deltaflow.Delete` items do.
+
+Decoding reads data only: an IPC stream holds schemas and buffers, and pyarrow never loads
+Python extension types from it unless a program registered one (deltaflow registers none).
+
+Importing this module does not import pyarrow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Final, overload
+
+from .errors import ProtocolError
+
+__all__ = ["DELETE_COLUMN", "ArrowRows", "decode_page", "encode_page", "is_arrow"]
+
+#: The optional boolean column of an Arrow source whose true rows delete their key.
+DELETE_COLUMN: Final = "__deltaflow_delete"
+
+
+def is_arrow(kind: type) -> bool:
+    """Whether ``kind`` is a pyarrow ``RecordBatch`` or ``Table`` (without importing pyarrow)."""
+    return kind.__module__.startswith("pyarrow") and kind.__name__ in ("RecordBatch", "Table")
+
+
+class ArrowRows(Sequence[Any]):
+    """Rows held as an Arrow table, seen as a sequence of row dicts.
+
+    The dicts are built on first access only (a receiver that works on ``table`` never pays
+    for them). Row ``i`` deletes its key when ``i`` is in ``deletes``; the delete column is
+    not part of ``table``.
+
+    Attributes:
+        table: the rows (a ``pyarrow.Table``).
+        deletes: indexes of the rows that are deletes.
+    """
+
+    __slots__ = ("_flags", "_rows", "deletes", "table")
+
+    def __init__(
+        self, table: Any, deletes: frozenset[int] = frozenset(), flags: Any = None
+    ) -> None:
+        self.table = table
+        self.deletes = deletes
+        self._flags = flags  # the delete column as it came, if it did
+        self._rows: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def of(cls, data: Any) -> ArrowRows:
+        """The rows of a ``RecordBatch`` or ``Table``, its ``DELETE_COLUMN`` taken out.
+
+        Raises:
+            ProtocolError: the delete column is not boolean.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+        if DELETE_COLUMN not in table.column_names:
+            return cls(table)
+        flags = table.column(DELETE_COLUMN)
+        if not pa.types.is_boolean(flags.type):
+            raise ProtocolError(f"column {DELETE_COLUMN!r} must be boolean, not {flags.type}")
+        flags = pc.fill_null(flags, False)
+        deleted = pc.indices_nonzero(flags).to_pylist() if pc.any(flags).as_py() else ()
+        return cls(table.drop_columns([DELETE_COLUMN]), frozenset(deleted), flags)
+
+    def with_delete_column(self) -> Any:
+        """The table with ``DELETE_COLUMN`` (what goes on the wire)."""
+        import pyarrow as pa
+
+        if self._flags is not None:
+            column = self._flags
+        elif self.deletes:
+            column = pa.array([i in self.deletes for i in range(len(self))], pa.bool_())
+        else:
+            column = pa.repeat(pa.scalar(False), self.table.num_rows)
+        return self.table.append_column(DELETE_COLUMN, column)
+
+    def part(self, offset: int, length: int) -> ArrowRows:
+        """Rows ``offset`` to ``offset + length`` (zero-copy)."""
+        flags = None if self._flags is None else self._flags.slice(offset, length)
+        end = offset + length
+        deletes = frozenset(i - offset for i in self.deletes if offset <= i < end)
+        return ArrowRows(self.table.slice(offset, length), deletes, flags)
+
+    def take(self, indexes: Any) -> ArrowRows:
+        """The rows at ``indexes`` (a list or an Arrow integer array), in that order."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not isinstance(indexes, (pa.Array, pa.ChunkedArray)):
+            indexes = pa.array(indexes, pa.int64())
+        if self._flags is None:
+            at = {i: j for j, i in enumerate(indexes.to_pylist())} if self.deletes else {}
+            deletes = frozenset(at[i] for i in self.deletes if i in at)
+            return ArrowRows(self.table.take(indexes), deletes)
+        flags = self._flags.take(indexes)
+        deleted = pc.indices_nonzero(flags).to_pylist() if self.deletes else ()
+        return ArrowRows(self.table.take(indexes), frozenset(deleted), flags)
+
+    @classmethod
+    def concat(cls, parts: Sequence[ArrowRows]) -> ArrowRows:
+        """The rows of ``parts`` one after the other."""
+        import pyarrow as pa
+
+        if len(parts) == 1:
+            return parts[0]
+        table = pa.concat_tables([p.table for p in parts])
+        deletes: list[int] = []
+        base = 0
+        for p in parts:
+            deletes.extend(base + i for i in p.deletes)
+            base += len(p)
+        flags = None
+        if all(p._flags is not None for p in parts):
+            flags = pa.chunked_array([c for p in parts for c in _chunks(p._flags)], type=pa.bool_())
+        return cls(table, frozenset(deletes), flags)
+
+    def _dicts(self) -> list[dict[str, Any]]:
+        if self._rows is None:
+            self._rows = self.table.to_pylist()
+        return self._rows
+
+    def __len__(self) -> int:
+        return int(self.table.num_rows)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._dicts()[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._dicts())
+
+    def __repr__(self) -> str:
+        return f"ArrowRows({len(self)} rows, {len(self.deletes)} deletes)"
+
+
+def _chunks(array: Any) -> list[Any]:
+    return list(array.chunks) if hasattr(array, "chunks") else [array]
+
+
+def encode_page(rows: ArrowRows) -> bytes:
+    """One Arrow IPC stream holding the page (with its delete column)."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    table = rows.with_delete_column()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue())
+
+
+def decode_page(data: Any, count: int) -> ArrowRows:
+    """The page in a batch frame's ``arrow`` field, checked to hold ``count`` rows.
+
+    Raises:
+        ProtocolError: not an Arrow IPC stream, a wrong row count, or a bad delete column.
+    """
+    import pyarrow as pa
+
+    if not isinstance(data, bytes):
+        raise ProtocolError("'arrow' must be bytes")
+    try:
+        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ProtocolError(f"'arrow' is not an Arrow IPC stream: {exc}") from exc
+    if table.num_rows != count:
+        raise ProtocolError(f"'arrow' holds {table.num_rows} rows, the frame says {count}")
+    return ArrowRows.of(table)
