@@ -38,22 +38,20 @@ class ArrowRows(Sequence[Any]):
     """Rows held as an Arrow table, seen as a sequence of row dicts.
 
     The dicts are built on first access only (a receiver that works on ``table`` never pays
-    for them). Row ``i`` deletes its key when ``i`` is in ``deletes``; the delete column is
-    not part of ``table``.
+    for them). Deletes are a boolean array beside the table (``flags``), so slicing, taking
+    and joining pages never looks at rows one by one; ``deletes`` lists them when asked.
 
     Attributes:
-        table: the rows (a ``pyarrow.Table``).
-        deletes: indexes of the rows that are deletes.
+        table: the rows (a ``pyarrow.Table``), without the delete column.
+        flags: which rows delete their key (a boolean array without nulls), or None for none.
     """
 
-    __slots__ = ("_flags", "_rows", "deletes", "table")
+    __slots__ = ("_deletes", "_rows", "flags", "table")
 
-    def __init__(
-        self, table: Any, deletes: frozenset[int] = frozenset(), flags: Any = None
-    ) -> None:
+    def __init__(self, table: Any, flags: Any = None) -> None:
         self.table = table
-        self.deletes = deletes
-        self._flags = flags  # the delete column as it came, if it did
+        self.flags = flags
+        self._deletes: frozenset[int] | None = None
         self._rows: list[dict[str, Any]] | None = None
 
     @classmethod
@@ -73,42 +71,42 @@ class ArrowRows(Sequence[Any]):
         if not pa.types.is_boolean(flags.type):
             raise ProtocolError(f"column {DELETE_COLUMN!r} must be boolean, not {flags.type}")
         flags = pc.fill_null(flags, False)
-        deleted = pc.indices_nonzero(flags).to_pylist() if pc.any(flags).as_py() else ()
-        return cls(table.drop_columns([DELETE_COLUMN]), frozenset(deleted), flags)
+        return cls(table.drop_columns([DELETE_COLUMN]), flags if pc.any(flags).as_py() else None)
+
+    @property
+    def deletes(self) -> frozenset[int]:
+        """Indexes of the rows that delete their key."""
+        if self._deletes is None:
+            import pyarrow.compute as pc
+
+            found = () if self.flags is None else pc.indices_nonzero(self.flags).to_pylist()
+            self._deletes = frozenset(found)
+        return self._deletes
 
     def with_delete_column(self) -> Any:
-        """The table with ``DELETE_COLUMN`` (what goes on the wire)."""
+        """The table with ``DELETE_COLUMN`` (what goes on the wire, and what is staged)."""
+        return self.table.append_column(DELETE_COLUMN, self._flags_or_false())
+
+    def _flags_or_false(self) -> Any:
         import pyarrow as pa
 
-        if self._flags is not None:
-            column = self._flags
-        elif self.deletes:
-            column = pa.array([i in self.deletes for i in range(len(self))], pa.bool_())
-        else:
-            column = pa.repeat(pa.scalar(False), self.table.num_rows)
-        return self.table.append_column(DELETE_COLUMN, column)
+        if self.flags is not None:
+            return self.flags
+        return pa.repeat(pa.scalar(False), self.table.num_rows)
 
     def part(self, offset: int, length: int) -> ArrowRows:
         """Rows ``offset`` to ``offset + length`` (zero-copy)."""
-        flags = None if self._flags is None else self._flags.slice(offset, length)
-        end = offset + length
-        deletes = frozenset(i - offset for i in self.deletes if offset <= i < end)
-        return ArrowRows(self.table.slice(offset, length), deletes, flags)
+        flags = None if self.flags is None else self.flags.slice(offset, length)
+        return ArrowRows(self.table.slice(offset, length), flags)
 
     def take(self, indexes: Any) -> ArrowRows:
         """The rows at ``indexes`` (a list or an Arrow integer array), in that order."""
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         if not isinstance(indexes, (pa.Array, pa.ChunkedArray)):
             indexes = pa.array(indexes, pa.int64())
-        if self._flags is None:
-            at = {i: j for j, i in enumerate(indexes.to_pylist())} if self.deletes else {}
-            deletes = frozenset(at[i] for i in self.deletes if i in at)
-            return ArrowRows(self.table.take(indexes), deletes)
-        flags = self._flags.take(indexes)
-        deleted = pc.indices_nonzero(flags).to_pylist() if self.deletes else ()
-        return ArrowRows(self.table.take(indexes), frozenset(deleted), flags)
+        flags = None if self.flags is None else self.flags.take(indexes)
+        return ArrowRows(self.table.take(indexes), flags)
 
     @classmethod
     def concat(cls, parts: Sequence[ArrowRows]) -> ArrowRows:
@@ -118,15 +116,10 @@ class ArrowRows(Sequence[Any]):
         if len(parts) == 1:
             return parts[0]
         table = pa.concat_tables([p.table for p in parts])
-        deletes: list[int] = []
-        base = 0
-        for p in parts:
-            deletes.extend(base + i for i in p.deletes)
-            base += len(p)
-        flags = None
-        if all(p._flags is not None for p in parts):
-            flags = pa.chunked_array([c for p in parts for c in _chunks(p._flags)], type=pa.bool_())
-        return cls(table, frozenset(deletes), flags)
+        if all(p.flags is None for p in parts):
+            return cls(table)
+        chunks = [c for p in parts for c in _chunks(p._flags_or_false())]
+        return cls(table, pa.chunked_array(chunks, type=pa.bool_()))
 
     def _dicts(self) -> list[dict[str, Any]]:
         if self._rows is None:

@@ -49,14 +49,9 @@ class Batch:
     node: str | None = None
     wire: bytes | None = None
 
-    @property
-    def columnar(self) -> bool:
-        """Whether this is an Arrow page."""
-        return isinstance(self.items, ArrowRows)
-
     def packed_items(self) -> list[bytes]:
         """Each item's msgpack encoding (an Arrow page's rows are packed on demand)."""
-        return self.packed if not self.columnar else pack_items(self.items)
+        return pack_items(self.items) if isinstance(self.items, ArrowRows) else self.packed
 
     def subset(self, indexes: Iterable[int]) -> Batch:
         """The batch's items at ``indexes`` (ascending), as a batch of the same lane."""

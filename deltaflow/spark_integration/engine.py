@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from .._faults import fault_point
-from ..columnar import ArrowRows
+from ..columnar import DELETE_COLUMN, ArrowRows
 from ..errors import (
     CommitConflictError,
     LaneFailedError,
@@ -78,7 +78,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DELETE_COLUMN: Final = "__deltaflow_delete"
 DEFAULT_MAX_GROUP_ROWS: Final = 500_000
 DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
@@ -611,6 +610,8 @@ def to_arrow_rows(
     column when ``buckets`` > 0).
 
     Args:
+        rows: row dicts, or an :class:`ArrowRows` page (its columns are checked as columns,
+            and its own delete flags are used: ``deletes`` is ignored).
         schema: the table's data columns (an Arrow schema without the bucket column), or None
             when the table does not exist yet (the columns are then inferred from these rows).
         evolve: columns the table lacks are inferred and kept (schema evolution) instead of
@@ -620,6 +621,44 @@ def to_arrow_rows(
     Raises:
         SchemaError: naming the first bad item (its index in the batch) and column.
     """
+    import pyarrow as pa
+
+    if isinstance(rows, ArrowRows):
+        data, new = _page_columns(rows, key, schema, table=table, node=node, evolve=evolve)
+        flags = rows.flags
+    else:
+        data, new = _row_columns(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+        flags = pa.array([i in deletes for i in range(len(rows))], pa.bool_()) if deletes else None
+    if schema is None:
+        missing = [k for k in key if k not in data.column_names]
+        if missing:
+            raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
+    for field in data.schema:
+        if (schema is None or field.name in new) and pa.types.is_null(field.type):
+            raise SchemaError(
+                f"column {field.name!r} is null in every row of this write to table {table!r}, "
+                "which adds it, so its type cannot be inferred; send a non-null value",
+                node=node,
+                details={"column": field.name},
+            )
+    if buckets:
+        data = data.append_column(
+            pa.field(BUCKET_COLUMN, pa.int32()), partition_table(data, key, buckets)
+        )
+    return ArrowRows(data, flags).with_delete_column()
+
+
+def _row_columns(
+    rows: Sequence[Any],
+    deletes: frozenset[int],
+    key: Sequence[str],
+    schema: Any,
+    *,
+    table: str,
+    node: str,
+    evolve: bool,
+) -> tuple[Any, dict[str, None]]:
+    """The columns of row dicts, checked; and the columns they add to the table."""
     import pyarrow as pa
 
     new: dict[str, None] = {}
@@ -650,102 +689,47 @@ def to_arrow_rows(
     for c in new:
         values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
         data = data.append_column(c, _infer(c, values, table, node))
-    return _staged_columns(data, deletes, key, schema, new, table=table, node=node, buckets=buckets)
+    return data, new
 
 
-def arrow_page_rows(
-    page: ArrowRows,
-    key: Sequence[str],
-    schema: Any,
-    *,
-    table: str,
-    node: str,
-    evolve: bool = False,
-    buckets: int = 0,
-) -> Any:
-    """:func:`to_arrow_rows` for rows that came as an Arrow page: the columns are checked as
-    columns (a row is named only for a null key); values are converted to the table's types
-    at commit time, as for rows checked before the table changed.
+def _page_columns(
+    page: ArrowRows, key: Sequence[str], schema: Any, *, table: str, node: str, evolve: bool
+) -> tuple[Any, dict[str, None]]:
+    """The columns of an Arrow page, checked as columns (a row is named only for a null key)
+    and converted to the table's types; and the columns they add to the table."""
+    import pyarrow.compute as pc
 
-    Raises:
-        SchemaError: naming the column (and the item, for a null key).
-    """
     data = page.table
-    for name in (BUCKET_COLUMN, DELETE_COLUMN):
-        if name in data.column_names:
-            raise SchemaError(
-                f"the page sets column {name!r}, which deltaflow reserves (the bucket layout "
-                "and the delete flag are computed on the node)",
-                node=node,
-                details={"column": name},
-            )
-    new: dict[str, None] = {}
-    if schema is not None:
-        unknown = [c for c in data.column_names if c not in schema.names]
-        if unknown and not evolve:
-            raise SchemaError(
-                f"{_no_evolution_text(table, unknown)} (its columns: {sorted(schema.names)})",
-                node=node,
-                details={"column": unknown[0]},
-            )
-        new = dict.fromkeys(unknown)
+    if BUCKET_COLUMN in data.column_names:  # the delete column never reaches here
+        raise SchemaError(
+            f"the page sets column {BUCKET_COLUMN!r}, which deltaflow reserves (the bucket "
+            "layout is computed on the node)",
+            node=node,
+            details={"column": BUCKET_COLUMN},
+        )
     for k in key:
-        if k not in data.column_names:
-            continue  # reported below, as for rows
-        column = data.column(k)
-        if column.null_count:
-            import pyarrow.compute as pc
-
-            i = pc.index(pc.is_null(column), True).as_py()
+        if k in data.column_names and data.column(k).null_count:
+            i = pc.index(pc.is_null(data.column(k)), True).as_py()
             raise SchemaError(
                 f"item #{i} of the batch has no value for key column {k!r} of table {table!r}",
                 node=node,
                 details={"item": i, "column": k},
             )
-    if schema is not None:
-        for field in schema:
-            if field.name in data.column_names and data.schema.field(field.name).type != field.type:
-                _cast_column(data.column(field.name), field, table, node)  # raises if it cannot
-    return _staged_columns(
-        data, page.deletes, key, schema, new, table=table, node=node, buckets=buckets
-    )
-
-
-def _staged_columns(
-    data: Any,
-    deletes: frozenset[int],
-    key: Sequence[str],
-    schema: Any,
-    new: Mapping[str, None],
-    *,
-    table: str,
-    node: str,
-    buckets: int,
-) -> Any:
-    """The checked columns with the bucket and delete flag columns added."""
-    import pyarrow as pa
-
-    if schema is None or any(k not in data.column_names for k in key):
-        missing = [k for k in key if k not in data.column_names]
-        if missing:
-            raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
-    for field in data.schema:
-        if (schema is None or field.name in new) and pa.types.is_null(field.type):
-            raise SchemaError(
-                f"column {field.name!r} is null in every row of this write to table {table!r}, "
-                "which adds it, so its type cannot be inferred; send a non-null value",
-                node=node,
-                details={"column": field.name},
-            )
-    if buckets:
-        data = data.append_column(
-            pa.field(BUCKET_COLUMN, pa.int32()), partition_table(data, key, buckets)
+    if schema is None:
+        return data, {}
+    unknown = [c for c in data.column_names if c not in schema.names]
+    if unknown and not evolve:
+        raise SchemaError(
+            f"{_no_evolution_text(table, unknown)} (its columns: {sorted(schema.names)})",
+            node=node,
+            details={"column": unknown[0]},
         )
-    if deletes:
-        flags = pa.array([i in deletes for i in range(data.num_rows)], type=pa.bool_())
-    else:
-        flags = pa.repeat(pa.scalar(False), data.num_rows)
-    return data.append_column(DELETE_COLUMN, flags)
+    for field in schema:
+        at = data.schema.get_field_index(field.name)
+        if at >= 0 and data.schema.field(at).type != field.type:
+            # Converted once here: the commit then finds the table's type (raises if not).
+            data = data.set_column(at, field, _cast_column(data.column(at), field, table, node))
+    return data, dict.fromkeys(unknown)
 
 
 def _check_rows(
@@ -1077,29 +1061,17 @@ class TableEngine:
         for attempt in (1, 2):
             settings = committer.plan(key)
             try:
-                if isinstance(rows, ArrowRows):
-                    converted = await asyncio.to_thread(
-                        arrow_page_rows,
-                        rows,
-                        key,
-                        committer.schema,
-                        table=table,
-                        node=self.node_id,
-                        evolve=settings.schema_evolution,
-                        buckets=settings.buckets,
-                    )
-                else:
-                    converted = await asyncio.to_thread(
-                        to_arrow_rows,
-                        rows,
-                        deletes,
-                        key,
-                        committer.schema,
-                        table=table,
-                        node=self.node_id,
-                        evolve=settings.schema_evolution,
-                        buckets=settings.buckets,
-                    )
+                converted = await asyncio.to_thread(
+                    to_arrow_rows,
+                    rows,
+                    deletes,
+                    key,
+                    committer.schema,
+                    table=table,
+                    node=self.node_id,
+                    evolve=settings.schema_evolution,
+                    buckets=settings.buckets,
+                )
                 break
             except SchemaError as exc:
                 # Checked against what this node last read of the table: if the table changed
