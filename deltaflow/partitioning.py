@@ -4,7 +4,9 @@ A key is mapped to one of a fixed number of partitions by the CRC-32 of its msgp
 (never Python's salted ``hash()``), so every process, language and restart agrees. CRC-32 is
 not a cryptographic hash, and need not be: it spreads keys evenly over partitions (checked for
 sequential ints, strings and composite keys in tests/test_protocol.py) and costs about 0.1 µs,
-a sixth of blake2b; the client computes it for every item.
+a sixth of blake2b; the client computes it for every item. For an Arrow column of integers
+(Arrow sources, the node's bucket column) the same CRC-32 runs vectorised over the values'
+msgpack bytes (numpy, about 0.15 µs per row against 0.6 µs through Python objects).
 Partitions are assigned to live nodes by rendezvous (highest random weight) hashing: when a
 node joins or leaves only the partitions it wins or held move.
 """
@@ -82,6 +84,11 @@ def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
     """
     import pyarrow as pa
 
+    if len(key) == 1:
+        column = table.column(key[0])
+        if column.null_count == 0 and _vector_ints(column.type):
+            values = column.to_numpy().astype("int64", copy=False)
+            return pa.array(_int_partitions(values, partitions), type=pa.int32())
     columns = [table.column(k).to_pylist() for k in key]
     # Columns whose Python values msgpack packs as they are need no per-value conversion.
     plain = all(_is_plain(table.schema.field(k).type) for k in key)
@@ -92,6 +99,65 @@ def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
     else:
         keys = (tuple(map(_routable, row)) for row in zip(*columns, strict=True))
     return pa.array(partition_many(keys, partitions), type=pa.int32())
+
+
+def _vector_ints(arrow_type: Any) -> bool:
+    """Integer types whose every value fits int64 (uint64 may not)."""
+    import pyarrow as pa
+
+    return bool(pa.types.is_integer(arrow_type) and not pa.types.is_uint64(arrow_type))
+
+
+#: msgpack's encodings of an int: (lowest, highest, format byte or None, payload bytes).
+_INT_FORMATS: Final = (
+    (0, 127, None, 1),  # positive fixint
+    (-32, -1, None, 1),  # negative fixint
+    (128, 255, 0xCC, 1),
+    (256, 2**16 - 1, 0xCD, 2),
+    (2**16, 2**32 - 1, 0xCE, 4),
+    (2**32, 2**63 - 1, 0xCF, 8),
+    (-128, -33, 0xD0, 1),
+    (-(2**15), -129, 0xD1, 2),
+    (-(2**31), -(2**15) - 1, 0xD2, 4),
+    (-(2**63), -(2**31) - 1, 0xD3, 8),
+)
+
+
+def _crc_table() -> Any:
+    import numpy as np
+
+    table = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        table = np.where(table & 1, (table >> 1) ^ np.uint32(0xEDB88320), table >> 1)
+    return table.astype(np.uint32)
+
+
+_crc_lookup: list[Any] = []
+
+
+def _int_partitions(values: Any, partitions: int) -> Any:
+    """``partition_of`` every int64 of the numpy array ``values``, vectorised: the CRC-32
+    (zlib's) of each value's msgpack bytes, computed byte column by byte column for the values
+    of one encoding at a time. Equal to ``partition_many`` (tests/test_protocol.py)."""
+    import numpy as np
+
+    if not _crc_lookup:
+        _crc_lookup.append(_crc_table())
+    table = _crc_lookup[0]
+    out = np.empty(len(values), dtype=np.int32)
+    big_endian = values.astype(">i8").view(np.uint8).reshape(-1, 8)
+    for low, high, fmt, size in _INT_FORMATS:
+        rows = np.flatnonzero((values >= low) & (values <= high))
+        if not len(rows):
+            continue
+        crc = np.full(len(rows), 0xFFFFFFFF, dtype=np.uint32)
+        if fmt is not None:
+            crc = table[(crc ^ np.uint32(fmt)) & 0xFF] ^ (crc >> 8)
+        payload = big_endian[rows, 8 - size :]
+        for j in range(size):
+            crc = table[(crc ^ payload[:, j]) & 0xFF] ^ (crc >> 8)
+        out[rows] = (crc ^ np.uint32(0xFFFFFFFF)) % partitions
+    return out
 
 
 def _is_plain(arrow_type: Any) -> bool:

@@ -3,6 +3,7 @@ both engines, with the same results as row items."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,30 @@ def test_arrow_rows_are_routed_to_the_partition_of_their_key() -> None:
     assert partition_table(table, ["key", "id"], 64).to_pylist() == [
         partition_of((k, i), 64) for i, k in zip(*table.to_pydict().values(), strict=True)
     ]
+
+
+@pytest.mark.parametrize(
+    "arrow_type", [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint32()]
+)
+def test_integer_keys_are_routed_without_python_per_row_to_the_same_partitions(
+    arrow_type: Any,
+) -> None:
+    """Integer key columns are hashed vectorised (every msgpack int encoding, byte by byte):
+    the partitions must be partition_of's, at every encoding's edges and in between."""
+    bits = arrow_type.bit_width
+    signed = pa.types.is_signed_integer(arrow_type)
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+    edges = [-(2**63), -(2**31) - 1, -(2**31), -32769, -32768, -129, -128, -33, -32, -1]
+    edges += [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1]
+    rng = random.Random(7)
+    values = [v for v in edges if low <= v <= high]
+    values += [rng.randint(low, high) for _ in range(5000)]
+    values += [rng.randint(max(low, -70_000), min(high, 70_000)) for _ in range(5000)]
+    table = pa.table({"id": pa.array(values, arrow_type)})
+    for partitions in (64, 7):
+        assert partition_table(table, ["id"], partitions).to_pylist() == [
+            partition_of(v, partitions) for v in values
+        ]
 
 
 def test_a_page_round_trips_and_a_bad_page_is_a_protocol_error() -> None:

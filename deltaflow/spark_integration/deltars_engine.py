@@ -1,4 +1,10 @@
-"""The delta-rs engine: groups are merged (or appended) with the ``deltalake`` package, no JVM.
+"""The delta-rs engine: groups are appended, rewritten or merged with the ``deltalake``
+package, no JVM.
+
+A group whose keys the table may hold is applied by copy-on-write by key range
+(:mod:`.rewrite`: the files holding its keys are read and replaced in one commit, keeping files
+to their key ranges); tables with features that writer does not implement, and keys of more
+than one column, are merged with delta-rs's MERGE.
 
 Same semantics as the Spark engine (the same table tests run against both): one commit per
 group, lane marks in the commit's ``userMetadata``, the same cross-process table lock.
@@ -12,6 +18,7 @@ read. So this engine never creates such tables; create them with Spark.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,9 +26,12 @@ from typing import Any
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
+from .rewrite import RewriteUnsupported, can_rewrite, rewrite
 from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
 __all__ = ["DeltaRsTableEngine", "create_delta_table"]
+
+log = logging.getLogger(__name__)
 
 
 def _require_deltalake() -> Any:
@@ -162,12 +172,18 @@ class DeltaRsTableEngine(TableEngine):
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
+            target = self._latest(path)
+            if footprint.files is not None and footprint.column is not None and can_rewrite(target):
+                try:
+                    rewrite(target, path, footprint.column, data, footprint, DELETE_COLUMN, props)
+                    return
+                except RewriteUnsupported as exc:
+                    log.info("table %s: merging this group (%s)", table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
             (
-                self._latest(path)
-                .merge(
+                target.merge(
                     data,
                     predicate=footprint.merge_condition(key, _quote, _literal),
                     source_alias="s",

@@ -171,17 +171,15 @@ class _Staged:
     # True while the receiver that staged the write still runs: the write is not committed
     # until it returned (a receiver that raises after staging must leave no trace).
     held: Callable[[], bool] | None = None
+    rows: int = dataclasses.field(init=False)
+    nbytes: int = dataclasses.field(init=False)  # measured once: it walks every buffer
+
+    def __post_init__(self) -> None:
+        self.rows = int(self.table.num_rows)
+        self.nbytes = int(self.table.nbytes)
 
     def takeable(self) -> bool:
         return self.held is None or not self.held()
-
-    @property
-    def rows(self) -> int:
-        return int(self.table.num_rows)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.table.nbytes)
 
 
 class _TableCommitter:
@@ -431,8 +429,10 @@ class _TableCommitter:
         if key:
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
             files = self.engine.live_files(self.path) if footprint.ranges else None
-            if files is not None and footprint.checked_against(files).fresh:
-                footprint = None  # no key of the group can be in the table: appended
+            if files is not None:
+                footprint = footprint.checked_against(files)
+                if footprint.fresh:
+                    footprint = None  # no key of the group can be in the table: appended
         self.engine.write(self.name, self.path, key, data, metadata, footprint)
         return int(data.num_rows)
 
@@ -975,8 +975,9 @@ class TableEngine:
                 commit as the data.
             footprint: for a merge, where ``data``'s keys can be in the table; the MERGE
                 names it (:meth:`Footprint.merge_condition`) so it reads and rewrites no other
-                files. None to append the rows that are not deletes instead: the table has
-                no key, or holds none of the group's keys.
+                files. Its ``files`` lists the live files that may hold one of the keys (when
+                the key has ranges). None to append the rows that are not deletes instead:
+                the table has no key, or holds none of the group's keys.
         """
         raise NotImplementedError
 

@@ -47,12 +47,15 @@ class Footprint:
         ranges: inclusive ``(low, high)`` bounds, ascending and disjoint, covering every key.
         fresh: the table holds none of the group's keys (checked against the Delta log under
             the table's lock): the group is appended, not merged.
+        files: after :meth:`checked_against`, the live files that may hold one of the group's
+            keys (the rows of the file list it was given), else None.
     """
 
     buckets: tuple[int, ...] | None
     column: str | None = None
     ranges: tuple[tuple[Any, Any], ...] = ()
     fresh: bool = False
+    files: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -79,7 +82,8 @@ class Footprint:
         return cls(buckets, key[0], ranges)
 
     def checked_against(self, files: Any) -> Footprint:
-        """This footprint, ``fresh`` if none of ``files`` can hold one of its keys.
+        """This footprint with the ``files`` that may hold one of its keys, and ``fresh`` if
+        none may.
 
         Args:
             files: the table's live files, as delta-rs lists them
@@ -93,23 +97,22 @@ class Footprint:
         if self.column is None or not self.ranges:
             return self
         files = pa.table(files)
+        low, high = f"min.{self.column}", f"max.{self.column}"
+        if files.num_rows and (low not in files.column_names or high not in files.column_names):
+            return dataclasses.replace(self, files=files)
+        may = pa.repeat(pa.scalar(False), files.num_rows)
         if files.num_rows:
-            low, high = f"min.{self.column}", f"max.{self.column}"
-            if low not in files.column_names or high not in files.column_names:
-                return self
             lows, highs = files.column(low), files.column(high)
+            for lo, hi in self.ranges:
+                meets = pc.and_kleene(pc.less_equal(lows, hi), pc.greater_equal(highs, lo))
+                may = pc.or_(may, pc.fill_null(meets, True))  # no statistics: may hold it
             # Only files of the group's buckets can hold its keys.
             bucket = f"partition.{BUCKET_COLUMN}"
             if self.buckets is not None and bucket in files.column_names:
                 mine = pc.is_in(files.column(bucket), value_set=pa.array(self.buckets, pa.int32()))
-            else:
-                mine = pa.repeat(pa.scalar(True), files.num_rows)
-            for lo, hi in self.ranges:
-                meets = pc.and_kleene(pc.less_equal(lows, hi), pc.greater_equal(highs, lo))
-                # A null bound (no statistics) is "may hold it".
-                if pc.any(pc.and_(mine, pc.fill_null(meets, True))).as_py():
-                    return self
-        return dataclasses.replace(self, fresh=True)
+                may = pc.and_(may, pc.fill_null(mine, False))
+        candidates = files.filter(may)
+        return dataclasses.replace(self, files=candidates, fresh=candidates.num_rows == 0)
 
     def merge_condition(
         self, key: Sequence[str], quote: Callable[[str], str], literal: Callable[[Any], str]
