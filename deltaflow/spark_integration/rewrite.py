@@ -58,7 +58,7 @@ _SIMPLE_WRITER_VERSIONS: Final = (1, 2)
 _SIMPLE_FEATURES: Final = frozenset({"appendOnly", "invariants"})
 #: Reads and writes of data files (small ones cost more in opening than in bytes; pyarrow
 #: releases the GIL for both).
-_POOL: Final = ThreadPoolExecutor(4, thread_name_prefix="deltaflow-rewrite")
+_POOL: Final = ThreadPoolExecutor(2, thread_name_prefix="deltaflow-rewrite")
 
 
 class RewriteUnsupported(Exception):
