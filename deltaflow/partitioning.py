@@ -14,6 +14,7 @@ node joins or leaves only the partitions it wins or held move.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import threading
 import zlib
@@ -123,7 +124,9 @@ _INT_FORMATS: Final = (
 )
 
 
+@functools.cache
 def _crc_table() -> Any:
+    """zlib's CRC-32 lookup table (reflected polynomial 0xEDB88320), as numpy uint32."""
     import numpy as np
 
     table = np.arange(256, dtype=np.uint32)
@@ -132,18 +135,13 @@ def _crc_table() -> Any:
     return table.astype(np.uint32)
 
 
-_crc_lookup: list[Any] = []
-
-
 def _int_partitions(values: Any, partitions: int) -> Any:
     """``partition_of`` every int64 of the numpy array ``values``, vectorised: the CRC-32
     (zlib's) of each value's msgpack bytes, computed byte column by byte column for the values
-    of one encoding at a time. Equal to ``partition_many`` (tests/test_protocol.py)."""
+    of one encoding at a time. Equal to ``partition_many`` (tests/test_arrow.py)."""
     import numpy as np
 
-    if not _crc_lookup:
-        _crc_lookup.append(_crc_table())
-    table = _crc_lookup[0]
+    table = _crc_table()
     out = np.empty(len(values), dtype=np.int32)
     big_endian = values.astype(">i8").view(np.uint8).reshape(-1, 8)
     for low, high, fmt, size in _INT_FORMATS:

@@ -522,6 +522,35 @@ async def test_delta_rs_rewrites_keep_files_to_their_key_ranges(
     }
 
 
+async def test_delta_rs_rewrite_reads_older_files_and_keeps_exactly_once(warehouse: Path) -> None:
+    """The copy-on-write reads files written before a column was added (the column is null in
+    their kept rows), and its commit carries the lane marks: the same batch sent again to
+    another node is skipped."""
+    path = warehouse / "grown"
+    schema = {"id": "long", "name": "string"}
+    await asyncio.to_thread(
+        create_table,
+        warehouse,
+        "grown",
+        schema=schema,
+        key="id",
+        buckets=0,
+        allow_schema_evolution=True,
+    )
+    async with table_engine("delta-rs", warehouse) as eng:
+        await upsert(eng, "grown", [{"id": i, "name": "a"} for i in range(100)])
+    update = [{"id": 3, "name": "c", "size": 9}]
+    for _ in range(2):  # the second engine is a node that got the batch again
+        async with table_engine("delta-rs", warehouse) as eng:
+            await (await eng.stage("grown", ["id"], update, frozenset(), mark=("s/0", (0, 0))))
+    history = DeltaTable(str(path)).history()
+    # create, append, add column, rewrite (one file of 100 rows replaced); no second update.
+    assert [h["operation"] for h in reversed(history)][1:] == ["WRITE", "ADD COLUMN", "WRITE"]
+    assert removes(path, 3) == 1
+    rows = {r["id"]: (r["name"], r["size"]) for r in read_all(path)}
+    assert rows == {i: ("a", None) for i in range(100)} | {3: ("c", 9)}
+
+
 async def test_delta_rs_merges_tables_with_constraints_and_keeps_them(warehouse: Path) -> None:
     """A table with a feature the copy-on-write writer does not enforce (here a CHECK
     constraint) is merged by delta-rs, which does: a row breaking it fails its batch."""

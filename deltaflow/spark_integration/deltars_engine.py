@@ -26,7 +26,7 @@ from typing import Any, Final
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .rewrite import RewriteUnsupported, can_rewrite, rewrite
+from .rewrite import RewriteUnsupported, rewrite
 from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
 __all__ = ["DeltaRsTableEngine", "create_delta_table"]
@@ -191,13 +191,12 @@ class DeltaRsTableEngine(TableEngine):
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
             target = self._latest(path)
-            if _copies_much(footprint, data.num_rows) and can_rewrite(target):
+            if _copies_much(footprint, data.num_rows):
                 try:
-                    column = footprint.column or key[0]
-                    rewrite(target, path, column, data, footprint, DELETE_COLUMN, props)
+                    rewrite(target, path, data, footprint, props)
                     return
                 except RewriteUnsupported as exc:
-                    log.info("table %s: merging this group (%s)", table, exc)
+                    log.debug("table %s: merging this group (%s)", table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}

@@ -43,10 +43,11 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote
 
+from ..columnar import DELETE_COLUMN
 from .footprint import Footprint
 from .tables import BUCKET_COLUMN
 
-__all__ = ["RewriteUnsupported", "can_rewrite", "rewrite"]
+__all__ = ["RewriteUnsupported", "rewrite"]
 
 #: A touched file whose kept rows are fewer than this share of its bucket's new rows is
 #: written with them (else it gets a file of its own): each carried row is then copied at
@@ -56,67 +57,67 @@ SMALL_REMAINDER: Final = 0.25
 #: and append-only, both checked below). Version 7 lists its features by name.
 _SIMPLE_WRITER_VERSIONS: Final = (1, 2)
 _SIMPLE_FEATURES: Final = frozenset({"appendOnly", "invariants"})
+#: Table properties that, set to true, ask for what this writer does not do.
+_UNSUPPORTED_IF_TRUE: Final = frozenset({"delta.appendOnly", "delta.enableChangeDataFeed"})
 #: Reads and writes of data files (small ones cost more in opening than in bytes; pyarrow
 #: releases the GIL for both).
 _POOL: Final = ThreadPoolExecutor(2, thread_name_prefix="deltaflow-rewrite")
 
 
 class RewriteUnsupported(Exception):
-    """A data file this writer cannot read as the table's schema says (a type it does not
-    convert): the group is merged instead. Raised before any file is written."""
+    """This writer cannot apply the group: the table has a feature it does not implement, or
+    a data file holds a type it does not convert. The group is merged instead; raised before
+    any file is written."""
 
 
-def can_rewrite(table: Any) -> bool:
-    """Whether the delta-rs table ``table`` can be written by :func:`rewrite` (see the module
-    docstring for what sends a table to the MERGE instead)."""
-    import pyarrow as pa
-
-    protocol = table.protocol()
+def _unsupported(protocol: Any, config: Any, schema: Any) -> str | None:
+    """Why a table with this protocol, configuration and (Arrow) schema must be merged, or
+    None (see the module docstring)."""
     writer = protocol.min_writer_version
     features = set(protocol.writer_features or ())
     if writer not in _SIMPLE_WRITER_VERSIONS and not (writer == 7 and features <= _SIMPLE_FEATURES):
-        return False
-    config = table.metadata().configuration
-    if any(k.startswith("delta.constraints.") for k in config):
-        return False
-    if str(config.get("delta.appendOnly", "false")).lower() == "true":
-        return False
-    if str(config.get("delta.enableChangeDataFeed", "false")).lower() == "true":
-        return False
-    schema = pa.schema(table.schema().to_arrow())
-    return not any(f.metadata and b"delta.invariants" in f.metadata for f in schema)
+        return f"writer protocol {writer} {sorted(features)}"
+    for name, value in config.items():
+        if name.startswith("delta.constraints."):
+            return f"CHECK constraint {name}"
+        if name in _UNSUPPORTED_IF_TRUE and str(value).lower() == "true":
+            return f"{name} = true"
+    if any(f.metadata and b"delta.invariants" in f.metadata for f in schema):
+        return "column invariants"
+    return None
 
 
 def rewrite(
-    table: Any,
-    path: Path,
-    key: str,
-    data: Any,
-    footprint: Footprint,
-    delete_column: str,
-    commit_properties: Any,
+    table: Any, path: Path, data: Any, footprint: Footprint, commit_properties: Any
 ) -> None:
     """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
     its latest version) in one commit, by copy-on-write of the files holding its keys.
 
     Args:
-        key: the one key column.
         data: the group: the table's columns (the bucket column included for a bucketed
-            table) and ``delete_column``; at most one row per key.
-        footprint: the group's footprint checked against the live files (``files`` set).
+            table) and ``DELETE_COLUMN``; at most one row per key.
+        footprint: the group's footprint on its one key column, checked against the live
+            files (``column`` and ``files`` set).
         commit_properties: the commit's properties (its ``userMetadata`` carries the marks).
+
+    Raises:
+        RewriteUnsupported: the group must be merged (nothing was written).
     """
     import pyarrow as pa
     import pyarrow.compute as pc
     from deltalake.transaction import AddAction, RemoveAction
 
-    assert footprint.files is not None
+    key = footprint.column
+    assert key is not None and footprint.files is not None
     metadata = table.metadata()
-    partition_by = list(metadata.partition_columns)
     schema = pa.schema(table.schema().to_arrow())
+    reason = _unsupported(table.protocol(), metadata.configuration, schema)
+    if reason is not None:
+        raise RewriteUnsupported(reason)
+    partition_by = list(metadata.partition_columns)
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
     keys = data.column(key)
-    upserts = data.filter(pc.invert(data.column(delete_column))).drop_columns([delete_column])
+    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
 
     candidates = _holding(footprint.files, keys, key)
     read = list(_POOL.map(lambda f: _read(path / unquote(f["path"]), file_schema), candidates))
