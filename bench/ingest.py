@@ -307,10 +307,12 @@ def run_deltaflow(
     layout: str = "shared",
     rate: float | None = None,
     arrow: bool = False,
+    writer: str = "direct",
 ) -> Run:
     """One client streaming all rows to two nodes.
 
     Args:
+        writer: the Spark engine's writer (``direct`` or ``sql``: a Spark MERGE per group).
         arrow: the source yields Arrow record batches of ``ARROW_BATCH_ROWS`` rows (the form
             the baselines get their rows in) instead of one dict per row; deltaflow routes
             them by key column and sends Arrow pages.
@@ -373,7 +375,7 @@ def run_deltaflow(
         deltaflow.StreamerOptions(
             max_in_flight=SPARK_WINDOW_BATCHES, per_partition_in_flight=SPARK_WINDOW_PER_PARTITION
         )
-        if engine == "spark"
+        if engine == "spark" and os.environ.get("BENCH_SPARK_WINDOW", writer) == "sql"
         else deltaflow.StreamerOptions()
     )
     if rate is not None:
@@ -387,7 +389,9 @@ def run_deltaflow(
         )
 
     async def main() -> Run:
-        address, statistics, stop = await _start_two_nodes(warehouse, engine, buckets, layout)
+        address, statistics, stop = await _start_two_nodes(
+            warehouse, engine, buckets, layout, writer
+        )
         try:
             if layout == "process":  # the nodes' JVMs come to speed untimed, as above
                 async with deltaflow.connect([address]) as client:
@@ -431,14 +435,14 @@ def run_deltaflow(
 
 
 async def _start_two_nodes(
-    warehouse: Path, engine: str, buckets: int | None, layout: str
+    warehouse: Path, engine: str, buckets: int | None, layout: str, writer: str
 ) -> tuple[str, Callable[[], Awaitable[tuple[int, float, int]]], Callable[[], Awaitable[None]]]:
     """Two nodes: the first one's address, how to read (commits, commit seconds, largest
     group rows) summed over both, and how to stop them."""
     if layout == "process":
         from deltaflow.testing import NodeProcess, wait_for_members
 
-        extra = ["--engine", engine]
+        extra = ["--engine", engine, "--spark-writer", writer]
         if buckets is not None:
             extra += ["--table-buckets", str(buckets)]
         first = await NodeProcess("node-1", warehouse, extra=extra, spark_master="local[*]").start()
@@ -473,6 +477,7 @@ async def _start_two_nodes(
             port=0,
             engine=engine,
             spark=SparkConfig(master="local[*]"),
+            spark_writer=writer,
             table_buckets=buckets,
         ),
     )
@@ -636,6 +641,11 @@ VARIANTS: Final = (
         lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark"),
     ),
     Variant(
+        "deltaflow-spark-sql",
+        "deltaflow_spark_sql",
+        lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_sql", writer="sql"),
+    ),
+    Variant(
         "deltaflow-spark-flat",
         "deltaflow_spark_flat",
         lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_flat", buckets=0),
@@ -661,6 +671,13 @@ VARIANTS: Final = (
         "deltaflow-spark-arrow",
         "deltaflow_spark_arrow",
         lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_arrow", arrow=True),
+    ),
+    Variant(
+        "deltaflow-spark-arrow-procs",
+        "deltaflow_spark_arrow_procs",
+        lambda w, n: run_deltaflow(
+            w, n, "spark", table="deltaflow_spark_arrow_procs", layout="process", arrow=True
+        ),
     ),
     Variant(
         "deltaflow-delta-rs-arrow-procs",
@@ -783,9 +800,11 @@ def print_ratios(results: list[Result]) -> None:
     print("ratios:")
     for spark_variant in (
         "deltaflow-spark",
+        "deltaflow-spark-sql",
         "deltaflow-spark-flat",
         "deltaflow-spark-procs",
         "deltaflow-spark-arrow",
+        "deltaflow-spark-arrow-procs",
     ):
         ratio(spark_variant, "naive-spark-merge")
         ratio(spark_variant, "microbatch-spark")

@@ -1,8 +1,14 @@
-"""Fault points for crash tests (see :mod:`deltaflow.testing`). Inert unless configured.
+"""Fault points for crash and race tests (see :mod:`deltaflow.testing`). Inert unless
+configured.
 
 ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` makes a node process SIGKILL itself right after its
 N-th table commit lands and before the batches in it are acknowledged: the "crash between
 commit and ack" that exactly-once must survive.
+
+In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point instead, on the
+thread that reaches it: ``before_commit`` is reached once a group's data files are written
+and before the commit that adds them (another writer committing there is the race the commit
+must detect).
 """
 
 from __future__ import annotations
@@ -10,14 +16,27 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from collections.abc import Callable
 
-__all__ = ["fault_point"]
+__all__ = ["fault_point", "set_action"]
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
+_actions: dict[str, Callable[[], None]] = {}
+
+
+def set_action(name: str, action: Callable[[], None] | None) -> None:
+    """Run ``action`` whenever point ``name`` is reached (None: nothing)."""
+    if action is None:
+        _actions.pop(name, None)
+    else:
+        _actions[name] = action
 
 
 def fault_point(name: str) -> None:
+    action = _actions.get(name)
+    if action is not None:
+        action()
     limit = os.environ.get(f"DELTAFLOW_FAULT_KILL_{name.upper()}")
     if not limit:
         return

@@ -46,6 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
         side_input_poll_interval=args.side_input_poll_interval,
         engine=args.engine,
         spark=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory),
+        spark_writer=args.spark_writer,
     )
 
     async def run() -> None:
@@ -204,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["spark", "delta-rs"],
         default="spark",
         help="table engine (default: spark)",
+    )
+    serve.add_argument(
+        "--spark-writer",
+        choices=["direct", "sql"],
+        default="direct",
+        help="spark engine: the node writes the files and commits them through Spark's Delta "
+        "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
     )
     serve.add_argument("--driver-memory", default="2g", help="embedded Spark driver heap")
     serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)

@@ -7,6 +7,8 @@
   (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
 - ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` in a node's environment: the node SIGKILLs itself
   right after its N-th table commit, before acknowledging it (crash between commit and ack).
+- :func:`at_fault_point`: run a function where a node in this process reaches a fault point,
+  e.g. another writer's commit between a group's files being written and its commit.
 - :class:`KillOnKey`: a ``key=`` function that SIGKILLs the process streaming (a Spark
   executor's Python worker, say) when it meets a given key, once: a client crash mid-stream.
 - :class:`FileSideInput` and :class:`FailingSideInput`: side inputs (``--side-input
@@ -27,10 +29,11 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _faults
 from .client.connection import Connection
 from .errors import ConnectionLostError, OverloadedError
 from .receivers.base import Receiver, ReceiverContext
@@ -54,6 +57,7 @@ __all__ = [
     "RequestDropper",
     "SideInputEcho",
     "Validate",
+    "at_fault_point",
     "check_stamped",
     "free_port",
     "stamped_value",
@@ -256,6 +260,20 @@ class Gated(Receiver):
             yield item
             if i == 0 and Gated.gate is not None:
                 await Gated.gate.wait()
+
+
+@contextlib.contextmanager
+def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
+    """While in the block, run ``action`` (on the reaching thread, blocking it) whenever a
+    node of this process reaches fault point ``name``. Points: ``before_commit`` (a group's
+    data files are written, its commit not yet made; the Spark engine's direct writer and the
+    delta-rs engine's copy-on-write) and ``after_commit`` (the commit landed, its batches not
+    yet acknowledged)."""
+    _faults.set_action(name, action)
+    try:
+        yield
+    finally:
+        _faults.set_action(name, None)
 
 
 class KillOnKey:

@@ -34,9 +34,19 @@ def warehouse(tmp_path: Path) -> Path:
     return tmp_path / "warehouse"
 
 
+def engine_options(engine: str) -> dict[str, Any]:
+    """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
+    ``spark-sql`` (the Spark engine MERGEing every group) or ``delta-rs``."""
+    if engine == "spark-sql":
+        return {"engine": "spark", "spark_writer": "sql"}
+    return {"engine": engine}
+
+
 async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[Node]:
-    """``count`` nodes on 127.0.0.1, each seeing all the others before this returns."""
+    """``count`` nodes on 127.0.0.1, each seeing all the others before this returns
+    (``engine`` may be any name :func:`engine_options` knows)."""
     config.setdefault("receivers", TEST_RECEIVERS)
+    config.update(engine_options(config.pop("engine", "spark")))
     base = NodeConfig(
         node_id="node-1",
         warehouse=warehouse,

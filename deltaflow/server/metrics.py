@@ -97,6 +97,11 @@ class NodeCollector:
             e.batches_deduplicated,
         )
         yield counter(
+            "deltaflow_commit_conflicts",
+            "Commits that conflicted with another writer's and were retried.",
+            e.commit_conflicts,
+        )
+        yield counter(
             "deltaflow_tables_created", "Tables created on first write.", e.tables_created
         )
         yield counter(

@@ -24,7 +24,7 @@ from ..receivers.table import TableUpsert
 from ..spark_integration.deltars_engine import DeltaRsTableEngine
 from ..spark_integration.engine import DEFAULT_MAX_GROUP_BYTES, EngineStatistics, TableEngine
 from ..spark_integration.session import SparkConfig
-from ..spark_integration.spark_engine import SparkTableEngine
+from ..spark_integration.spark_engine import SPARK_WRITERS, SparkTableEngine
 from ..spark_integration.tables import MAX_BUCKETS, default_buckets
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
@@ -72,6 +72,9 @@ class NodeConfig:
         engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
             ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
         spark: Spark settings for the Spark engine (``local[*]`` by default).
+        spark_writer: how the Spark engine applies a group: ``"direct"`` (default; the node
+            writes the data files and commits them through Spark's Delta transaction, no Spark
+            job) or ``"sql"`` (a Spark MERGE or INSERT per group). See docs/tables.md.
         max_group_rows: largest group commit, rows. Default 500,000.
         max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
             larger than either bound still commits, alone.)
@@ -107,6 +110,7 @@ class NodeConfig:
     failure_timeout: float = 3.0
     engine: str = "spark"
     spark: SparkConfig = field(default_factory=SparkConfig)
+    spark_writer: str = "direct"
     max_group_rows: int = 500_000
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     table_buckets: int | None = None
@@ -131,6 +135,10 @@ class NodeConfig:
             )
         if self.engine not in ("spark", "delta-rs"):
             raise UsageError(f"engine must be 'spark' or 'delta-rs', got {self.engine!r}")
+        if self.spark_writer not in SPARK_WRITERS:
+            raise UsageError(
+                f"spark_writer must be one of {', '.join(SPARK_WRITERS)}, got {self.spark_writer!r}"
+            )
         for name, bound in self.receiver_concurrency.items():
             if not isinstance(bound, int) or bound < 1:
                 raise UsageError(
@@ -205,6 +213,7 @@ class Node:
             self.engine = SparkTableEngine(
                 Path(config.warehouse),
                 spark=config.spark,
+                writer=config.spark_writer,
                 node_id=config.node_id,
                 max_group_rows=config.max_group_rows,
                 max_group_bytes=config.max_group_bytes,

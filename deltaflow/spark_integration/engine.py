@@ -132,6 +132,7 @@ class EngineStatistics:
     batches_committed: int = 0
     batches_failed: int = 0
     batches_deduplicated: int = 0
+    commit_conflicts: int = 0
     largest_group_rows: int = 0
     commit_seconds: float = 0.0
     queued_rows: int = 0
@@ -373,6 +374,7 @@ class _TableCommitter:
                 started = time.monotonic()
                 rows = await self.engine._in_thread(self._commit, group)
             except CommitConflictError:
+                self.engine.stats.commit_conflicts += 1
                 if attempt == _COMMIT_ATTEMPTS:
                     raise
                 await asyncio.sleep(0.05 * 2**attempt)

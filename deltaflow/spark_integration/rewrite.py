@@ -39,15 +39,17 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote
 
+from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
 from .footprint import Footprint
 from .tables import BUCKET_COLUMN
 
-__all__ = ["RewriteUnsupported", "rewrite"]
+__all__ = ["NewFile", "Rewrite", "RewriteUnsupported", "check_supported", "rewrite", "write_files"]
 
 #: A touched file whose kept rows are fewer than this share of its bucket's new rows is
 #: written with them (else it gets a file of its own): each carried row is then copied at
@@ -87,15 +89,120 @@ def _unsupported(protocol: Any, config: Any, schema: Any) -> str | None:
     return None
 
 
-def rewrite(
-    table: Any, path: Path, data: Any, footprint: Footprint, commit_properties: Any
-) -> None:
-    """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
-    its latest version) in one commit, by copy-on-write of the files holding its keys.
+@dataclass(frozen=True, slots=True)
+class NewFile:
+    """A data file written for a group, not yet committed.
+
+    Attributes:
+        path: relative to the table's root (characters that need no URI escaping).
+        size: bytes.
+        bucket: the bucket partition's value, None for a table without the layout.
+        stats: the file's Delta statistics (JSON).
+    """
+
+    path: str
+    size: int
+    bucket: str | None
+    stats: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """A group applied as files: the ones written (``adds``) and the live files they replace
+    (``removes``: rows of the footprint's candidate files, as delta-rs lists them), for one
+    commit of add and remove actions by the engine's own transaction.
+
+    Attributes:
+        timestamp: milliseconds since the epoch, for the actions' times.
+    """
+
+    adds: list[NewFile]
+    removes: list[dict[str, Any]]
+    timestamp: int
+
+    def remove_bucket(self, file: dict[str, Any]) -> str | None:
+        """The bucket partition's value of a removed file (None without the layout)."""
+        return _bucket_of(file)
+
+
+def check_supported(table: Any) -> None:
+    """Raise :class:`RewriteUnsupported` if ``table`` (delta-rs, at the version the group is
+    applied to) has a feature this writer does not implement."""
+    import pyarrow as pa
+
+    reason = _unsupported(
+        table.protocol(), table.metadata().configuration, pa.schema(table.schema().to_arrow())
+    )
+    if reason is not None:
+        raise RewriteUnsupported(reason)
+
+
+def write_files(
+    table: Any, path: Path, data: Any, key: str | None, candidates: Any | None
+) -> Rewrite:
+    """Blocking, under the table's lock: write the files that apply the group ``data`` to
+    ``table`` (delta-rs, at its latest version), nothing committed yet.
 
     Args:
         data: the group: the table's columns (the bucket column included for a bucketed
             table) and ``DELETE_COLUMN``; at most one row per key.
+        key: the one key column (new files are sorted by it and carry exact bounds of it);
+            None for a table without a one-column key, whose group is only appended.
+        candidates: the live files that may hold one of the group's keys
+            (:attr:`.Footprint.files`); None when it holds none (the group is appended).
+
+    Raises:
+        RewriteUnsupported: the group must be merged (nothing was written).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    check_supported(table)
+    assert key is not None or candidates is None
+    metadata = table.metadata()
+    schema = pa.schema(table.schema().to_arrow())
+    partition_by = list(metadata.partition_columns)
+    file_schema = pa.schema([f for f in schema if f.name not in partition_by])
+    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
+
+    touched: list[dict[str, Any]] = []  # the candidate files that hold a key of the group
+    kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
+    if key is not None and candidates is not None:
+        keys = data.column(key)
+        holding = _holding(candidates, keys, key)
+        read = list(_POOL.map(lambda f: _read(path / unquote(f["path"]), file_schema), holding))
+        if read:
+            rows = pa.concat_tables(read)
+            hit = pc.is_in(rows.column(key), value_set=keys)  # one hash set for every file
+            start = 0
+            for file, part in zip(holding, read, strict=True):
+                hits = hit.slice(start, part.num_rows)
+                start += part.num_rows
+                if not pc.any(hits).as_py():
+                    continue  # its range holds a key of the group, its rows do not
+                touched.append(file)
+                rest = part.filter(pc.invert(hits))
+                if rest.num_rows:
+                    kept.setdefault(_bucket_of(file), []).append(rest)
+
+    parts = [
+        (bucket, part)
+        for bucket, new, alone in _files_per_bucket(upserts, kept, file_schema, key)
+        for part in (new, *alone)
+        if part.num_rows
+    ]
+    adds = list(_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts))
+    return Rewrite(adds, touched, int(time.time() * 1000))
+
+
+def rewrite(
+    table: Any, path: Path, data: Any, footprint: Footprint, commit_properties: Any
+) -> None:
+    """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
+    its latest version) in one delta-rs commit, by copy-on-write of the files holding its keys
+    (see :func:`write_files`).
+
+    Args:
         footprint: the group's footprint on its one key column, checked against the live
             files (``column`` and ``files`` set).
         commit_properties: the commit's properties (its ``userMetadata`` carries the marks).
@@ -103,67 +210,41 @@ def rewrite(
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
     from deltalake.transaction import AddAction, RemoveAction
 
-    key = footprint.column
-    assert key is not None and footprint.files is not None
-    metadata = table.metadata()
-    schema = pa.schema(table.schema().to_arrow())
-    reason = _unsupported(table.protocol(), metadata.configuration, schema)
-    if reason is not None:
-        raise RewriteUnsupported(reason)
-    partition_by = list(metadata.partition_columns)
-    file_schema = pa.schema([f for f in schema if f.name not in partition_by])
-    keys = data.column(key)
-    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
-
-    candidates = _holding(footprint.files, keys, key)
-    read = list(_POOL.map(lambda f: _read(path / unquote(f["path"]), file_schema), candidates))
-    touched: list[dict[str, Any]] = []  # the candidate files that hold a key of the group
-    kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
-    if read:
-        rows = pa.concat_tables(read)
-        hit = pc.is_in(rows.column(key), value_set=keys)  # one hash set for every file
-        start = 0
-        for file, part in zip(candidates, read, strict=True):
-            hits = hit.slice(start, part.num_rows)
-            start += part.num_rows
-            if not pc.any(hits).as_py():
-                continue  # its range holds a key of the group, its rows do not
-            touched.append(file)
-            rest = part.filter(pc.invert(hits))
-            if rest.num_rows:
-                kept.setdefault(_bucket_of(file), []).append(rest)
-
-    actions: list[Any] = []
-    now = int(time.time() * 1000)
-    parts = [
-        (bucket, part)
-        for bucket, new, alone in _files_per_bucket(upserts, kept, file_schema, key)
-        for part in (new, *alone)
-        if part.num_rows
+    if footprint.column is None or footprint.files is None:
+        raise RewriteUnsupported("no key range to rewrite by")
+    done = write_files(table, path, data, footprint.column, footprint.files)
+    actions: list[Any] = [
+        AddAction(
+            path=f.path,
+            size=f.size,
+            partition_values={} if f.bucket is None else {BUCKET_COLUMN: f.bucket},
+            modification_time=done.timestamp,
+            data_change=True,
+            stats=f.stats,
+        )
+        for f in done.adds
     ]
-    actions.extend(_POOL.map(lambda p: _write_file(path, p[1], p[0], key, now, AddAction), parts))
-    for file in touched:
-        partition = _bucket_of(file)
+    for file in done.removes:
+        bucket = done.remove_bucket(file)
         actions.append(
             RemoveAction(
                 path=file["path"],
                 data_change=True,
-                deletion_timestamp=now,
+                deletion_timestamp=done.timestamp,
                 size=int(file["size_bytes"]),
-                partition_values=None if partition is None else {BUCKET_COLUMN: partition},
+                partition_values=None if bucket is None else {BUCKET_COLUMN: bucket},
             )
         )
     if not actions:
         return
+    fault_point("before_commit")
     table.create_write_transaction(
         actions,
         mode="append",
         schema=table.schema(),
-        partition_by=partition_by or None,
+        partition_by=list(table.metadata().partition_columns) or None,
         commit_properties=commit_properties,
     )
 
@@ -218,23 +299,25 @@ def _read(file: Path, schema: Any) -> Any:
 
 
 def _files_per_bucket(
-    upserts: Any, kept: dict[str | None, list[Any]], schema: Any, key: str
+    upserts: Any, kept: dict[str | None, list[Any]], schema: Any, key: str | None
 ) -> list[tuple[str | None, Any, list[Any]]]:
     """Per bucket: the rows of its new file (the group's rows and the small kept parts, sorted
-    by key) and the kept parts that get files of their own."""
+    by key when there is one) and the kept parts that get files of their own."""
     import numpy as np
     import pyarrow as pa
 
     by_bucket: dict[str | None, Any] = {}
     if upserts.num_rows and BUCKET_COLUMN in upserts.column_names:
-        ordered = upserts.sort_by([(BUCKET_COLUMN, "ascending"), (key, "ascending")])
+        order = [(BUCKET_COLUMN, "ascending")] + ([] if key is None else [(key, "ascending")])
+        ordered = upserts.sort_by(order)
         buckets = ordered.column(BUCKET_COLUMN).to_numpy()
         data = ordered.select(schema.names).cast(schema)
         edges = np.flatnonzero(np.diff(buckets)) + 1
         for lo, hi in zip([0, *edges], [*edges, len(buckets)], strict=True):
             by_bucket[str(buckets[lo])] = data.slice(lo, hi - lo)
     elif upserts.num_rows:
-        by_bucket[None] = upserts.sort_by(key).select(schema.names).cast(schema)
+        ordered = upserts if key is None else upserts.sort_by(key)
+        by_bucket[None] = ordered.select(schema.names).cast(schema)
     out = []
     for bucket in by_bucket.keys() | kept.keys():
         new = by_bucket.get(bucket)
@@ -244,15 +327,14 @@ def _files_per_bucket(
         for rest in kept.get(bucket, []):
             (parts if rest.num_rows < share else alone).append(rest)
         if len(parts) > 1:
+            assert key is not None  # kept rows exist only for a group with a key
             parts = [pa.concat_tables(parts).sort_by(key)]
         out.append((bucket, parts[0] if parts else schema.empty_table(), alone))
     return out
 
 
-def _write_file(
-    path: Path, rows: Any, bucket: str | None, key: str, now: int, add_action: Any
-) -> Any:
-    """Write ``rows`` as a new data file of the table at ``path``; its add action."""
+def _write_file(path: Path, rows: Any, bucket: str | None, key: str | None) -> NewFile:
+    """Write ``rows`` as a new data file of the table at ``path``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -262,17 +344,10 @@ def _write_file(
     target.parent.mkdir(parents=True, exist_ok=True)
     with pa.OSFile(str(target), "wb") as sink:
         pq.write_table(rows, sink, compression="snappy")
-    return add_action(
-        path=relative,
-        size=os.path.getsize(target),
-        partition_values={} if bucket is None else {BUCKET_COLUMN: bucket},
-        modification_time=now,
-        data_change=True,
-        stats=json.dumps(_stats(rows, key)),
-    )
+    return NewFile(relative, os.path.getsize(target), bucket, json.dumps(_stats(rows, key)))
 
 
-def _stats(rows: Any, key: str) -> dict[str, Any]:
+def _stats(rows: Any, key: str | None) -> dict[str, Any]:
     """The file's Delta statistics: the row count, null counts, and exact min/max of the key
     and of integer and floating-point columns (floats only without NaN). Other columns get
     none, which only costs readers the skipping of this file by them."""

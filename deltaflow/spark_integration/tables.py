@@ -6,7 +6,10 @@ every engine) reads the same ones from the table itself:
 - ``deltaflow.key``: the merge key columns, a JSON list (``[]`` for an append table);
 - ``deltaflow.buckets``: the number of buckets of the layout (``0``: no bucket column);
 - ``deltaflow.schemaEvolution``: ``true`` if writes may add columns;
-- ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors.
+- ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors;
+- ``delta.checkpointInterval``: 100 (:data:`CHECKPOINT_INTERVAL`), not Spark's 10: deltaflow
+  commits several times a second under load, and Spark writes each checkpoint in the commit
+  that reaches it (1-2.5 s measured, against 0.1-0.2 s for a commit).
 
 **The bucket layout.** A keyed table gets the int column ``_deltaflow_bucket``, computed on the
 node as ``partition_of(key, buckets)``: the function the client routes by. The table is
@@ -53,6 +56,10 @@ PROP_KEY: Final = "deltaflow.key"
 PROP_BUCKETS: Final = "deltaflow.buckets"
 PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
 PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
+PROP_CHECKPOINT_INTERVAL: Final = "delta.checkpointInterval"
+#: Commits between two checkpoints of the tables deltaflow creates (delta-rs's default; see
+#: the module docstring). Readers replay at most this many small JSON commits.
+CHECKPOINT_INTERVAL: Final = 100
 
 _ENGINES: Final = ("delta-rs", "spark")
 
@@ -92,6 +99,7 @@ class TableSettings:
             PROP_KEY: json.dumps(list(self.key)),
             PROP_BUCKETS: str(self.buckets),
             PROP_SCHEMA_EVOLUTION: "true" if self.schema_evolution else "false",
+            PROP_CHECKPOINT_INTERVAL: str(CHECKPOINT_INTERVAL),
         }
         if self.deletion_vectors:
             props[PROP_DELETION_VECTORS] = "true"
