@@ -279,12 +279,13 @@ def _create_spark_table(spark: Any, path: Path) -> None:
     )
 
 
-#: The client's window for the Spark deltaflow variants: up to 512 batches (512,000 rows) in
+#: The client's window for the Spark SQL writer's variant: up to 512 batches (512,000 rows) in
 #: flight, 16 per partition. Under load a node's group commit is what arrived during the
 #: previous commits, so a larger window makes larger groups that amortise Spark's MERGE fixed
 #: cost of seconds (see docs/configuration.md); the defaults (128 and 4) measure about 40%
-#: lower with Spark. The delta-rs variants keep the defaults: their commits take a quarter of a
-#: second, and a larger window only adds queueing (slower, with p99 latency 25% higher).
+#: lower with it. The other variants (delta-rs, and Spark's direct writer) keep the defaults:
+#: their commits take a fraction of a second, and a larger window only adds queueing.
+#: ``BENCH_SPARK_WINDOW=sql`` gives every Spark variant the large window.
 SPARK_WINDOW_BATCHES: Final = 512
 SPARK_WINDOW_PER_PARTITION: Final = 16
 #: The paced variants' source rate (rows/s): the rate at which the issue asks for time to
