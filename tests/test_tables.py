@@ -562,6 +562,23 @@ async def test_rewrite_reads_older_files_and_keeps_exactly_once(
 
 
 @COPY_ON_WRITE
+async def test_deletes_of_keys_no_file_holds_still_record_their_marks(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """A group that only deletes keys inside the table's key range that no file holds changes
+    no file, yet its commit must land with its lane marks, so the batch sent again (a lost
+    ack, another node) is skipped rather than applied after later writes."""
+    async with table_engine(engine, warehouse, table_buckets=0) as eng:
+        await upsert(eng, "holes", [{"id": i, "name": "a"} for i in range(0, 100, 2)])
+        await (await eng.stage("holes", ["id"], [{"id": 51}], frozenset({0}), mark=("s/0", (5, 0))))
+    async with table_engine(engine, warehouse, table_buckets=0) as eng:
+        await (await eng.stage("holes", ["id"], [{"id": 51}], frozenset({0}), mark=("s/0", (5, 0))))
+        assert eng.stats.batches_deduplicated == 1
+    assert len(DeltaTable(str(warehouse / "holes")).history()) == 3  # create, append, delete
+    assert len(read_all(warehouse / "holes")) == 50
+
+
+@COPY_ON_WRITE
 async def test_a_writer_committing_between_files_and_commit_loses_nothing(
     spark: Any, warehouse: Path, engine: str
 ) -> None:
