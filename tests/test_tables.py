@@ -284,6 +284,7 @@ async def test_explicit_create_stores_schema_layout_and_settings(
     assert meta.configuration["deltaflow.key"] == '["id"]'
     assert meta.configuration["deltaflow.buckets"] == "16"
     assert meta.configuration["deltaflow.schemaEvolution"] == "true"
+    assert meta.configuration["delta.checkpointInterval"] == "100"
     assert pa.schema(table.schema().to_arrow()).names == ["id", "name", "score", BUCKET_COLUMN]
     assert read_table_settings(warehouse, "people") == settings
     with pytest.raises(UsageError, match="exists already"):

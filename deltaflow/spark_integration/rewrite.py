@@ -49,7 +49,7 @@ from ..columnar import DELETE_COLUMN
 from .footprint import Footprint
 from .tables import BUCKET_COLUMN
 
-__all__ = ["NewFile", "Rewrite", "RewriteUnsupported", "check_supported", "rewrite", "write_files"]
+__all__ = ["DataFile", "Rewrite", "RewriteUnsupported", "rewrite", "write_files"]
 
 #: A touched file whose kept rows are fewer than this share of its bucket's new rows is
 #: written with them (else it gets a file of its own): each carried row is then copied at
@@ -90,51 +90,43 @@ def _unsupported(protocol: Any, config: Any, schema: Any) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class NewFile:
-    """A data file written for a group, not yet committed.
+class DataFile:
+    """A data file of a group's commit: one written for it, or a live one it replaces.
 
     Attributes:
-        path: relative to the table's root (characters that need no URI escaping).
+        path: relative to the table's root, as the Delta log holds it (the files written here
+            have names that need no URI escaping).
         size: bytes.
         bucket: the bucket partition's value, None for a table without the layout.
-        stats: the file's Delta statistics (JSON).
+        stats: the Delta statistics (JSON) of a written file; empty for a replaced one.
     """
 
     path: str
     size: int
     bucket: str | None
-    stats: str
+    stats: str = ""
+
+    @property
+    def partition_values(self) -> dict[str, str | None]:
+        return {} if self.bucket is None else {BUCKET_COLUMN: self.bucket}
 
 
 @dataclass(frozen=True, slots=True)
 class Rewrite:
-    """A group applied as files: the ones written (``adds``) and the live files they replace
-    (``removes``: rows of the footprint's candidate files, as delta-rs lists them), for one
-    commit of add and remove actions by the engine's own transaction.
+    """A group applied as files, for one commit of add and remove actions by the engine's
+    own transaction.
 
     Attributes:
+        adds: the files written.
+        removes: the live files they replace.
+        partition_by: the table's partition columns.
         timestamp: milliseconds since the epoch, for the actions' times.
     """
 
-    adds: list[NewFile]
-    removes: list[dict[str, Any]]
+    adds: list[DataFile]
+    removes: list[DataFile]
+    partition_by: list[str]
     timestamp: int
-
-    def remove_bucket(self, file: dict[str, Any]) -> str | None:
-        """The bucket partition's value of a removed file (None without the layout)."""
-        return _bucket_of(file)
-
-
-def check_supported(table: Any) -> None:
-    """Raise :class:`RewriteUnsupported` if ``table`` (delta-rs, at the version the group is
-    applied to) has a feature this writer does not implement."""
-    import pyarrow as pa
-
-    reason = _unsupported(
-        table.protocol(), table.metadata().configuration, pa.schema(table.schema().to_arrow())
-    )
-    if reason is not None:
-        raise RewriteUnsupported(reason)
 
 
 def write_files(
@@ -157,15 +149,17 @@ def write_files(
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    check_supported(table)
     assert key is not None or candidates is None
     metadata = table.metadata()
     schema = pa.schema(table.schema().to_arrow())
+    reason = _unsupported(table.protocol(), metadata.configuration, schema)
+    if reason is not None:
+        raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
 
-    touched: list[dict[str, Any]] = []  # the candidate files that hold a key of the group
+    touched: list[DataFile] = []  # the candidate files that hold a key of the group
     kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
     if key is not None and candidates is not None:
         keys = data.column(key)
@@ -180,10 +174,11 @@ def write_files(
                 start += part.num_rows
                 if not pc.any(hits).as_py():
                     continue  # its range holds a key of the group, its rows do not
-                touched.append(file)
+                bucket = _bucket_of(file)
+                touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
                 rest = part.filter(pc.invert(hits))
                 if rest.num_rows:
-                    kept.setdefault(_bucket_of(file), []).append(rest)
+                    kept.setdefault(bucket, []).append(rest)
 
     parts = [
         (bucket, part)
@@ -192,7 +187,7 @@ def write_files(
         if part.num_rows
     ]
     adds = list(_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts))
-    return Rewrite(adds, touched, int(time.time() * 1000))
+    return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
 
 
 def rewrite(
@@ -219,31 +214,30 @@ def rewrite(
         AddAction(
             path=f.path,
             size=f.size,
-            partition_values={} if f.bucket is None else {BUCKET_COLUMN: f.bucket},
+            partition_values=f.partition_values,
             modification_time=done.timestamp,
             data_change=True,
             stats=f.stats,
         )
         for f in done.adds
     ]
-    for file in done.removes:
-        bucket = done.remove_bucket(file)
-        actions.append(
-            RemoveAction(
-                path=file["path"],
-                data_change=True,
-                deletion_timestamp=done.timestamp,
-                size=int(file["size_bytes"]),
-                partition_values=None if bucket is None else {BUCKET_COLUMN: bucket},
-            )
+    actions += [
+        RemoveAction(
+            path=f.path,
+            data_change=True,
+            deletion_timestamp=done.timestamp,
+            size=f.size,
+            partition_values=f.partition_values or None,
         )
+        for f in done.removes
+    ]
     # Committed even without actions (deletes of keys no file holds): the lane marks must land.
     fault_point("before_commit")
     table.create_write_transaction(
         actions,
         mode="append",
         schema=table.schema(),
-        partition_by=list(table.metadata().partition_columns) or None,
+        partition_by=done.partition_by or None,
         commit_properties=commit_properties,
     )
 
@@ -332,7 +326,7 @@ def _files_per_bucket(
     return out
 
 
-def _write_file(path: Path, rows: Any, bucket: str | None, key: str | None) -> NewFile:
+def _write_file(path: Path, rows: Any, bucket: str | None, key: str | None) -> DataFile:
     """Write ``rows`` as a new data file of the table at ``path``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -343,7 +337,7 @@ def _write_file(path: Path, rows: Any, bucket: str | None, key: str | None) -> N
     target.parent.mkdir(parents=True, exist_ok=True)
     with pa.OSFile(str(target), "wb") as sink:
         pq.write_table(rows, sink, compression="snappy")
-    return NewFile(relative, os.path.getsize(target), bucket, json.dumps(_stats(rows, key)))
+    return DataFile(relative, os.path.getsize(target), bucket, json.dumps(_stats(rows, key)))
 
 
 def _stats(rows: Any, key: str | None) -> dict[str, Any]:

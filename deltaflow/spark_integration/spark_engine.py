@@ -13,7 +13,7 @@ Two writers apply a group in one commit (``writer``):
 
 The direct writer falls back to the SQL one for groups it cannot apply: tables with features
 it does not implement (deletion vectors, column mapping, constraints, generated columns, ...:
-:func:`.rewrite.check_supported`), keys of more than one column or of a type without ranges,
+:func:`.rewrite.write_files`), keys of more than one column or of a type without ranges,
 and Spark Connect sessions (no driver JVM to commit through).
 
 Tables are created with Delta's table builder (columns, the bucket partition column and
@@ -302,29 +302,33 @@ class SparkTableEngine(TableEngine):
 
 def _action_json(done: Rewrite) -> list[str]:
     """The add and remove actions of ``done`` as Delta log JSON, one action each."""
-    out = []
-    for f in done.adds:
-        add = {
-            "path": f.path,
-            "partitionValues": {} if f.bucket is None else {BUCKET_COLUMN: f.bucket},
-            "size": f.size,
-            "modificationTime": done.timestamp,
-            "dataChange": True,
-            "stats": f.stats,
+    adds = [
+        {
+            "add": {
+                "path": f.path,
+                "partitionValues": f.partition_values,
+                "size": f.size,
+                "modificationTime": done.timestamp,
+                "dataChange": True,
+                "stats": f.stats,
+            }
         }
-        out.append(json.dumps({"add": add}))
-    for file in done.removes:
-        bucket = done.remove_bucket(file)
-        remove = {
-            "path": file["path"],
-            "deletionTimestamp": done.timestamp,
-            "dataChange": True,
-            "extendedFileMetadata": True,
-            "partitionValues": {} if bucket is None else {BUCKET_COLUMN: bucket},
-            "size": int(file["size_bytes"]),
+        for f in done.adds
+    ]
+    removes = [
+        {
+            "remove": {
+                "path": f.path,
+                "deletionTimestamp": done.timestamp,
+                "dataChange": True,
+                "extendedFileMetadata": True,
+                "partitionValues": f.partition_values,
+                "size": f.size,
+            }
         }
-        out.append(json.dumps({"remove": remove}))
-    return out
+        for f in done.removes
+    ]
+    return [json.dumps(action) for action in adds + removes]
 
 
 def _merge_sql(
