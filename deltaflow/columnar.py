@@ -18,12 +18,13 @@ Importing this module does not import pyarrow.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, overload
 
 from .errors import ProtocolError
 
-__all__ = ["DELETE_COLUMN", "ArrowRows", "decode_page", "encode_page", "is_arrow"]
+__all__ = ["DELETE_COLUMN", "ArrowRows", "byte_offsets", "decode_page", "encode_page", "is_arrow"]
 
 #: The optional boolean column of an Arrow source whose true rows delete their key.
 DELETE_COLUMN: Final = "__deltaflow_delete"
@@ -143,6 +144,39 @@ class ArrowRows(Sequence[Any]):
 
     def __repr__(self) -> str:
         return f"ArrowRows({len(self)} rows, {len(self.deletes)} deletes)"
+
+
+def byte_offsets(table: Any) -> Any:
+    """Where each row of ``table`` starts in its Arrow bytes, as a numpy int64 array of
+    ``num_rows + 1`` cumulative sizes: the bytes of rows ``i`` to ``j`` are
+    ``offsets[j] - offsets[i]``, without a pass over ``table`` per slice.
+
+    Fixed-width values count their width, strings and binaries their length plus their
+    offset; a column of another type counts its average row.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    rows = int(table.num_rows)
+    sizes = np.zeros(rows, np.int64)
+    fixed = 0.0
+    for column in table.columns:
+        kind = column.type
+        if pa.types.is_boolean(kind):
+            fixed += 0.125
+        elif pa.types.is_string(kind) or pa.types.is_binary(kind):
+            sizes += pc.binary_length(column).fill_null(0).to_numpy() + 4
+        elif pa.types.is_large_string(kind) or pa.types.is_large_binary(kind):
+            sizes += pc.binary_length(column).fill_null(0).to_numpy() + 8
+        else:
+            try:
+                fixed += kind.bit_width / 8
+            except ValueError:  # nested or view types: their average row
+                fixed += column.nbytes / rows if rows else 0
+    offsets = np.zeros(rows + 1, np.int64)
+    np.cumsum(sizes + math.ceil(fixed), out=offsets[1:])
+    return offsets
 
 
 def _chunks(array: Any) -> list[Any]:

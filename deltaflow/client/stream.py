@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..columnar import ArrowRows, is_arrow
+from ..columnar import ArrowRows, byte_offsets, is_arrow
 from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, UsageError
 from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
@@ -488,13 +488,17 @@ class StreamRun:
             runs = pc.run_end_encode(parts.take(order))
             rows = rows.take(order)
             positions = pc.add(order.cast(pa.int64()), self.pulled)
+            offsets = byte_offsets(rows.table)
             start = 0
             for end, partition in zip(
                 runs.run_ends.to_pylist(), runs.values.to_pylist(), strict=True
             ):
                 length = end - start
                 self.accumulator.add_rows(
-                    partition, rows.part(start, length), positions.slice(start, length)
+                    partition,
+                    rows.part(start, length),
+                    positions.slice(start, length),
+                    offsets[start : end + 1],
                 )
                 start = end
             self.pulled += len(rows)
