@@ -45,7 +45,11 @@ def _serve(args: argparse.Namespace) -> int:
         side_input_lease=args.side_input_lease,
         side_input_poll_interval=args.side_input_poll_interval,
         engine=args.engine,
-        spark=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory),
+        spark=SparkConfig(
+            master=args.spark_master,
+            driver_memory=args.driver_memory,
+            java_options=args.driver_java_options,
+        ),
         spark_writer=args.spark_writer,
     )
 
@@ -214,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
     )
     serve.add_argument("--driver-memory", default="2g", help="embedded Spark driver heap")
+    serve.add_argument(
+        "--driver-java-options",
+        default=None,
+        metavar="OPTS",
+        help="embedded Spark driver JVM options (default: C1 compiler and serial GC with the "
+        "direct writer, the JVM's own defaults with the sql writer); see docs/configuration.md",
+    )
     serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     serve.add_argument("--failure-timeout", type=float, default=3.0, help="seconds")

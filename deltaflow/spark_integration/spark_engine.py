@@ -24,6 +24,7 @@ replaces instead of rewriting their files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import uuid
@@ -36,7 +37,7 @@ from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerErr
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
 from .rewrite import Rewrite, RewriteUnsupported, write_files
-from .session import SparkConfig, get_spark
+from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 from .tables import BUCKET_COLUMN, TableSettings, with_layout
 
 __all__ = ["SPARK_WRITERS", "SparkTableEngine", "create_delta_table", "map_spark_errors"]
@@ -147,7 +148,10 @@ class SparkTableEngine(TableEngine):
         self._sessions: dict[str, Any] = {}
 
     def _start_engine(self) -> None:
-        self.spark = get_spark(self.spark_config)
+        config = self.spark_config or SparkConfig()
+        if self.writer == "direct" and config.java_options is None:
+            config = dataclasses.replace(config, java_options=DIRECT_WRITER_JAVA_OPTIONS)
+        self.spark = get_spark(config)
 
     def _session(self, table: str) -> Any:
         # A session per table: its SQL conf (commit metadata) is not shared with the commits
