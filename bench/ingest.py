@@ -241,7 +241,7 @@ def stop_spark() -> None:
 # -- variants -----------------------------------------------------------------------------
 
 
-def warm_up_spark(warehouse: Path) -> Any:
+def warm_up_spark(warehouse: Path, java_options: str | None = None) -> Any:
     """Start this process's SparkSession and run a few untimed MERGEs.
 
     The first MERGE in a fresh JVM pays for class loading and code generation (about ten
@@ -251,6 +251,10 @@ def warm_up_spark(warehouse: Path) -> Any:
     pays this here, outside the timed part, like the rest of the startup:
     ``WARMUP_MERGES`` MERGEs of 50,000 rows, half of them updates from the second on.
 
+    Args:
+        java_options: the driver JVM's options (``SparkConfig.java_options``): what the nodes
+            sharing this process would start it with.
+
     Returns:
         The SparkSession.
     """
@@ -258,7 +262,7 @@ def warm_up_spark(warehouse: Path) -> Any:
 
     from deltaflow.spark_integration import SparkConfig, get_spark
 
-    spark = get_spark(SparkConfig(master="local[*]"))
+    spark = get_spark(SparkConfig(master="local[*]", java_options=java_options))
     scratch = warehouse / ".bench-warmup" / uuid.uuid4().hex
     scratch.mkdir(parents=True)
     _create_spark_table(spark, scratch / "table")
@@ -428,7 +432,10 @@ def run_deltaflow(
         )
 
     if engine == "spark" and layout == "shared":
-        warm_up_spark(warehouse)
+        from deltaflow.spark_integration.session import DIRECT_WRITER_JAVA_OPTIONS
+
+        # The session the nodes will share, with the JVM options their engine would choose.
+        warm_up_spark(warehouse, DIRECT_WRITER_JAVA_OPTIONS if writer == "direct" else None)
     run = asyncio.run(main())
     if engine == "spark" and layout == "shared":
         stop_spark()
