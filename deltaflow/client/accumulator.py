@@ -333,8 +333,3 @@ class _Positions(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._list())
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == other if isinstance(other, (list, _Positions)) else NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]

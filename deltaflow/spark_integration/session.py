@@ -29,14 +29,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER: Final = "local[*]"
-#: How the driver writes to ``file:`` paths (a local or mounted warehouse). Without Hadoop's
-#: native library, its local file system starts a process for every ``chmod`` and, through
-#: ``FileContext``, for every ``readlink`` of a rename: a Delta commit (log entry and checksum
-#: file) started about 20 processes, 60 ms of a 90 ms commit on this machine. With these, a
-#: commit starts one ``chmod`` per file and takes about 30 ms. Safe here because every
-#: deltaflow commit holds the table's cross-process lock (``lock.py``): the default
-#: ``HDFSLogStore`` does not make put-if-absent atomic across processes on a local file system
-#: either.
 #: The driver JVM's options when nodes commit with the direct writer: the JVM then runs Delta's
 #: commit code and little else, so the C1 compiler alone (a fraction of C2's compile work, which
 #: took a quarter of a 2-core machine for the first minute of a node's life) and the serial
@@ -45,6 +37,14 @@ DEFAULT_MASTER: Final = "local[*]"
 #: defaults, 128,100 and 127,800 with these (dict source: 79,200 and 83,200 against 96,300 and
 #: 96,100). A JVM that runs Spark jobs (the SQL writer, a MERGE) wants the defaults.
 DIRECT_WRITER_JAVA_OPTIONS: Final = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+#: How the driver writes to ``file:`` paths (a local or mounted warehouse). Without Hadoop's
+#: native library, its local file system starts a process for every ``chmod`` and, through
+#: ``FileContext``, for every ``readlink`` of a rename: a Delta commit (log entry and checksum
+#: file) started about 20 processes, 60 ms of a 90 ms commit on this machine. With these, a
+#: commit starts one ``chmod`` per file and takes about 30 ms. Safe here because every
+#: deltaflow commit holds the table's cross-process lock (``lock.py``): the default
+#: ``HDFSLogStore`` does not make put-if-absent atomic across processes on a local file system
+#: either.
 LOCAL_FILE_SETTINGS: Final = {
     # Delta's log store over Hadoop's FileSystem (exists, then rename) instead of FileContext.
     "spark.delta.logStore.file.impl": "org.apache.spark.sql.delta.storage.LocalLogStore",

@@ -171,18 +171,16 @@ class SparkTableEngine(TableEngine):
         classes while the node starts rather than inside the first group's commit (measured:
         7 s of the demo's first commit). Best effort: a failure only leaves the JVM cold."""
         scratch = self.staging_dir / f"warm-up-{uuid.uuid4().hex}"
-        session = self._session("__warm_up__")
         try:
-            session.sql(
+            self.spark.sql(
                 f"CREATE TABLE delta.{_quote(str(scratch))} (id BIGINT) USING DELTA "
                 f"TBLPROPERTIES ('{PROP_CHECKPOINT_INTERVAL}' = '{CHECKPOINT_INTERVAL}')"
             )
-            self._commit_files(session, "__warm_up__", scratch, Rewrite([], [], [], 0), "{}", 0)
+            self._commit_files(self.spark, "warm-up", scratch, Rewrite([], [], [], 0), "{}", 0)
             _warmed.set()
         except Exception as exc:  # noqa: BLE001 - the first commit is only slower
             log.debug("warming the Delta commit path failed: %s", exc)
         finally:
-            self._sessions.pop("__warm_up__", None)
             shutil.rmtree(scratch, ignore_errors=True)
 
     def _session(self, table: str) -> Any:
