@@ -313,10 +313,12 @@ def run_deltaflow(
     rate: float | None = None,
     arrow: bool = False,
     writer: str = "direct",
+    vectors: bool = False,
 ) -> Run:
     """One client streaming all rows to two nodes.
 
     Args:
+        vectors: the table gets deletion vectors (merge-on-read with the delta-rs engine).
         writer: the Spark engine's writer (``direct`` or ``sql``: a Spark MERGE per group).
         arrow: the source yields Arrow record batches of ``ARROW_BATCH_ROWS`` rows (the form
             the baselines get their rows in) instead of one dict per row; deltaflow routes
@@ -395,7 +397,7 @@ def run_deltaflow(
 
     async def main() -> Run:
         address, statistics, stop = await _start_two_nodes(
-            warehouse, engine, buckets, layout, writer
+            warehouse, engine, buckets, layout, writer, vectors
         )
         try:
             if layout == "process":  # the nodes' JVMs come to speed untimed, as above
@@ -443,7 +445,7 @@ def run_deltaflow(
 
 
 async def _start_two_nodes(
-    warehouse: Path, engine: str, buckets: int | None, layout: str, writer: str
+    warehouse: Path, engine: str, buckets: int | None, layout: str, writer: str, vectors: bool
 ) -> tuple[str, Callable[[], Awaitable[tuple[int, float, int]]], Callable[[], Awaitable[None]]]:
     """Two nodes: the first one's address, how to read (commits, commit seconds, largest
     group rows) summed over both, and how to stop them."""
@@ -451,6 +453,8 @@ async def _start_two_nodes(
         from deltaflow.testing import NodeProcess, wait_for_members
 
         extra = ["--engine", engine, "--spark-writer", writer]
+        if vectors:
+            extra.append("--deletion-vectors")
         if buckets is not None:
             extra += ["--table-buckets", str(buckets)]
         first = await NodeProcess("node-1", warehouse, extra=extra, spark_master="local[*]").start()
@@ -487,6 +491,7 @@ async def _start_two_nodes(
             spark=SparkConfig(master="local[*]"),
             spark_writer=writer,
             table_buckets=buckets,
+            deletion_vectors=vectors,
         ),
     )
 
@@ -695,6 +700,19 @@ VARIANTS: Final = (
         ),
     ),
     Variant(
+        "deltaflow-delta-rs-arrow-procs-dv",
+        "deltaflow_delta_rs_arrow_procs_dv",
+        lambda w, n: run_deltaflow(
+            w,
+            n,
+            "delta-rs",
+            table="deltaflow_delta_rs_arrow_procs_dv",
+            layout="process",
+            arrow=True,
+            vectors=True,
+        ),
+    ),
+    Variant(
         "deltaflow-spark-paced",
         "deltaflow_spark_paced",
         lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_paced", rate=PACED_RATE),
@@ -757,12 +775,15 @@ def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
 
 
 def count_table(path: Path) -> tuple[int, int]:
-    """Rows and distinct ids of a Delta table, read with delta-rs (not Spark)."""
-    import pyarrow.compute as pc
-    from deltalake import DeltaTable
+    """Rows and distinct ids of a Delta table, read with delta-rs (not Spark), through its
+    query engine, which applies deletion vectors."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
 
-    ids = DeltaTable(str(path)).to_pyarrow_table(columns=["id"]).column("id")
-    return len(ids), pc.count_distinct(ids).as_py()
+    query = QueryBuilder().register("t", DeltaTable(str(path)))
+    counted = query.execute("SELECT count(*) AS n, count(DISTINCT id) AS d FROM t").read_all()
+    row = pa.table(counted).to_pylist()[0]
+    return int(row["n"]), int(row["d"])
 
 
 def _fmt_s(seconds: float) -> str:

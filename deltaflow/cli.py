@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--deletion-vectors",
         action="store_true",
-        help="tables created on first write get Delta deletion vectors (spark engine only)",
+        help="tables created on first write get Delta deletion vectors (delta-rs: merge-on-read)",
     )
     serve.add_argument(
         "--side-input",
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "--allow-schema-evolution", action="store_true", help="writes may add columns"
     )
     create.add_argument(
-        "--deletion-vectors", action="store_true", help="Delta deletion vectors (--engine spark)"
+        "--deletion-vectors", action="store_true", help="Delta deletion vectors (merge-on-read)"
     )
     create.add_argument(
         "--engine",

@@ -36,9 +36,12 @@ def warehouse(tmp_path: Path) -> Path:
 
 def engine_options(engine: str) -> dict[str, Any]:
     """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
-    ``spark-sql`` (the Spark engine MERGEing every group) or ``delta-rs``."""
+    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, or ``delta-rs-dv``
+    (delta-rs on tables with deletion vectors: merge-on-read)."""
     if engine == "spark-sql":
         return {"engine": "spark", "spark_writer": "sql"}
+    if engine == "delta-rs-dv":
+        return {"engine": "delta-rs", "deletion_vectors": True}
     return {"engine": engine}
 
 
@@ -95,10 +98,13 @@ async def echo_stream(
 
 
 def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
-    """The table as {key: row}, read by delta-rs (independent of Spark)."""
-    from deltalake import DeltaTable
+    """The table as {key: row}, read by delta-rs (independent of Spark), through its query
+    engine, which applies deletion vectors."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
 
-    rows = DeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    rows = pa.table(reader.read_all()).to_pylist()
     table = {row[key]: row for row in rows}
     assert len(table) == len(rows), "duplicate keys in the table"
     return table

@@ -20,21 +20,36 @@ import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.testing import NodeProcess
 
+from .conftest import read_delta
+
 APPEND_RECEIVER = "deltaflow.testing.AppendRows"
 
 
-async def race(warehouse: Path, engine: str, batches: int, rows: int, *, append: bool) -> float:
+async def race(
+    warehouse: Path,
+    engine: str,
+    batches: int,
+    rows: int,
+    *,
+    append: bool,
+    keys: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> float:
     """Both nodes stream ``batches`` one-batch commits of ``rows`` rows; returns the seconds the
-    two streams took. Merges into a keyed table, or appends to a keyless one."""
-    extra = ["--partitions", "1", "--engine", engine]
+    two streams took. Merges into a keyed table, or appends to a keyless one. With ``keys``,
+    each node's rows cycle through that many ids, so every batch after the first few updates
+    rows of the node's earlier commits."""
+    extra = ("--partitions", "1", "--engine", engine, *extra)
     if append:
-        extra += ["--receiver", APPEND_RECEIVER]
+        extra += ("--receiver", APPEND_RECEIVER)
+    total = batches * rows
+    distinct = keys or total
     nodes = [NodeProcess(f"{engine}-{i}", warehouse, extra=extra) for i in (1, 2)]
     await asyncio.gather(*(n.start() for n in nodes))
     opts = StreamerOptions(page_size=rows, max_in_flight=1, auto_flush_interval=0)
 
     async def stream(node: NodeProcess, offset: int) -> deltaflow.StreamSummary:
-        data = [{"id": offset + i, "writer": node.node_id} for i in range(batches * rows)]
+        data = [{"id": offset + i % distinct, "writer": node.node_id, "n": i} for i in range(total)]
         async with deltaflow.connect([node.address]) as client:
             if append:
                 return await client.stream_data(
@@ -62,9 +77,14 @@ async def race(warehouse: Path, engine: str, batches: int, rows: int, *, append:
     writers = [_writer(path, v) for v in versions]
     assert writers[0] == ""  # the creation (a commit of its own, without rows)
     assert sorted(writers[1:]) == sorted([n.node_id for n in nodes] * batches)
-    data = table.to_pyarrow_table().to_pylist()
-    assert len(data) == 2 * batches * rows == len({r["id"] for r in data})
-    assert {r["writer"] for r in data} == {n.node_id for n in nodes}
+    data = {k: (r["writer"], r["n"]) for k, r in read_delta(path).items()}
+    # Each id holds its last write: n is the last of its cycle.
+    assert data == {
+        offset + k: (node.node_id, last)
+        for node, offset in ((nodes[0], 0), (nodes[1], 1_000_000))
+        for k in range(distinct)
+        for last in [max(i for i in range(total) if i % distinct == k)]
+    }
     return elapsed
 
 
@@ -90,3 +110,20 @@ async def test_hammer_200_appends_from_two_spark_processes(warehouse: Path) -> N
 @pytest.mark.slow
 async def test_hammer_300_commits_from_two_delta_rs_processes(warehouse: Path) -> None:
     await race(warehouse, "delta-rs", batches=150, rows=4, append=False)
+
+
+@pytest.mark.slow
+async def test_hammer_300_merge_on_read_commits_from_two_delta_rs_processes(
+    warehouse: Path,
+) -> None:
+    # Tables with deletion vectors are committed by deltaflow's own log writer (delta-rs's
+    # transactions take no deletion vectors): every batch replaces rows of earlier commits.
+    await race(
+        warehouse,
+        "delta-rs",
+        batches=150,
+        rows=4,
+        append=False,
+        keys=20,
+        extra=("--deletion-vectors",),
+    )

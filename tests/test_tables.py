@@ -33,10 +33,10 @@ from deltaflow.testing import at_fault_point
 from .conftest import TEST_SPARK, engine_options, read_delta, read_spark, start_cluster
 
 
-@pytest.fixture(params=["spark", "spark-sql", "delta-rs"])
+@pytest.fixture(params=["spark", "spark-sql", "delta-rs", "delta-rs-dv"])
 def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, and the Spark engine's two writers: their
-    semantics must be identical."""
+    """Every table test runs against both engines, the Spark engine's two writers and
+    delta-rs's merge-on-read: their semantics must be identical."""
     return str(request.param)
 
 
@@ -224,7 +224,8 @@ async def table_engine(engine: str, warehouse: Path, **kwargs: Any) -> AsyncIter
         writer = engine_options(engine).get("spark_writer", "direct")
         eng = SparkTableEngine(warehouse, node_id="t1", spark=TEST_SPARK, writer=writer, **kwargs)
     else:
-        eng = DeltaRsTableEngine(warehouse, node_id="t1", **kwargs)
+        options = {k: v for k, v in engine_options(engine).items() if k != "engine"}
+        eng = DeltaRsTableEngine(warehouse, node_id="t1", **{**options, **kwargs})
     await eng.start()
     try:
         yield eng
@@ -314,6 +315,8 @@ async def test_group_touches_only_the_buckets_its_node_owns(
     writers = set()
     for version in range(1, DeltaTable(str(path)).version() + 1):
         node, files = commit_actions(path, version)
+        if not files and not node:
+            continue  # the table's creation (deletion vectors enabled in a commit of its own)
         assert node in ("node-1", "node-2")
         writers.add(node)
         touched = {int(f["partitionValues"][BUCKET_COLUMN]) for f in files}
@@ -390,13 +393,8 @@ async def test_schema_evolution_only_on_tables_that_allow_it(
 
 
 async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: str) -> None:
-    if engine == "delta-rs":
-        # delta-rs cannot create a deletion-vector table Spark reads: refused, clearly.
-        with pytest.raises(UsageError, match="deletion vectors"):
-            DeltaRsTableEngine(warehouse, node_id="t1", deletion_vectors=True)
-        with pytest.raises(UsageError, match="engine='spark'"):
-            create_table(warehouse, "dv", schema="id:long", key="id", deletion_vectors=True)
-    # Created by Spark, the table is written by either engine.
+    # Created by either engine (delta-rs's own way would add a feature Spark cannot read), the
+    # table is read by both.
     await asyncio.to_thread(
         create_table,
         warehouse,
@@ -405,24 +403,54 @@ async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: 
         key="id",
         buckets=2,
         deletion_vectors=True,
-        engine="spark",
+        engine="delta-rs" if engine.startswith("delta-rs") else "spark",
         spark=TEST_SPARK,
     )
-    assert (
-        DeltaTable(str(warehouse / "dv")).metadata().configuration["delta.enableDeletionVectors"]
-        == "true"
-    )
+    path = warehouse / "dv"
+    assert DeltaTable(str(path)).metadata().configuration["delta.enableDeletionVectors"] == "true"
     async with table_engine(engine, warehouse) as eng:
         await upsert(eng, "dv", [{"id": i, "name": "a"} for i in range(100)])
+        written = {a["path"] for a in commit_actions(path, DeltaTable(str(path)).version())[1]}
         await upsert(eng, "dv", [{"id": 1, "name": "b"}, {"id": 2}], frozenset({1}))
-    metrics = DeltaTable(str(warehouse / "dv")).history(1)[0]["operationMetrics"]
+    last = DeltaTable(str(path))
     if engine.startswith("spark"):  # the direct writer leaves such tables to Spark's MERGE
         # The MERGE marked the replaced rows instead of rewriting their files.
+        metrics = last.history(1)[0]["operationMetrics"]
         assert int(metrics["numTargetDeletionVectorsAdded"]) > 0
         assert int(metrics["numTargetFilesRemoved"]) == 0
+    else:  # merge-on-read: the files holding ids 1 and 2 get vectors, one new file holds id 1
+        _, actions = commit_actions(path, last.version())
+        marked = [a for a in actions if a.get("deletionVector") and "modificationTime" in a]
+        assert {a["path"] for a in marked} <= written and marked
+        assert sum(a["deletionVector"]["cardinality"] for a in marked) == 2
+        new = [a for a in actions if "modificationTime" in a and not a.get("deletionVector")]
+        assert [json.loads(a["stats"])["numRecords"] for a in new] == [1]
     want = {i: "a" for i in range(100) if i != 2} | {1: "b"}
-    assert {r["id"]: r["name"] for r in read_all(warehouse / "dv")} == want
-    assert {k: r["name"] for k, r in read_spark(spark, warehouse / "dv").items()} == want
+    assert {r["id"]: r["name"] for r in read_all(path)} == want
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
+
+
+async def test_merge_on_read_after_a_restart_from_a_checkpoint(spark: Any, warehouse: Path) -> None:
+    """A node that starts on a table whose early commits are gone (log clean-up after a
+    checkpoint) finds the files' deletion vectors in the checkpoint: the vectors it writes
+    replace them, and no file is listed twice."""
+    path = warehouse / "restarted"
+    async with table_engine("delta-rs-dv", warehouse) as eng:
+        await upsert(eng, "restarted", [{"id": i, "name": "a"} for i in range(100)])
+        await upsert(eng, "restarted", [{"id": i, "name": "b"} for i in range(50)])
+        await upsert(eng, "restarted", [{"id": 200, "name": "a"}])  # the vectors' commit is gone
+    table = DeltaTable(str(path))
+    table.create_checkpoint()
+    for version in range(table.version()):
+        (path / "_delta_log" / f"{version:020d}.json").unlink()
+    async with table_engine("delta-rs-dv", warehouse) as eng:  # a new node: nothing in memory
+        await upsert(eng, "restarted", [{"id": i, "name": "c"} for i in range(25)], frozenset())
+        await upsert(eng, "restarted", [{"id": 99}], frozenset({0}))
+    want = {i: "c" if i < 25 else "b" if i < 50 else "a" for i in [*range(99), 200]}
+    assert {k: r["name"] for k, r in read_delta(path).items()} == want
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
+    live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
+    assert len(live) == len(set(live))
 
 
 async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(
@@ -451,8 +479,8 @@ async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(
         await (await eng.stage("named", ["k"], [{"k": k, "v": 2} for k in keys[:2]], frozenset()))
     rows = {r["id"]: r["name"] for r in read_all(path)}
     assert rows == {i: "b" if i in changed else "a" for i in [*range(1000), 5000]}
-    named = DeltaTable(str(warehouse / "named")).to_pyarrow_table().to_pylist()
-    assert {r["k"]: r["v"] for r in named} == {
+    named = read_delta(warehouse / "named", key="k")
+    assert {k: r["v"] for k, r in named.items()} == {
         "it's": 2,
         "back\\slash": 2,
         "plain": 1,
@@ -473,8 +501,10 @@ async def test_a_group_of_new_keys_is_appended_and_one_with_an_old_key_merged(
         # One old key among new ones: merged.
         await upsert(eng, "fresh", [{"id": 5, "name": "c"}, {"id": 300, "name": "c"}])
         await upsert(eng, "fresh", [{"id": 6}], frozenset({0}))
-    # Appends add files only; a merge (or delta-rs's rewrite) replaces the files it changes.
-    replaced = [removes(path, version) > 0 for version in range(1, 5)]
+    # Appends add files only; a merge (or delta-rs's rewrite, or a merge-on-read's new
+    # deletion vectors) replaces the files it changes. The last four commits are the groups'.
+    last = DeltaTable(str(path)).version()
+    replaced = [removes(path, version) > 0 for version in range(last - 3, last + 1)]
     assert replaced == [False, False, True, True], replaced
     want = {i: "a" for i in range(100)} | {i: "b" for i in range(100, 200)} | {5: "c", 300: "c"}
     del want[6]

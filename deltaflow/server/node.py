@@ -84,7 +84,8 @@ class NodeConfig:
         schema_evolution: tables this node creates on first write allow new columns. Default
             False.
         deletion_vectors: tables this node creates on first write get Delta deletion vectors
-            (Spark engine only). Default False.
+            (with the delta-rs engine, their groups are applied by merge-on-read; see
+            ``docs/tables.md``). Default False.
         side_inputs: class names (``"module.Class"``) of the side inputs this node serves to
             its receivers (see ``docs/side-inputs.md``); every node should list the same.
         side_input_timeout: seconds a starting node waits, once its engine started, for every
@@ -150,11 +151,6 @@ class NodeConfig:
             raise UsageError("max_group_rows and max_group_bytes must be at least 1")
         if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
-        if self.deletion_vectors and self.engine != "spark":
-            raise UsageError(
-                "deletion_vectors needs the spark engine: delta-rs cannot create tables with "
-                "deletion vectors that Spark reads (it writes to such tables, though)"
-            )
         if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
             raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
         if not self.side_input_lease >= 0.3:
@@ -229,6 +225,7 @@ class Node:
                 max_group_bytes=config.max_group_bytes,
                 table_buckets=buckets,
                 schema_evolution=config.schema_evolution,
+                deletion_vectors=config.deletion_vectors,
             )
         # Side inputs, like receivers, are imported here from the operator's list only.
         classes = load_side_inputs([*config.side_inputs, *side_inputs])

@@ -3,31 +3,45 @@ package, no JVM.
 
 A group whose keys the table may hold is applied by copy-on-write by key range
 (:mod:`.rewrite`: the files holding its keys are read and replaced in one commit, keeping files
-to their key ranges); tables with features that writer does not implement, and keys of more
-than one column, are merged with delta-rs's MERGE.
+to their key ranges), or, on a table with deletion vectors, by merge-on-read
+(:mod:`.merge_on_read`: its rows are written once and the rows they replace marked in deletion
+vectors). Tables with features those writers do not implement, and keys of more than one
+column, are merged with delta-rs's MERGE.
 
 Same semantics as the Spark engine (the same table tests run against both): one commit per
 group, lane marks in the commit's ``userMetadata``, the same cross-process table lock.
 
-Deletion vectors: delta-rs 1.x writes to a table that has them (its MERGE rewrites the files it
-touches, honouring their deletion vectors, and writes none itself), but a table it creates
-with deletion vectors also gets the ``variantType`` feature, which Delta 3.3 (Spark) cannot
-read. So this engine never creates such tables; create them with Spark.
+Deletion vectors: delta-rs 1.x reads and writes tables that have them (its MERGE and OPTIMIZE
+rewrite the files they touch, honouring their vectors), but its transactions take no vectors
+of their own, and a table it creates (or alters) to have them also gets the ``variantType``
+feature, which Delta 3.3 (Spark) cannot read. So this engine writes the creation commit of
+such a table, and its merge-on-read commits, as log entries of its own
+(:func:`commit_log_entry`, under the table's lock like every deltaflow commit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
+from .merge_on_read import KeyColumns, write_merge_on_read
 from .rewrite import RewriteUnsupported, rewrite
-from .tables import BUCKET_COLUMN, TableSettings, with_layout
+from .tables import (
+    BUCKET_COLUMN,
+    CHECKPOINT_INTERVAL,
+    PROP_CHECKPOINT_INTERVAL,
+    PROP_DELETION_VECTORS,
+    TableSettings,
+    with_layout,
+)
 
 __all__ = ["DeltaRsTableEngine", "create_delta_table"]
 
@@ -94,6 +108,9 @@ def create_delta_table(
 
     full, partition_by = with_layout(schema, settings)
     with map_deltars_errors(table, node):
+        if settings.deletion_vectors:
+            _create_with_deletion_vectors(path, full, partition_by, settings.properties())
+            return
         DeltaTable.create(
             str(path),
             full,
@@ -105,12 +122,59 @@ def create_delta_table(
         )
 
 
+def _create_with_deletion_vectors(
+    path: Path, schema: Any, partition_by: list[str], properties: dict[str, str]
+) -> None:
+    """Create the table's first commit ourselves: delta-rs's own ways (creating with the
+    property, or setting it afterwards) also add the ``variantType`` feature, which Delta 3.3
+    (Spark) cannot read. The protocol is the one Spark gives such a table."""
+    import time
+    import uuid
+
+    from deltalake import Schema
+
+    now = int(time.time() * 1000)
+    protocol = {
+        "minReaderVersion": 3,
+        "minWriterVersion": 7,
+        "readerFeatures": ["deletionVectors"],
+        "writerFeatures": ["deletionVectors", "appendOnly", "invariants"],
+    }
+    metadata = {
+        "id": str(uuid.uuid4()),
+        "format": {"provider": "parquet", "options": {}},
+        "schemaString": Schema.from_arrow(schema).to_json(),
+        "partitionColumns": partition_by,
+        "configuration": properties,
+        "createdTime": now,
+    }
+    info = {
+        "timestamp": now,
+        "operation": "CREATE TABLE",
+        "operationParameters": {"partitionBy": json.dumps(partition_by)},
+        "engineInfo": "deltaflow",
+    }
+    (path / "_delta_log").mkdir(parents=True, exist_ok=True)
+    commit_log_entry(
+        path, 0, [{"commitInfo": info}, {"protocol": protocol}, {"metaData": metadata}]
+    )
+
+
 #: A MERGE copies every row of the files it touches. Once the candidate files hold more than
 #: this many times the group's rows (an earlier MERGE gathered the rest of a straddled file
 #: into its own), the group is applied by the copy-on-write of :mod:`.rewrite`, which splits
 #: them by key range again; below it the MERGE, whose file work runs in Rust off the GIL, is
 #: cheaper (measured: nodes in one process lost 35% of their rate with the rewrite alone).
 REWRITE_ABOVE_COPIES: Final = 2
+
+
+def _has_deletion_vectors(table: Any) -> bool:
+    """Whether the delta-rs ``table`` has deletion vectors enabled (the feature in its
+    protocol, and ``delta.enableDeletionVectors``)."""
+    config = table.metadata().configuration
+    if str(config.get(PROP_DELETION_VECTORS, "false")).lower() != "true":
+        return False
+    return "deletionVectors" in (table.protocol().writer_features or ())
 
 
 def _copies_much(footprint: Footprint, rows: int) -> bool:
@@ -127,7 +191,7 @@ class DeltaRsTableEngine(TableEngine):
     """Delta through delta-rs (the ``deltalake`` package): fast commits, no JVM."""
 
     name = "delta-rs"
-    creates_deletion_vectors = False
+    creates_deletion_vectors = True
 
     def _start_engine(self) -> None:
         _require_deltalake()
@@ -191,6 +255,16 @@ class DeltaRsTableEngine(TableEngine):
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
             target = self._latest(path)
+            if (
+                footprint.column is not None
+                and footprint.files is not None
+                and (_has_deletion_vectors(target))
+            ):
+                try:
+                    self._merge_on_read(target, path, data, footprint, metadata)
+                    return
+                except RewriteUnsupported as exc:
+                    log.debug("table %s: merging this group (%s)", table, exc)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props)
@@ -214,3 +288,62 @@ class DeltaRsTableEngine(TableEngine):
                 .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
                 .execute()
             )
+
+    def _merge_on_read(
+        self, target: Any, path: Path, data: Any, footprint: Footprint, metadata: str
+    ) -> None:
+        """Apply the group by merge-on-read (:mod:`.merge_on_read`), committed by writing the
+        next log entry directly (delta-rs's transaction API takes no deletion vectors)."""
+        assert footprint.column is not None
+        memory = self._key_columns.setdefault(path, KeyColumns())
+        done, _ = write_merge_on_read(
+            target,
+            path,
+            data,
+            footprint.column,
+            footprint.files,
+            {p: dict(v) for p, v in footprint.vectors.items()},
+            memory,
+        )
+        version = target.version() + 1
+        info = {
+            "timestamp": done.timestamp,
+            "operation": "MERGE",
+            "operationParameters": {"mode": "merge-on-read"},
+            "readVersion": target.version(),
+            "isBlindAppend": False,
+            "userMetadata": metadata,
+            "engineInfo": f"deltaflow {self.name}",
+        }
+        fault_point("before_commit")
+        commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
+        memory.forget(c.file.path for c in done.changes if c.new is None)
+        interval = int(target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL, 0) or 0)
+        if version % (interval or CHECKPOINT_INTERVAL) == 0:
+            self._latest(path).create_checkpoint()
+
+
+def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) -> None:
+    """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
+    other writer did (put-if-absent by a hard link, atomic on POSIX file systems: readers
+    never see a partial entry).
+
+    Raises:
+        CommitConflictError: the version exists (another writer's commit won).
+    """
+    import os
+    import uuid
+
+    log_dir = path / "_delta_log"
+    staged = log_dir / f".{version:020d}.json.{uuid.uuid4().hex}.tmp"
+    staged.write_text(
+        "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions), encoding="utf-8"
+    )
+    try:
+        os.link(staged, log_dir / f"{version:020d}.json")
+    except FileExistsError as exc:
+        raise CommitConflictError(
+            f"table {path.name!r}: another writer committed version {version} first"
+        ) from exc
+    finally:
+        staged.unlink(missing_ok=True)

@@ -54,6 +54,7 @@ from ..partitioning import partition_table
 from .footprint import Footprint
 from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
+from .merge_on_read import KeyColumns
 from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
@@ -432,7 +433,7 @@ class _TableCommitter:
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
             files = self.engine.live_files(self.path) if footprint.ranges else None
             if files is not None:
-                footprint = footprint.checked_against(files)
+                footprint = footprint.checked_against(files, self.marks.vectors)
                 if footprint.fresh:
                     footprint = None  # no key of the group can be in the table: appended
         self.engine.write(self.name, self.path, key, data, metadata, footprint)
@@ -920,6 +921,7 @@ class TableEngine:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
         self._tables: dict[str, _TableCommitter] = {}
         self._open: dict[Path, Any] = {}  # delta-rs tables, see _latest
+        self._key_columns: dict[Path, KeyColumns] = {}  # merge-on-read, per table
 
     def new_table_settings(self, key: Sequence[str]) -> TableSettings:
         """The settings of a table this node creates on first write with ``key``."""

@@ -25,7 +25,7 @@ one of those keys before the append lands.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -49,6 +49,8 @@ class Footprint:
             the table's lock): the group is appended, not merged.
         files: after :meth:`checked_against`, the live files that may hold one of the group's
             keys (the rows of the file list it was given), else None.
+        vectors: the deletion vector descriptor of every live file that has one (path as in
+            the log), for a merge-on-read commit that replaces them.
     """
 
     buckets: tuple[int, ...] | None
@@ -56,6 +58,9 @@ class Footprint:
     ranges: tuple[tuple[Any, Any], ...] = ()
     fresh: bool = False
     files: Any = dataclasses.field(default=None, compare=False, repr=False)
+    vectors: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @classmethod
     def of(
@@ -81,7 +86,9 @@ class Footprint:
             return cls(buckets)
         return cls(buckets, key[0], ranges)
 
-    def checked_against(self, files: Any) -> Footprint:
+    def checked_against(
+        self, files: Any, vectors: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> Footprint:
         """This footprint with the ``files`` that may hold one of its keys, and ``fresh`` if
         none may.
 
@@ -90,6 +97,7 @@ class Footprint:
                 (``DeltaTable.get_add_actions(flatten=True)``): ``min.<column>`` and
                 ``max.<column>`` statistics, ``partition.<bucket column>`` for the layout. A
                 file without statistics for the key may hold any key.
+            vectors: the live files' deletion vectors (see :attr:`vectors`).
         """
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -97,9 +105,10 @@ class Footprint:
         if self.column is None or not self.ranges:
             return self
         files = pa.table(files)
+        vectors = vectors or {}
         low, high = f"min.{self.column}", f"max.{self.column}"
         if files.num_rows and (low not in files.column_names or high not in files.column_names):
-            return dataclasses.replace(self, files=files)
+            return dataclasses.replace(self, files=files, vectors=vectors)
         may = pa.repeat(pa.scalar(False), files.num_rows)
         if files.num_rows:
             lows, highs = files.column(low), files.column(high)
@@ -112,7 +121,8 @@ class Footprint:
                 mine = pc.is_in(files.column(bucket), value_set=pa.array(self.buckets, pa.int32()))
                 may = pc.and_(may, pc.fill_null(mine, False))
         candidates = files.filter(may)
-        return dataclasses.replace(self, files=candidates, fresh=candidates.num_rows == 0)
+        fresh = candidates.num_rows == 0
+        return dataclasses.replace(self, files=candidates, fresh=fresh, vectors=vectors)
 
     def merge_condition(
         self, key: Sequence[str], quote: Callable[[str], str], literal: Callable[[Any], str]

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from .deletion_vectors import descriptor_id
+
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark"]
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,9 @@ class LaneMarks:
         self._log_dir = table_path / "_delta_log"
         self._marks: dict[str, Mark] = {}
         self._scanned = -1
+        #: The deletion vector of every live file that has one (path -> descriptor), for a
+        #: commit that replaces it (merge-on-read): a ``remove`` must name it.
+        self.vectors: dict[str, dict[str, Any]] = {}
 
     def applied(self, lane: str, mark: Mark) -> bool:
         held = self._marks.get(lane)
@@ -61,10 +66,20 @@ class LaneMarks:
             for name in _listdir(self._log_dir)
             if (m := _COMMIT_FILE.match(name)) and int(m.group(1)) > self._scanned
         )
+        vectors_after = -1
+        if self._scanned < 0 and versions and versions[0] > 0:
+            # The first commits are gone: the vectors of older commits are in a checkpoint.
+            vectors_after = _checkpoint_vectors(self._log_dir, self.vectors)
         changed = False
         for version in versions:
-            lanes, metadata = _read_commit(self._log_dir / f"{version:020d}.json")
+            lanes, metadata, removed, added = _read_commit(self._log_dir / f"{version:020d}.json")
             self.absorb(lanes)
+            if version > vectors_after:
+                for path, dv in removed:
+                    held = self.vectors.get(path)
+                    if held is not None and descriptor_id(dv) == descriptor_id(held):
+                        del self.vectors[path]
+                self.vectors.update(added)
             changed = changed or metadata
             self._scanned = version
         return changed
@@ -98,23 +113,61 @@ def _listdir(path: Path) -> list[str]:
         return []
 
 
-def _read_commit(path: Path) -> tuple[dict[str, Mark], bool]:
-    """Lane marks recorded in one commit file (empty if it has none), and whether the commit
-    has a ``metaData`` or ``protocol`` action."""
+_Vectors = dict[str, dict[str, Any]]
+
+
+def _read_commit(
+    path: Path,
+) -> tuple[dict[str, Mark], bool, list[tuple[str, dict[str, Any]]], _Vectors]:
+    """What one commit file records: its lane marks (empty if it has none); whether it has a
+    ``metaData`` or ``protocol`` action; the files with deletion vectors it removes and the
+    ones it adds (path and descriptor)."""
     lanes: dict[str, Mark] = {}
     metadata = False
+    removed: list[tuple[str, dict[str, Any]]] = []
+    added: _Vectors = {}
     try:
         with path.open(encoding="utf-8") as fh:
             for line in fh:
                 # Each line is one action, an object with one key.
                 if line.startswith(('{"metaData"', '{"protocol"')):
                     metadata = True
+                elif '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"')):
+                    kind, action = next(iter(json.loads(line).items()))
+                    dv = action.get("deletionVector")
+                    if dv is not None:
+                        if kind == "add":
+                            added[action["path"]] = dv
+                        else:
+                            removed.append((action["path"], dv))
                 elif not lanes and '"commitInfo"' in line:
                     info = json.loads(line).get("commitInfo") or {}
                     lanes = _lanes_of(info)
     except (OSError, ValueError) as exc:
         log.warning("cannot read lane marks from %s: %s", path, exc)
-    return lanes, metadata
+    return lanes, metadata, removed, added
+
+
+def _checkpoint_vectors(log_dir: Path, into: _Vectors) -> int:
+    """Read the deletion vectors of the live files the last checkpoint lists into ``into``;
+    the checkpoint's version (-1 without one)."""
+    import pyarrow.parquet as pq
+
+    try:
+        last = json.loads((log_dir / "_last_checkpoint").read_text(encoding="utf-8"))
+        version = int(last["version"])
+    except (OSError, ValueError, KeyError):
+        return -1
+    prefix = f"{version:020d}.checkpoint"
+    for name in sorted(n for n in _listdir(log_dir) if n.startswith(prefix)):
+        if not name.endswith(".parquet"):
+            continue
+        adds = pq.read_table(log_dir / name, columns=["add"]).column("add").to_pylist()
+        for add in adds:
+            dv = (add or {}).get("deletionVector")
+            if dv:
+                into[add["path"]] = {k: v for k, v in dv.items() if v is not None}
+    return version
 
 
 def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:

@@ -72,12 +72,15 @@ class RewriteUnsupported(Exception):
     any file is written."""
 
 
-def _unsupported(protocol: Any, config: Any, schema: Any) -> str | None:
+def _unsupported(
+    protocol: Any, config: Any, schema: Any, features_done: frozenset[str] = _SIMPLE_FEATURES
+) -> str | None:
     """Why a table with this protocol, configuration and (Arrow) schema must be merged, or
-    None (see the module docstring)."""
+    None (see the module docstring). ``features_done``: the writer features the caller
+    honours."""
     writer = protocol.min_writer_version
     features = set(protocol.writer_features or ())
-    if writer not in _SIMPLE_WRITER_VERSIONS and not (writer == 7 and features <= _SIMPLE_FEATURES):
+    if writer not in _SIMPLE_WRITER_VERSIONS and not (writer == 7 and features <= features_done):
         return f"writer protocol {writer} {sorted(features)}"
     for name, value in config.items():
         if name.startswith("delta.constraints."):

@@ -73,8 +73,8 @@ class TableSettings:
         buckets: buckets of the layout; 0 means no bucket column (append tables, tables
             created by other programs).
         schema_evolution: writes may add columns the table does not have yet.
-        deletion_vectors: Delta deletion vectors are enabled (MERGE marks replaced rows
-            instead of rewriting their files; Spark only, see docs/tables.md).
+        deletion_vectors: Delta deletion vectors are enabled (replaced rows are marked instead
+            of their files rewritten; see docs/tables.md).
         managed: the table carries deltaflow's properties (False for a table another program
             created: deltaflow then merges on the key the writer names, without buckets).
     """
@@ -254,9 +254,9 @@ def create_table(
             append table. 0 turns the layout off.
         allow_schema_evolution: writes may add columns (default False: rows with unknown
             columns are rejected).
-        deletion_vectors: enable Delta deletion vectors (default False). Needs
-            ``engine="spark"``: delta-rs cannot create a deletion-vector table that Delta 3.3
-            reads (see docs/tables.md).
+        deletion_vectors: enable Delta deletion vectors (default False): Spark's MERGE marks
+            the rows it replaces, and the delta-rs engine applies groups by merge-on-read
+            (see docs/tables.md). Readers need Delta reader version 3.
         engine: ``"delta-rs"`` (default; no JVM) or ``"spark"``.
         spark: a :class:`~.session.SparkConfig` for ``engine="spark"``.
 
@@ -276,12 +276,6 @@ def create_table(
     missing = [k for k in keys if k not in data_schema.names]
     if missing:
         raise UsageError(f"key column(s) {missing} are not in the schema {data_schema.names}")
-    if deletion_vectors and engine != "spark":
-        raise UsageError(
-            "delta-rs cannot create a table with deletion vectors that Spark's Delta 3.3 can "
-            "read (it adds the variantType feature); create it with engine='spark' "
-            "(deltaflow table create --engine spark)"
-        )
     settings = TableSettings(
         key=keys,
         buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
