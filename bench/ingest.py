@@ -700,6 +700,19 @@ VARIANTS: Final = (
         ),
     ),
     Variant(
+        "deltaflow-spark-arrow-procs-dv",
+        "deltaflow_spark_arrow_procs_dv",
+        lambda w, n: run_deltaflow(
+            w,
+            n,
+            "spark",
+            table="deltaflow_spark_arrow_procs_dv",
+            layout="process",
+            arrow=True,
+            vectors=True,
+        ),
+    ),
+    Variant(
         "deltaflow-delta-rs-arrow-procs-dv",
         "deltaflow_delta_rs_arrow_procs_dv",
         lambda w, n: run_deltaflow(
@@ -834,6 +847,7 @@ def print_ratios(results: list[Result]) -> None:
         "deltaflow-spark-procs",
         "deltaflow-spark-arrow",
         "deltaflow-spark-arrow-procs",
+        "deltaflow-spark-arrow-procs-dv",
     ):
         ratio(spark_variant, "naive-spark-merge")
         ratio(spark_variant, "microbatch-spark")
@@ -841,6 +855,7 @@ def print_ratios(results: list[Result]) -> None:
     ratio("deltaflow-delta-rs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-arrow-procs", "bulk-delta-rs")
+    ratio("deltaflow-delta-rs-arrow-procs-dv", "bulk-delta-rs")
     for name in by:
         if name.endswith("-paced"):
             r = by[name]

@@ -36,12 +36,12 @@ def warehouse(tmp_path: Path) -> Path:
 
 def engine_options(engine: str) -> dict[str, Any]:
     """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
-    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, or ``delta-rs-dv``
-    (delta-rs on tables with deletion vectors: merge-on-read)."""
+    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, or ``spark-dv`` and
+    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read)."""
     if engine == "spark-sql":
         return {"engine": "spark", "spark_writer": "sql"}
-    if engine == "delta-rs-dv":
-        return {"engine": "delta-rs", "deletion_vectors": True}
+    if engine.endswith("-dv"):
+        return {"engine": engine.removesuffix("-dv"), "deletion_vectors": True}
     return {"engine": engine}
 
 

@@ -32,13 +32,12 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import KeyColumns, write_merge_on_read
+from .merge_on_read import KeyColumns, has_deletion_vectors, write_merge_on_read
 from .rewrite import RewriteUnsupported, rewrite
 from .tables import (
     BUCKET_COLUMN,
     CHECKPOINT_INTERVAL,
     PROP_CHECKPOINT_INTERVAL,
-    PROP_DELETION_VECTORS,
     TableSettings,
     with_layout,
 )
@@ -168,15 +167,6 @@ def _create_with_deletion_vectors(
 REWRITE_ABOVE_COPIES: Final = 2
 
 
-def _has_deletion_vectors(table: Any) -> bool:
-    """Whether the delta-rs ``table`` has deletion vectors enabled (the feature in its
-    protocol, and ``delta.enableDeletionVectors``)."""
-    config = table.metadata().configuration
-    if str(config.get(PROP_DELETION_VECTORS, "false")).lower() != "true":
-        return False
-    return "deletionVectors" in (table.protocol().writer_features or ())
-
-
 def _copies_much(footprint: Footprint, rows: int) -> bool:
     """Whether the files a MERGE of this group would copy hold many more rows than it."""
     files = footprint.files
@@ -258,7 +248,7 @@ class DeltaRsTableEngine(TableEngine):
             if (
                 footprint.column is not None
                 and footprint.files is not None
-                and (_has_deletion_vectors(target))
+                and (has_deletion_vectors(target))
             ):
                 try:
                     self._merge_on_read(target, path, data, footprint, metadata)

@@ -34,6 +34,7 @@ from ..columnar import DELETE_COLUMN
 from .deletion_vectors import DvWriter, descriptor_id, read
 from .rewrite import (
     _POOL,
+    VECTOR_FEATURES,
     DataFile,
     RewriteUnsupported,
     _bucket_of,
@@ -41,12 +42,19 @@ from .rewrite import (
     _holding,
     _unsupported,
     _write_file,
+    add_action,
+    remove_action,
 )
+from .tables import PROP_DELETION_VECTORS
 
-__all__ = ["DvChange", "KeyColumns", "MergeOnRead", "write_merge_on_read"]
+__all__ = [
+    "DvChange",
+    "KeyColumns",
+    "MergeOnRead",
+    "has_deletion_vectors",
+    "write_merge_on_read",
+]
 
-#: Table features a merge-on-read commit honours.
-MOR_FEATURES: Final = frozenset({"appendOnly", "invariants", "deletionVectors"})
 #: Key columns kept per table and node before the least recently used are dropped (bytes).
 KEY_MEMORY_BYTES: Final = 256 * 1024 * 1024
 
@@ -125,36 +133,19 @@ class MergeOnRead:
         """The commit's ``add`` and ``remove`` actions, as the Delta log holds them."""
         out: list[dict[str, Any]] = []
         for change in self.changes:
-            f = change.file
-            remove: dict[str, Any] = {
-                "path": f.path,
-                "deletionTimestamp": self.timestamp,
-                "dataChange": True,
-                "extendedFileMetadata": True,
-                "partitionValues": f.partition_values,
-                "size": f.size,
-            }
-            if change.old is not None:
-                remove["deletionVector"] = change.old
-            out.append({"remove": remove})
+            out.append(remove_action(change.file, self.timestamp, change.old))
             if change.new is not None:
-                out.append({"add": _add(f, self.timestamp, change.stats, change.new)})
-        out += [{"add": _add(f, self.timestamp, f.stats, None)} for f in self.adds]
-        return out
+                out.append(add_action(change.file, self.timestamp, change.stats, change.new))
+        return out + [add_action(f, self.timestamp, f.stats) for f in self.adds]
 
 
-def _add(f: DataFile, timestamp: int, stats: str, dv: dict[str, Any] | None) -> dict[str, Any]:
-    add: dict[str, Any] = {
-        "path": f.path,
-        "partitionValues": f.partition_values,
-        "size": f.size,
-        "modificationTime": timestamp,
-        "dataChange": True,
-        "stats": stats,
-    }
-    if dv is not None:
-        add["deletionVector"] = dv
-    return add
+def has_deletion_vectors(table: Any) -> bool:
+    """Whether the delta-rs ``table`` has deletion vectors enabled (the feature in its
+    protocol, and ``delta.enableDeletionVectors``): its groups are applied by merge-on-read."""
+    config = table.metadata().configuration
+    if str(config.get(PROP_DELETION_VECTORS, "false")).lower() != "true":
+        return False
+    return "deletionVectors" in (table.protocol().writer_features or ())
 
 
 def write_merge_on_read(
@@ -191,7 +182,7 @@ def write_merge_on_read(
 
     metadata = table.metadata()
     schema = pa.schema(table.schema().to_arrow())
-    reason = _unsupported(table.protocol(), metadata.configuration, schema, MOR_FEATURES)
+    reason = _unsupported(table.protocol(), metadata.configuration, schema, VECTOR_FEATURES)
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)

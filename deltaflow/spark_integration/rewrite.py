@@ -59,6 +59,9 @@ SMALL_REMAINDER: Final = 0.25
 #: and append-only, both checked below). Version 7 lists its features by name.
 _SIMPLE_WRITER_VERSIONS: Final = (1, 2)
 _SIMPLE_FEATURES: Final = frozenset({"appendOnly", "invariants"})
+#: ... and with deletion vectors, which files that are only added (or, by merge-on-read,
+#: given new vectors) honour; a copy-on-write of files that have them would not.
+VECTOR_FEATURES: Final = _SIMPLE_FEATURES | {"deletionVectors"}
 #: Table properties that, set to true, ask for what this writer does not do.
 _UNSUPPORTED_IF_TRUE: Final = frozenset({"delta.appendOnly", "delta.enableChangeDataFeed"})
 #: Reads and writes of data files (small ones cost more in opening than in bytes; pyarrow
@@ -131,6 +134,44 @@ class Rewrite:
     partition_by: list[str]
     timestamp: int
 
+    def actions(self) -> list[dict[str, Any]]:
+        """The commit's ``add`` and ``remove`` actions, as the Delta log holds them."""
+        adds = [add_action(f, self.timestamp, f.stats) for f in self.adds]
+        return adds + [remove_action(f, self.timestamp) for f in self.removes]
+
+
+def add_action(
+    f: DataFile, timestamp: int, stats: str, dv: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The log's ``add`` action of ``f`` (with the deletion vector ``dv``, if any)."""
+    add: dict[str, Any] = {
+        "path": f.path,
+        "partitionValues": f.partition_values,
+        "size": f.size,
+        "modificationTime": timestamp,
+        "dataChange": True,
+        "stats": stats,
+    }
+    if dv is not None:
+        add["deletionVector"] = dv
+    return {"add": add}
+
+
+def remove_action(f: DataFile, timestamp: int, dv: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The log's ``remove`` action of ``f``, whose current deletion vector is ``dv`` (a file
+    is named by its path and its vector)."""
+    remove: dict[str, Any] = {
+        "path": f.path,
+        "deletionTimestamp": timestamp,
+        "dataChange": True,
+        "extendedFileMetadata": True,
+        "partitionValues": f.partition_values,
+        "size": f.size,
+    }
+    if dv is not None:
+        remove["deletionVector"] = dv
+    return {"remove": remove}
+
 
 def write_files(
     table: Any, path: Path, data: Any, key: str | None, candidates: Any | None
@@ -155,7 +196,9 @@ def write_files(
     assert key is not None or candidates is None
     metadata = table.metadata()
     schema = pa.schema(table.schema().to_arrow())
-    reason = _unsupported(table.protocol(), metadata.configuration, schema)
+    # Files only added (a group of new keys) honour deletion vectors; replaced ones would not.
+    done = _SIMPLE_FEATURES if candidates is not None else VECTOR_FEATURES
+    reason = _unsupported(table.protocol(), metadata.configuration, schema, done)
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)

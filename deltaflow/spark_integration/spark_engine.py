@@ -38,7 +38,8 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .rewrite import Rewrite, RewriteUnsupported, write_files
+from .merge_on_read import KeyColumns, has_deletion_vectors, write_merge_on_read
+from .rewrite import RewriteUnsupported, write_files
 from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 from .tables import (
     BUCKET_COLUMN,
@@ -176,7 +177,7 @@ class SparkTableEngine(TableEngine):
                 f"CREATE TABLE delta.{_quote(str(scratch))} (id BIGINT) USING DELTA "
                 f"TBLPROPERTIES ('{PROP_CHECKPOINT_INTERVAL}' = '{CHECKPOINT_INTERVAL}')"
             )
-            self._commit_files(self.spark, "warm-up", scratch, Rewrite([], [], [], 0), "{}", 0)
+            self._commit_files(self.spark, "warm-up", scratch, [], "{}", 0)
             _warmed.set()
         except Exception as exc:  # noqa: BLE001 - the first commit is only slower
             log.debug("warming the Delta commit path failed: %s", exc)
@@ -263,12 +264,28 @@ class SparkTableEngine(TableEngine):
             self._open.pop(path, None)
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
         with map_spark_errors(table, self.node_id):
-            done = write_files(target, path, data, column, candidates)
+            actions: list[dict[str, Any]]
+            if candidates is not None and has_deletion_vectors(target):
+                assert footprint is not None and column is not None
+                memory = self._key_columns.setdefault(path, KeyColumns())
+                vectors = {p: dict(v) for p, v in footprint.vectors.items()}
+                done, _ = write_merge_on_read(
+                    target, path, data, column, candidates, vectors, memory
+                )
+                actions = done.actions()
+            else:
+                actions = write_files(target, path, data, column, candidates).actions()
             fault_point("before_commit")
-            self._commit_files(session, table, path, done, metadata, target.version())
+            self._commit_files(session, table, path, actions, metadata, target.version())
 
     def _commit_files(
-        self, session: Any, table: str, path: Path, done: Rewrite, metadata: str, version: int
+        self,
+        session: Any,
+        table: str,
+        path: Path,
+        actions: list[dict[str, Any]],
+        metadata: str,
+        version: int,
     ) -> None:
         """Commit the written files as version ``version + 1`` through Delta's transaction in
         the driver JVM (called under the table's lock, on the commit's thread)."""
@@ -289,13 +306,13 @@ class SparkTableEngine(TableEngine):
         # trip per action cost 0.5 ms, 40 ms for a group of 32 buckets).
         mapper = delta.util.JsonUtils.mapper()
         mutable = jvm.scala.collection.mutable
-        actions = mutable.ArrayBuffer()
-        for kind, listed in _action_json(done).items():
+        buffer = mutable.ArrayBuffer()
+        for kind, listed in _action_json(actions).items():
             array_type = jvm.py4j.reflection.ReflectionUtil.classForName(
                 f"[Lorg.apache.spark.sql.delta.actions.{kind};"
             )
             parsed = mapper.readValue(listed, array_type)
-            getattr(actions, "$plus$plus$eq")(mutable.WrappedArray.make(parsed))
+            getattr(buffer, "$plus$plus$eq")(mutable.WrappedArray.make(parsed))
         # A streaming update, not a "manual update": Delta derives the version's checksum file
         # from the previous one only for the former (else a Spark job rebuilds the table's
         # state, 0.5 s a commit), and other writers read protocol and metadata from it.
@@ -305,7 +322,7 @@ class SparkTableEngine(TableEngine):
             version + 1,
             jvm.scala.Option.apply(metadata),
         )
-        txn.commit(actions, operation)
+        txn.commit(buffer, operation)
 
     def _write_sql(
         self,
@@ -342,32 +359,13 @@ class SparkTableEngine(TableEngine):
             staging.unlink(missing_ok=True)
 
 
-def _action_json(done: Rewrite) -> dict[str, str]:
-    """The add and remove actions of ``done`` as JSON arrays of Delta's ``AddFile`` and
-    ``RemoveFile`` (the log's ``add`` and ``remove`` objects), by class name."""
-    adds = [
-        {
-            "path": f.path,
-            "partitionValues": f.partition_values,
-            "size": f.size,
-            "modificationTime": done.timestamp,
-            "dataChange": True,
-            "stats": f.stats,
-        }
-        for f in done.adds
-    ]
-    removes = [
-        {
-            "path": f.path,
-            "deletionTimestamp": done.timestamp,
-            "dataChange": True,
-            "extendedFileMetadata": True,
-            "partitionValues": f.partition_values,
-            "size": f.size,
-        }
-        for f in done.removes
-    ]
-    return {"AddFile": json.dumps(adds), "RemoveFile": json.dumps(removes)}
+def _action_json(actions: list[dict[str, Any]]) -> dict[str, str]:
+    """Log actions (``{"add": ...}``, ``{"remove": ...}``) as JSON arrays of Delta's
+    ``AddFile`` and ``RemoveFile``, by class name."""
+    return {
+        cls: json.dumps([a[kind] for a in actions if kind in a])
+        for kind, cls in (("add", "AddFile"), ("remove", "RemoveFile"))
+    }
 
 
 def _merge_sql(
