@@ -408,7 +408,7 @@ def run_deltaflow(
                             table=f"{table}_warmup",
                             key="id",
                         )
-            commits_before, commit_seconds_before, _ = await statistics()
+            before = await statistics()
             started = time.monotonic()
             async with deltaflow.connect([address]) as client:
                 summary = await client.stream_data(
@@ -419,18 +419,21 @@ def run_deltaflow(
                     options=options,
                 )
             seconds = time.monotonic() - started
-            commits, commit_seconds, largest = await statistics()
-            commits -= commits_before
-            commit_seconds -= commit_seconds_before
+            counts = (await statistics()).since(before)
         finally:
             await stop()
         return Run(
             rows=summary.items_acked,
             seconds=seconds,
             latencies=latencies,
-            commits=commits,
-            commit_seconds=commit_seconds,
-            note=f"largest group {largest:,} rows; retried batches {summary.batches_retried}",
+            commits=counts.commits,
+            commit_seconds=counts.commit_seconds,
+            note=(
+                f"largest group {counts.largest:,} rows; retried batches "
+                f"{summary.batches_retried}; on the nodes, staged to durable: p50 "
+                f"{_fmt_s(counts.durable_quantile(0.5))}, p99 "
+                f"{_fmt_s(counts.durable_quantile(0.99))}"
+            ),
         )
 
     if engine == "spark" and layout == "shared":
@@ -444,9 +447,46 @@ def run_deltaflow(
     return run
 
 
+@dataclass(frozen=True, slots=True)
+class NodeCounts:
+    """What the two nodes report, summed: commits, their seconds, the largest group, and
+    the staged-to-durable histogram of their batches (cumulative count per upper bound)."""
+
+    commits: int
+    commit_seconds: float
+    largest: int
+    durable: dict[float, float]
+
+    def since(self, before: NodeCounts) -> NodeCounts:
+        durable = {le: n - before.durable.get(le, 0.0) for le, n in self.durable.items()}
+        return NodeCounts(
+            self.commits - before.commits,
+            self.commit_seconds - before.commit_seconds,
+            self.largest,
+            durable,
+        )
+
+    def durable_quantile(self, q: float) -> float:
+        """The q-quantile of the batches' node-side wait, interpolated within its bucket (as
+        Prometheus's ``histogram_quantile``)."""
+        bounds = sorted(self.durable)
+        total = self.durable[bounds[-1]] if bounds else 0.0
+        if not total:
+            return float("nan")
+        low, below = 0.0, 0.0
+        for le in bounds:
+            count = self.durable[le]
+            if count >= q * total:
+                if le == float("inf"):
+                    return low
+                return low + (le - low) * (q * total - below) / max(count - below, 1e-9)
+            low, below = le, count
+        return low
+
+
 async def _start_two_nodes(
     warehouse: Path, engine: str, buckets: int | None, layout: str, writer: str, vectors: bool
-) -> tuple[str, Callable[[], Awaitable[tuple[int, float, int]]], Callable[[], Awaitable[None]]]:
+) -> tuple[str, Callable[[], Awaitable[NodeCounts]], Callable[[], Awaitable[None]]]:
     """Two nodes: the first one's address, how to read (commits, commit seconds, largest
     group rows) summed over both, and how to stop them."""
     if layout == "process":
@@ -463,12 +503,18 @@ async def _start_two_nodes(
         )
         procs = [first, await second.start()]
 
-        async def scraped() -> tuple[int, float, int]:
+        async def scraped() -> NodeCounts:
             samples = [await _scrape(proc.address) for proc in procs]
-            return (
+            durable: dict[float, float] = {}
+            for sample in samples:
+                for le, count in sample.items():
+                    if isinstance(le, float):
+                        durable[le] = durable.get(le, 0.0) + count
+            return NodeCounts(
                 int(sum(s.get("deltaflow_commits_total", 0) for s in samples)),
                 sum(s.get("deltaflow_commit_seconds_sum", 0.0) for s in samples),
                 int(max(s.get("deltaflow_largest_group_rows", 0) for s in samples)),
+                durable,
             )
 
         async def stop_procs() -> None:
@@ -495,12 +541,19 @@ async def _start_two_nodes(
         ),
     )
 
-    async def counted() -> tuple[int, float, int]:
+    async def counted() -> NodeCounts:
         stats = [n.statistics().engine for n in nodes]
-        return (
+        durable: dict[float, float] = {}
+        for s in stats:
+            histogram = s.batch_durable_seconds_histogram
+            cumulative = itertools.accumulate(histogram.counts)
+            for le, count in zip([*histogram.bounds, float("inf")], cumulative, strict=True):
+                durable[le] = durable.get(le, 0.0) + count
+        return NodeCounts(
             sum(s.commits for s in stats),
             sum(s.commit_seconds for s in stats),
             max(s.largest_group_rows for s in stats),
+            durable,
         )
 
     async def stop_nodes() -> None:
@@ -510,19 +563,22 @@ async def _start_two_nodes(
     return nodes[0].address, counted, stop_nodes
 
 
-async def _scrape(address: str) -> dict[str, float]:
-    """A node's ``/metrics``: sample name -> value (one node, so no label is needed)."""
+async def _scrape(address: str) -> dict[Any, float]:
+    """A node's ``/metrics``: sample name -> value (one node, so no label is needed), and the
+    buckets of its staged-to-durable histogram: upper bound (a float) -> cumulative count."""
     import aiohttp
     from prometheus_client.parser import text_string_to_metric_families
 
     async with aiohttp.ClientSession() as session, session.get(f"http://{address}/metrics") as r:
         text = await r.text()
-    return {
-        sample.name: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if not sample.labels.keys() - {"node"}
-    }
+    out: dict[Any, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels.keys() - {"node"}:
+                out[sample.name] = sample.value
+            elif sample.name == "deltaflow_batch_durable_seconds_bucket":
+                out[float(sample.labels["le"])] = sample.value  # keyed by its bound
+    return out
 
 
 def _spark_merge_sql(path: Path, staging: Path) -> str:

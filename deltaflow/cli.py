@@ -141,6 +141,14 @@ def _table(args: argparse.Namespace) -> int:
             f"table {args.table}: {metrics.get('numFilesRemoved', 0)} files compacted into "
             f"{metrics.get('numFilesAdded', 0)}"
         )
+    elif args.table_command == "vacuum":
+        doomed = maintenance.vacuum(
+            warehouse, args.table, retention_hours=args.retention_hours, dry_run=args.dry_run
+        )
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"table {args.table}: {verb} {len(doomed)} files")
+        for name in doomed:
+            print(f"  {name}")
     elif args.table_command == "history":
         for row in maintenance.history(warehouse, args.table, limit=args.limit):
             print(
@@ -309,6 +317,20 @@ def main(argv: list[str] | None = None) -> int:
                 help="also show deltaflow's bucket column (_deltaflow_bucket)",
             )
         cmd.set_defaults(func=_table)
+    vacuum = tsub.add_parser(
+        "vacuum",
+        help="delete files no version within the retention needs (keeps deletion vectors)",
+    )
+    vacuum.add_argument("--warehouse", required=True)
+    vacuum.add_argument("--table", required=True)
+    vacuum.add_argument(
+        "--retention-hours",
+        type=int,
+        default=168,
+        help="keep files needed by versions of the last N hours (default 168, 7 days)",
+    )
+    vacuum.add_argument("--dry-run", action="store_true", help="list the files, delete nothing")
+    vacuum.set_defaults(func=_table)
     create = tsub.add_parser(
         "create", help="create an empty table with a schema, key, layout and settings"
     )

@@ -88,6 +88,13 @@ async def test_two_nodes_report_what_they_applied_and_committed(
         )
         if commits:
             assert value(scraped, "deltaflow_commit_seconds_sum") > 0
+        # Every committed batch waited at least for its own commit.
+        assert value(scraped, "deltaflow_batch_durable_seconds_count") == value(
+            scraped, "deltaflow_batches_committed_total"
+        )
+        assert value(scraped, "deltaflow_batch_durable_seconds_sum") >= value(
+            scraped, "deltaflow_commit_seconds_sum"
+        )
         buckets = [s.value for s in scraped["deltaflow_group_rows_bucket"]]
         assert buckets == sorted(buckets), "buckets are cumulative"
         assert value(scraped, "deltaflow_side_input_version", side_input="vat_rates") >= 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,12 @@ from deltaflow import Delete, StreamerOptions
 from deltaflow.errors import SchemaError, UsageError
 from deltaflow.partitioning import partition_of
 from deltaflow.server import Node
-from deltaflow.spark_integration import BUCKET_COLUMN, create_table, read_table_settings
+from deltaflow.spark_integration import (
+    BUCKET_COLUMN,
+    create_table,
+    maintenance,
+    read_table_settings,
+)
 from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
 from deltaflow.spark_integration.engine import TableEngine
 from deltaflow.spark_integration.footprint import Footprint
@@ -458,6 +465,7 @@ async def test_merge_on_read_after_a_restart_from_a_checkpoint(
     for version in range(table.version()):
         (path / "_delta_log" / f"{version:020d}.json").unlink()
     async with table_engine(engine, warehouse) as eng:  # a new node: nothing in memory
+        eng.key_memory_bytes = 1  # and room for one file's keys: the others are read again
         await upsert(eng, "restarted", [{"id": i, "name": "c"} for i in range(25)], frozenset())
         await upsert(eng, "restarted", [{"id": 99}], frozenset({0}))
     want = {i: "c" if i < 25 else "b" if i < 50 else "a" for i in [*range(99), 200]}
@@ -465,6 +473,41 @@ async def test_merge_on_read_after_a_restart_from_a_checkpoint(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
     live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
     assert len(live) == len(set(live))
+
+
+async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(
+    spark: Any, warehouse: Path
+) -> None:
+    """Files of failed commits go; the deletion vector files the log names stay, live ones
+    included (delta-rs's own full vacuum deletes those, and the table can no longer be
+    read)."""
+    path = warehouse / "swept"
+    async with table_engine("delta-rs-dv", warehouse, table_buckets=2) as eng:
+        for round_ in range(3):
+            rows = [{"id": i, "name": f"r{round_}"} for i in range(round_ * 30, 100)]
+            await upsert(eng, "swept", rows)
+    vectors = {f.name for f in path.glob("deletion_vector_*.bin")}
+    assert vectors  # merge-on-read wrote some
+    # What a commit that never landed leaves behind: a data file and a vector file.
+    (path / "_deltaflow_bucket=0" / "part-00000-failed.snappy.parquet").write_bytes(b"x")
+    (path / "deletion_vector_00000000-0000-0000-0000-000000000000.bin").write_bytes(b"\x01")
+    week_ago = time.time() - 7 * 86400
+    for file in path.rglob("*"):
+        if file.is_file() and "_delta_log" not in file.parts:
+            os.utime(file, (week_ago, week_ago))
+    before = read_delta(path)
+    listed = maintenance.vacuum(warehouse, "swept", retention_hours=24, dry_run=True)
+    assert sorted(listed) == [
+        "_deltaflow_bucket=0/part-00000-failed.snappy.parquet",
+        "deletion_vector_00000000-0000-0000-0000-000000000000.bin",
+    ]
+    assert maintenance.vacuum(warehouse, "swept", retention_hours=24, dry_run=False) == listed
+    assert not any((path / name).exists() for name in listed)
+    assert {f.name for f in path.glob("deletion_vector_*.bin")} == vectors
+    assert read_delta(path) == before
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == {
+        k: r["name"] for k, r in before.items()
+    }
 
 
 async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(

@@ -177,6 +177,13 @@ class NodeCollector:
         yield _histogram(
             "deltaflow_group_rows", "Rows of each commit.", node, e.group_rows_histogram
         )
+        yield _histogram(
+            "deltaflow_batch_durable_seconds",
+            "Seconds from a batch staged on this node to the commit holding it landing "
+            "(waiting for the commit in progress and the table lock, then its own commit).",
+            node,
+            e.batch_durable_seconds_histogram,
+        )
 
 
 def _histogram(name: str, doc: str, node: str, histogram: Histogram) -> HistogramMetricFamily:

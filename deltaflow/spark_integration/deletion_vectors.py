@@ -33,6 +33,7 @@ __all__ = [
     "decode",
     "descriptor_id",
     "encode",
+    "file_of",
     "read",
     "z85decode",
     "z85encode",
@@ -108,22 +109,29 @@ def descriptor_id(descriptor: dict[str, Any]) -> str:
     return base if offset is None else f"{base}@{offset}"
 
 
-def read(table: Path, descriptor: dict[str, Any]) -> Any:
-    """The rows (``BitMap64``) a descriptor from the log of the table at ``table`` deletes."""
+def file_of(table: Path, descriptor: dict[str, Any]) -> Path | None:
+    """The file holding the vector a descriptor of the table at ``table`` names (None for an
+    inline vector)."""
     kind = descriptor.get("storageType")
     where = str(descriptor.get("pathOrInlineDv", ""))
-    size = int(descriptor.get("sizeInBytes", 0))
     if kind == "i":
-        return decode(z85decode(where)[:size])
+        return None
     if kind == "u":
         prefix, code = where[:-_UUID_CHARS], where[-_UUID_CHARS:]
         name = f"deletion_vector_{uuid.UUID(bytes=z85decode(code))}.bin"
-        file = table / prefix / name if prefix else table / name
-    elif kind == "p":
+        return table / prefix / name if prefix else table / name
+    if kind == "p":
         parsed = urlparse(where)
-        file = Path(unquote(parsed.path)) if parsed.scheme in ("", "file") else Path(where)
-    else:
-        raise DeletionVectorError(f"deletion vector storage type {kind!r} is not supported")
+        return Path(unquote(parsed.path)) if parsed.scheme in ("", "file") else Path(where)
+    raise DeletionVectorError(f"deletion vector storage type {kind!r} is not supported")
+
+
+def read(table: Path, descriptor: dict[str, Any]) -> Any:
+    """The rows (``BitMap64``) a descriptor from the log of the table at ``table`` deletes."""
+    size = int(descriptor.get("sizeInBytes", 0))
+    file = file_of(table, descriptor)
+    if file is None:
+        return decode(z85decode(str(descriptor.get("pathOrInlineDv", "")))[:size])
     offset = int(descriptor.get("offset") or 1)
     try:
         with file.open("rb") as fh:

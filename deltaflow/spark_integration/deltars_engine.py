@@ -285,7 +285,7 @@ class DeltaRsTableEngine(TableEngine):
         """Apply the group by merge-on-read (:mod:`.merge_on_read`), committed by writing the
         next log entry directly (delta-rs's transaction API takes no deletion vectors)."""
         assert footprint.column is not None
-        memory = self._key_columns.setdefault(path, KeyColumns())
+        memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
         done, _ = write_merge_on_read(
             target,
             path,

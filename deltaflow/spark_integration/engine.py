@@ -54,7 +54,7 @@ from ..partitioning import partition_table
 from .footprint import Footprint
 from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
-from .merge_on_read import KeyColumns
+from .merge_on_read import KEY_MEMORY_BYTES, KeyColumns
 from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
@@ -64,6 +64,7 @@ from .tables import (
 )
 
 __all__ = [
+    "BATCH_DURABLE_BUCKETS",
     "COMMIT_SECONDS_BUCKETS",
     "DEFAULT_MAX_GROUP_BYTES",
     "DEFAULT_MAX_GROUP_ROWS",
@@ -86,6 +87,14 @@ _COMMIT_ATTEMPTS: Final = 5
 _INTERNAL_COLUMNS: Final = (DELETE_COLUMN, BUCKET_COLUMN)
 #: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
 COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds of the buckets of ``EngineStatistics.batch_durable_seconds_histogram``:
+#: finer than a commit's around the tenths of a second where a loaded node's batches wait.
+# fmt: off
+BATCH_DURABLE_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+    60.0,
+)
+# fmt: on
 #: Upper bounds of the buckets of ``EngineStatistics.group_rows_histogram``, rows.
 GROUP_ROWS_BUCKETS: Final = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6)
 
@@ -146,6 +155,11 @@ class EngineStatistics:
     group_rows_histogram: Histogram = dataclasses.field(
         default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
     )
+    # Per committed batch: seconds from its staging to its commit landing (the wait for the
+    # commit in progress, for the table's lock, and its own commit).
+    batch_durable_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,10 +189,12 @@ class _Staged:
     held: Callable[[], bool] | None = None
     rows: int = dataclasses.field(init=False)
     nbytes: int = dataclasses.field(init=False)  # measured once: it walks every buffer
+    staged_at: float = dataclasses.field(init=False)  # time.monotonic()
 
     def __post_init__(self) -> None:
         self.rows = int(self.table.num_rows)
         self.nbytes = int(self.table.nbytes)
+        self.staged_at = time.monotonic()
 
     def takeable(self) -> bool:
         return self.held is None or not self.held()
@@ -366,7 +382,12 @@ class _TableCommitter:
             for staged in group:
                 await self._commit_group([staged])
             return
+        landed = time.monotonic()
+        stats = self.engine.stats
         for staged in group:
+            stats.batch_durable_seconds_histogram = stats.batch_durable_seconds_histogram.observe(
+                landed - staged.staged_at
+            )
             _settle(staged.future, None)
 
     async def _commit_with_retries(self, group: list[_Staged]) -> None:
@@ -883,6 +904,8 @@ class TableEngine:
     name: ClassVar[str] = ""
     #: Whether the engine creates tables with deletion vectors that every engine can read.
     creates_deletion_vectors: ClassVar[bool] = False
+    #: Bytes of key columns kept per table for merge-on-read (:class:`.KeyColumns`).
+    key_memory_bytes: int = KEY_MEMORY_BYTES
 
     def __init__(
         self,

@@ -2,18 +2,29 @@
 
 Compaction rewrites small files into large ones in one commit; it holds the table's commit
 lock (:mod:`.lock`) like every other deltaflow commit, so it never races a node's group commit.
+
+Vacuum deletes the files no version within the retention needs: files that compaction or a
+rewrite replaced, files of commits that failed, and deletion vector files no file uses any
+more. delta-rs's own full vacuum (1.6) does not know deletion vector files: it deletes the
+live ones too, and the table can no longer be read; this one keeps every vector file the log
+still names.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ..errors import UsageError
 from ..receivers.base import check_table_name
 from .lock import table_lock
 
-__all__ = ["history", "optimize", "show", "table_path"]
+__all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path", "vacuum"]
+
+#: Hours a file outlives the last version that needs it, before vacuum deletes it (Delta's
+#: default ``delta.deletedFileRetentionDuration``: 7 days).
+DEFAULT_RETENTION_HOURS: Final = 168
 
 
 def table_path(warehouse: Path, table: str) -> Path:
@@ -31,6 +42,70 @@ def optimize(warehouse: Path, table: str, *, target_size: int | None = None) -> 
     with table_lock(Path(warehouse), table):
         metrics = DeltaTable(str(path)).optimize.compact(target_size=target_size)
     return dict(metrics)
+
+
+def vacuum(
+    warehouse: Path,
+    table: str,
+    *,
+    retention_hours: int = DEFAULT_RETENTION_HOURS,
+    dry_run: bool = True,
+) -> list[str]:
+    """Delete the table's files that no version within ``retention_hours`` needs (older than
+    that, and named by none of its live files), keeping every deletion vector file the log
+    names; returns them, relative to the table (with ``dry_run``, only lists them).
+
+    Files younger than the retention are kept whatever they are: a node may be writing the
+    files of a commit that has not landed yet, so keep the retention well above a commit's
+    duration.
+    """
+    from deltalake import DeltaTable
+
+    if retention_hours < 0:
+        raise UsageError(f"retention_hours must be >= 0, got {retention_hours}")
+    path = table_path(warehouse, table)
+    with table_lock(Path(warehouse), table):
+        unreferenced = DeltaTable(str(path)).vacuum(
+            retention_hours=retention_hours,
+            dry_run=True,
+            enforce_retention_duration=False,
+            full=True,
+        )
+        named = _vector_files(path)
+        doomed = sorted(f for f in unreferenced if (path / f).resolve() not in named)
+        if not dry_run:
+            for name in doomed:
+                (path / name).unlink(missing_ok=True)
+    return doomed
+
+
+def _vector_files(path: Path) -> set[Path]:
+    """Every deletion vector file the table's log names, in the commits still there and the
+    last checkpoint: those of live files, and of removed ones a reader of an older version
+    within the log may need."""
+    import pyarrow.parquet as pq
+
+    from .deletion_vectors import file_of
+
+    log_dir = path / "_delta_log"
+    descriptors: list[dict[str, Any]] = []
+    for commit in log_dir.glob("*.json"):
+        with commit.open(encoding="utf-8") as fh:
+            for line in fh:
+                if '"deletionVector"' in line:
+                    action = next(iter(json.loads(line).values()))
+                    if isinstance(action, dict) and action.get("deletionVector"):
+                        descriptors.append(action["deletionVector"])
+    for checkpoint in log_dir.glob("*.checkpoint*.parquet"):
+        actions = pq.read_table(checkpoint, columns=["add", "remove"]).to_pylist()
+        descriptors += [
+            action["deletionVector"]
+            for row in actions
+            for action in (row.get("add"), row.get("remove"))
+            if action and action.get("deletionVector")
+        ]
+    files = (file_of(path, d) for d in descriptors)
+    return {f.resolve() for f in files if f is not None}
 
 
 def history(warehouse: Path, table: str, *, limit: int = 20) -> list[dict[str, Any]]:

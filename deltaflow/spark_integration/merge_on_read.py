@@ -48,6 +48,7 @@ from .rewrite import (
 from .tables import PROP_DELETION_VECTORS
 
 __all__ = [
+    "KEY_MEMORY_BYTES",
     "DvChange",
     "KeyColumns",
     "MergeOnRead",
@@ -193,16 +194,19 @@ def write_merge_on_read(
 
     holding = [] if candidates is None else _holding(candidates, keys, key)
     if holding:
-        unseen = [f for f in holding if memory.get(f["path"]) is None]
+        # Held here too: the memory may drop some of them again when over its budget.
+        known = {f["path"]: memory.get(f["path"]) for f in holding}
+        unseen = [f for f in holding if known[f["path"]] is None]
         read_keys = _POOL.map(lambda f: _read_keys(path / unquote(f["path"]), key), unseen)
         for f, column in zip(unseen, read_keys, strict=True):
-            memory.put(f["path"], _Known(column.cast(keys.type)))
-        known = [memory.get(f["path"]) for f in holding]
-        columns = [k.keys for k in known if k is not None]
+            read_now = known[f["path"]] = _Known(column.cast(keys.type))
+            memory.put(f["path"], read_now)
+        files = [(f, known[f["path"]]) for f in holding]
+        columns = [k.keys for _, k in files if k is not None]
         hits = pc.is_in(pa.chunked_array(columns, type=keys.type), value_set=keys)
         hits = hits.combine_chunks().to_numpy(zero_copy_only=False)
         start = 0
-        for f, k in zip(holding, known, strict=True):
+        for f, k in files:
             assert k is not None
             rows = np.flatnonzero(hits[start : start + len(k.keys)])
             start += len(k.keys)

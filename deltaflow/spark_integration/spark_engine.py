@@ -3,7 +3,8 @@
 Two writers apply a group in one commit (``writer``):
 
 - ``"direct"`` (default): the node writes the group's data files itself, by copy-on-write by
-  key range (:mod:`.rewrite`, the same file work as the delta-rs engine's), and commits their
+  key range (:mod:`.rewrite`, the same file work as the delta-rs engine's; on tables with
+  deletion vectors, by merge-on-read, :mod:`.merge_on_read`), and commits their
   add and remove actions through Delta's own transaction in the Spark driver
   (``DeltaLog.startTransaction().commit``): Delta's conflict detection, log, checkpoints and
   commit format, with no Spark job per group. A Spark MERGE costs seconds of job planning and
@@ -12,13 +13,14 @@ Two writers apply a group in one commit (``writer``):
   table.
 
 The direct writer falls back to the SQL one for groups it cannot apply: tables with features
-it does not implement (deletion vectors, column mapping, constraints, generated columns, ...:
+it does not implement (column mapping, constraints, generated columns, ...:
 :func:`.rewrite.write_files`), keys of more than one column or of a type without ranges,
 and Spark Connect sessions (no driver JVM to commit through).
 
 Tables are created with Delta's table builder (columns, the bucket partition column and
-deltaflow's table properties), and may have deletion vectors: a MERGE then marks the rows it
-replaces instead of rewriting their files.
+deltaflow's table properties), and may have deletion vectors: the replaced rows are then
+marked instead of their files rewritten (by the direct writer's merge-on-read, or by the SQL
+writer's MERGE).
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class SparkTableEngine(TableEngine):
             actions: list[dict[str, Any]]
             if candidates is not None and has_deletion_vectors(target):
                 assert footprint is not None and column is not None
-                memory = self._key_columns.setdefault(path, KeyColumns())
+                memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
                 vectors = {p: dict(v) for p, v in footprint.vectors.items()}
                 done, _ = write_merge_on_read(
                     target, path, data, column, candidates, vectors, memory
