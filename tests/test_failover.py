@@ -4,6 +4,7 @@ applied twice, per-key order kept, killed nodes rejoin."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,8 @@ import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
 from deltaflow.testing import NodeProcess, free_port
+
+from .conftest import read_delta, read_spark
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,9 +42,12 @@ OPTIONS = StreamerOptions(retry_initial_backoff=0.05, retry_max_backoff=1.0, ret
 
 
 class Cluster:
-    def __init__(self, warehouse: Path) -> None:
+    def __init__(
+        self, warehouse: Path, count: int = 3, flags: tuple[str, ...] = tuple(NODE_FLAGS)
+    ) -> None:
         self.warehouse = warehouse
-        self.ports = {f"node-{i}": free_port() for i in (1, 2, 3)}
+        self.flags = list(flags)
+        self.ports = {f"node-{i}": free_port() for i in range(1, count + 1)}
         self.nodes: dict[str, NodeProcess] = {}
 
     def addresses(self) -> list[str]:
@@ -54,7 +60,7 @@ class Cluster:
             self.warehouse,
             peers=peers,
             port=self.ports[node_id],
-            extra=NODE_FLAGS,
+            extra=self.flags,
             env=env,
         )
         self.nodes[node_id] = node
@@ -205,3 +211,47 @@ async def test_the_bootstrap_node_dying_does_not_stop_the_stream(cluster: Cluste
         )
     assert summary.items_acked == n
     assert len(read_rows(cluster.warehouse / "bootstrap")) == n
+
+
+async def test_merge_on_read_through_a_sigkill(tmp_path: Path, spark: Any) -> None:
+    """Two delta-rs nodes on a table with deletion vectors, one SIGKILLed mid-stream: the
+    survivor takes its partitions and marks rows in the files the dead node wrote (their key
+    columns read from disk), resent batches whose commit had landed are skipped, and every key
+    ends with its last value, once."""
+    flags = (*NODE_FLAGS[2:6], "--engine", "delta-rs", "--deletion-vectors")
+    dv = Cluster(tmp_path / "warehouse", count=2, flags=flags)
+    await asyncio.gather(*(dv.start(n) for n in dv.ports))
+    # Small pages and a small window: many small commits, each replacing part of its files.
+    options = dataclasses.replace(OPTIONS, page_size=100, max_in_flight=8)
+    try:
+        client = await dv.wait_members(2)
+        n, keys = 60_000, 20_000  # every key written three times
+        kill = KillAt(dv.nodes["node-2"], n // 2)
+        async with client:
+            summary = await client.stream_data(
+                [{"id": i % keys, "v": i} for i in range(n)],
+                table="marked",
+                key="id",
+                on_ack=kill,
+                options=options,
+            )
+    finally:
+        await asyncio.gather(*(node.stop() for node in dv.nodes.values()))
+    assert summary.items_acked == n and kill.killed_at is not None
+    path = dv.warehouse / "marked"
+    want = {k: n - keys + k for k in range(keys)}  # the last write of every key
+    assert {k: r["v"] for k, r in read_delta(path).items()} == want
+    assert {k: r["v"] for k, r in read_spark(spark, path).items()} == want
+    # The survivor marked rows in files the dead node had written.
+    written_by: dict[str, str] = {}
+    marked_by: set[tuple[str, str]] = set()
+    for commit in sorted((path / "_delta_log").glob("*.json")):
+        actions = [json.loads(line) for line in commit.read_text().splitlines()]
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+        node = json.loads(info.get("userMetadata") or "{}").get("deltaflow", {}).get("node", "")
+        for add in (a["add"] for a in actions if "add" in a):
+            if add.get("deletionVector"):
+                marked_by.add((add["path"], node))
+            else:
+                written_by[add["path"]] = node
+    assert any(written_by.get(file) == "node-2" for file, node in marked_by if node == "node-1")
