@@ -33,6 +33,7 @@ from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
 from deltaflow.spark_integration.engine import TableEngine
 from deltaflow.spark_integration.footprint import Footprint
 from deltaflow.spark_integration.lock import table_lock
+from deltaflow.spark_integration.merge_on_read import MERGE_FILES_AT
 from deltaflow.spark_integration.spark_engine import SparkTableEngine
 from deltaflow.spark_integration.tables import TableSettings
 from deltaflow.testing import at_fault_point
@@ -473,6 +474,25 @@ async def test_merge_on_read_after_a_restart_from_a_checkpoint(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
     live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
     assert len(live) == len(set(live))
+
+
+@pytest.mark.parametrize("engine", ["spark-dv", "delta-rs-dv"])
+async def test_merge_on_read_keeps_a_bucket_to_a_few_files(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """Each commit adds a file per bucket; merging a size tier once it holds MERGE_FILES_AT
+    files keeps the count bounded over a long stream, with every key's last value."""
+    path = warehouse / "long"
+    want: dict[int, str] = {}
+    async with table_engine(engine, warehouse, table_buckets=1) as eng:
+        for round_ in range(40):  # 60 of 2,000 keys each: few files ever lose every row
+            rows = [{"id": (round_ * 97 + i * 41) % 2000, "name": f"r{round_}"} for i in range(60)]
+            await upsert(eng, "long", rows)
+            want |= {r["id"]: r["name"] for r in rows}
+            live = DeltaTable(str(path)).get_add_actions(flatten=True).num_rows
+            assert live < 2 * MERGE_FILES_AT, (round_, live)
+    assert {k: r["name"] for k, r in read_delta(path).items()} == want
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
 
 
 async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(

@@ -16,12 +16,20 @@ current vector, whose descriptor the log reader tracks (:class:`.LaneMarks`) and
 is kept beside the key column.
 
 A file whose rows are all deleted is removed. The vectors make every later read of the file
-skip its deleted rows; ``deltaflow table optimize`` rewrites files without them.
+skip its deleted rows.
+
+Every commit adds a file to each bucket it touches, so a long stream would pile files (and
+the vectors a commit rewrites) up without end. The commit therefore also merges, per bucket,
+the smallest size tier once it holds :data:`MERGE_FILES_AT` files (row counts within a factor
+of :data:`TIER_FACTOR`): their live rows are written as one file of the next tier, and they
+are removed. A bucket keeps a few files per tier, and a row is copied once per tier it climbs
+(a log-structured merge). ``deltaflow table optimize`` compacts a table fully on demand.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -40,6 +48,7 @@ from .rewrite import (
     _bucket_of,
     _files_per_bucket,
     _holding,
+    _read,
     _unsupported,
     _write_file,
     add_action,
@@ -56,6 +65,10 @@ __all__ = [
     "write_merge_on_read",
 ]
 
+#: A bucket with this many files of one size tier has them merged into one by the commit.
+MERGE_FILES_AT: Final = 8
+#: Files whose row counts are within this factor are of one tier.
+TIER_FACTOR: Final = 8
 #: Key columns kept per table and node before the least recently used are dropped (bytes).
 KEY_MEMORY_BYTES: Final = 256 * 1024 * 1024
 
@@ -192,6 +205,7 @@ def write_merge_on_read(
     writer = DvWriter(path)
     changes: list[DvChange] = []
 
+    kept: dict[str | None, list[Any]] = {}  # bucket -> live rows of the files merged away
     holding = [] if candidates is None else _holding(candidates, keys, key)
     if holding:
         # Held here too: the memory may drop some of them again when over its budget.
@@ -205,32 +219,47 @@ def write_merge_on_read(
         columns = [k.keys for _, k in files if k is not None]
         hits = pc.is_in(pa.chunked_array(columns, type=keys.type), value_set=keys)
         hits = hits.combine_chunks().to_numpy(zero_copy_only=False)
+        merging = _tier_to_merge(holding)
+        merged: list[tuple[dict[str, Any], Any]] = []  # (file, its rows deleted from now on)
         start = 0
         for f, k in files:
             assert k is not None
             rows = np.flatnonzero(hits[start : start + len(k.keys)])
             start += len(k.keys)
-            if not len(rows):
+            if not len(rows) and f["path"] not in merging:
                 continue
             old = vectors.get(f["path"])
             deleted = _deleted(path, k, old)
-            now = deleted | BitMap64(rows.tolist())
-            if len(now) == len(deleted):
-                continue  # only rows deleted before
+            now = deleted | BitMap64(rows.tolist()) if len(rows) else deleted
             file = DataFile(f["path"], int(f["size_bytes"]), _bucket_of(f))
             stats = _loosened(k.stats) if k.stats else _wide_stats(f, key, len(k.keys))
+            if f["path"] in merging:  # removed; its live rows go into the bucket's new files
+                changes.append(DvChange(file, old, None, stats))
+                merged.append((f, now))
+                continue
+            if len(now) == len(deleted):
+                continue  # only rows deleted before
             if len(now) >= len(k.keys):
                 changes.append(DvChange(file, old, None, stats))
                 continue
             new = writer.add(now)
             changes.append(DvChange(file, old, new, stats))
             k.deleted, k.descriptor_id = now, descriptor_id(new)
+        read_rows = _POOL.map(lambda m: _read(path / unquote(m[0]["path"]), file_schema), merged)
+        for (f, now), rows in zip(merged, read_rows, strict=True):
+            live = np.ones(rows.num_rows, dtype=bool)
+            live[np.frombuffer(now.to_array(), dtype=np.uint64).astype(np.int64)] = False
+            if live.any():
+                kept.setdefault(_bucket_of(f), []).append(rows.filter(pa.array(live)))
 
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
+    # A bucket's merged rows make one file (with the group's rows when they are few).
+    gathered = {b: [pa.concat_tables(rows).sort_by(key)] for b, rows in kept.items()}
     parts = [
-        (bucket, new)
-        for bucket, new, _ in _files_per_bucket(upserts, {}, file_schema, key)
-        if new.num_rows
+        (bucket, part)
+        for bucket, new, alone in _files_per_bucket(upserts, gathered, file_schema, key)
+        for part in (new, *alone)
+        if part.num_rows
     ]
     adds = list(_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts))
     for added, (_, rows) in zip(adds, parts, strict=True):
@@ -238,6 +267,26 @@ def write_merge_on_read(
     if any(c.new is not None for c in changes):
         writer.write()
     return MergeOnRead(adds, changes, partition_by, int(time.time() * 1000)), writer
+
+
+def _tier_to_merge(files: list[dict[str, Any]]) -> set[str]:
+    """The files (paths) to merge into one per bucket in this commit: in each bucket, the
+    smallest size tier (row counts within a factor of :data:`TIER_FACTOR`) holding
+    :data:`MERGE_FILES_AT` files or more, if any. Each commit adds a file to every bucket it
+    touches; merging tier by tier keeps a bucket to a few files per tier (and a commit's
+    vectors to as many), while a row is copied once per tier it climbs."""
+    tiers: dict[tuple[str | None, int], list[str]] = {}
+    for f in files:
+        rows = f.get("num_records")
+        if rows is None:
+            continue
+        tier = int(math.log(max(int(rows), 1), TIER_FACTOR))
+        tiers.setdefault((_bucket_of(f), tier), []).append(f["path"])
+    lowest: dict[str | None, tuple[int, list[str]]] = {}
+    for (bucket, tier), paths in tiers.items():
+        if len(paths) >= MERGE_FILES_AT and (bucket not in lowest or tier < lowest[bucket][0]):
+            lowest[bucket] = (tier, paths)
+    return {p for _, paths in lowest.values() for p in paths}
 
 
 def _deleted(table: Path, known: _Known, descriptor: dict[str, Any] | None) -> Any:

@@ -267,6 +267,7 @@ class SparkTableEngine(TableEngine):
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
         with map_spark_errors(table, self.node_id):
             actions: list[dict[str, Any]]
+            gone: list[str] = []  # files no longer live once the commit lands
             if candidates is not None and has_deletion_vectors(target):
                 assert footprint is not None and column is not None
                 memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
@@ -275,10 +276,13 @@ class SparkTableEngine(TableEngine):
                     target, path, data, column, candidates, vectors, memory
                 )
                 actions = done.actions()
+                gone = [c.file.path for c in done.changes if c.new is None]
             else:
                 actions = write_files(target, path, data, column, candidates).actions()
             fault_point("before_commit")
             self._commit_files(session, table, path, actions, metadata, target.version())
+            if gone:
+                memory.forget(gone)
 
     def _commit_files(
         self,
