@@ -8,7 +8,8 @@ commit and ack" that exactly-once must survive.
 In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point instead, on the
 thread that reaches it: ``before_commit`` is reached once a group's data files are written
 and before the commit that adds them (another writer committing there is the race the commit
-must detect).
+must detect); ``before_listing`` before a group lists the live files it may touch, after the
+lane marks (and the files' deletion vectors) were read.
 """
 
 from __future__ import annotations

@@ -265,10 +265,11 @@ class Gated(Receiver):
 @contextlib.contextmanager
 def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     """While in the block, run ``action`` (on the reaching thread, blocking it) whenever a
-    node of this process reaches fault point ``name``. Points: ``before_commit`` (a group's
-    data files are written, its commit not yet made; the Spark engine's direct writer and the
-    delta-rs engine's copy-on-write) and ``after_commit`` (the commit landed, its batches not
-    yet acknowledged)."""
+    node of this process reaches fault point ``name``. Points: ``before_listing`` (a group
+    is about to list the table's live files it may touch; the lane marks are read),
+    ``before_commit`` (a group's data files are written, its commit not yet made; the Spark
+    engine's direct writer and the delta-rs engine's copy-on-write and merge-on-read) and
+    ``after_commit`` (the commit landed, its batches not yet acknowledged)."""
     _faults.set_action(name, action)
     try:
         yield

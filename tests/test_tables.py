@@ -495,6 +495,67 @@ async def test_merge_on_read_keeps_a_bucket_to_a_few_files(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
 
 
+@pytest.mark.parametrize("engine", ["spark-dv", "delta-rs-dv"])
+async def test_merge_on_read_sees_a_vector_written_outside_deltaflow(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """Another writer (Spark SQL, not holding deltaflow's lock) marks a row deleted between the
+    commit reading the vectors and listing the files: the commit works from one version of
+    both, so the outside delete stays and no file is listed twice."""
+    path = warehouse / "outside"
+    async with table_engine(engine, warehouse, table_buckets=0) as eng:
+        await upsert(eng, "outside", [{"id": i, "name": "a"} for i in range(10)])
+        deleted: list[int] = []
+
+        def other_writer() -> None:
+            if not deleted:
+                deleted.append(7)
+                spark.sql(f"DELETE FROM delta.`{path}` WHERE id = 7")
+
+        with at_fault_point("before_listing", other_writer):
+            await upsert(eng, "outside", [{"id": 2, "name": "b"}])
+    assert deleted == [7]
+    want = {i: "b" if i == 2 else "a" for i in range(10) if i != 7}
+    assert {k: r["name"] for k, r in read_delta(path).items()} == want
+    assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
+    live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
+    assert len(live) == len(set(live))
+
+
+@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
+async def test_a_table_partitioned_by_other_columns_keeps_them(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """A table another program created, partitioned by its own column: deltaflow's file
+    writers carry only the bucket partition, so such a table is merged by the engine's MERGE,
+    and every row keeps its partition value."""
+    path = warehouse / "regions"
+    vectors = "true" if engine.endswith("-dv") else "false"
+    spark.sql(
+        f"CREATE TABLE delta.`{path}` (id BIGINT, name STRING, region STRING) USING delta "
+        f"PARTITIONED BY (region) TBLPROPERTIES ('delta.enableDeletionVectors' = '{vectors}')"
+    )
+    spark.sql(
+        f"INSERT INTO delta.`{path}` VALUES "
+        + ", ".join(f"({i}, 'a', '{'eu' if i < 5 else 'us'}')" for i in range(10))
+    )
+    async with table_engine(engine, warehouse) as eng:
+        await (
+            await eng.stage(
+                "regions", ["id"], [{"id": 1, "name": "b", "region": "eu"}], frozenset()
+            )
+        )
+        await (
+            await eng.stage(
+                "regions", ["id"], [{"id": 20, "name": "c", "region": "us"}], frozenset()
+            )
+        )
+    want = {i: ("b" if i == 1 else "a", "eu" if i < 5 else "us") for i in range(10)}
+    want[20] = ("c", "us")
+    assert {k: (r["name"], r["region"]) for k, r in read_delta(path).items()} == want
+    assert {k: (r["name"], r["region"]) for k, r in read_spark(spark, path).items()} == want
+
+
 async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(
     spark: Any, warehouse: Path
 ) -> None:

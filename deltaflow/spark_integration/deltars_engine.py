@@ -32,7 +32,7 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import KeyColumns, has_deletion_vectors, write_merge_on_read
+from .merge_on_read import KeyColumns, has_deletion_vectors, vectors_at, write_merge_on_read
 from .rewrite import RewriteUnsupported, rewrite
 from .tables import (
     BUCKET_COLUMN,
@@ -292,7 +292,7 @@ class DeltaRsTableEngine(TableEngine):
             data,
             footprint.column,
             footprint.files,
-            {p: dict(v) for p, v in footprint.vectors.items()},
+            vectors_at(footprint, target.version(), path.name, self.node_id),
             memory,
         )
         version = target.version() + 1
@@ -310,7 +310,12 @@ class DeltaRsTableEngine(TableEngine):
         memory.forget(c.file.path for c in done.changes if c.new is None)
         interval = int(target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL, 0) or 0)
         if version % (interval or CHECKPOINT_INTERVAL) == 0:
-            self._latest(path).create_checkpoint()
+            try:  # the commit landed: a checkpoint only speeds readers up
+                self._latest(path).create_checkpoint()
+            except Exception as exc:  # noqa: BLE001
+                log.warning(
+                    "table %s: checkpoint at version %d failed: %s", path.name, version, exc
+                )
 
 
 def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) -> None:

@@ -452,9 +452,16 @@ class _TableCommitter:
         footprint = None
         if key:
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
-            files = self.engine.live_files(self.path) if footprint.ranges else None
-            if files is not None:
-                footprint = footprint.checked_against(files, self.marks.vectors)
+            fault_point("before_listing")
+            listed = self.engine.live_files(self.path) if footprint.ranges else None
+            if listed is not None:
+                files, version = listed
+                # The files' deletion vectors, read from the log up to the same version (a
+                # writer outside deltaflow, not holding the lock, may have committed since).
+                if self.marks.scanned < version:
+                    self.marks.refresh()
+                vectors = self.marks.vectors if self.marks.scanned == version else None
+                footprint = footprint.checked_against(files, vectors, version)
                 if footprint.fresh:
                     footprint = None  # no key of the group can be in the table: appended
         self.engine.write(self.name, self.path, key, data, metadata, footprint)
@@ -1008,13 +1015,15 @@ class TableEngine:
         """
         raise NotImplementedError
 
-    def live_files(self, path: Path) -> Any:
+    def live_files(self, path: Path) -> tuple[Any, int] | None:
         """Blocking, under the table's lock: the table's live files with their statistics
         (``DeltaTable.get_add_actions(flatten=True)`` of delta-rs, which reads the Delta log
-        whichever engine wrote it), or None if they cannot be read (the ``deltalake`` package
-        missing, a table feature delta-rs does not read): the group is then merged."""
+        whichever engine wrote it) and the version they are of, or None if they cannot be
+        read (the ``deltalake`` package missing, a table feature delta-rs does not read): the
+        group is then merged."""
         try:
-            return self._latest(path).get_add_actions(flatten=True)
+            table = self._latest(path)
+            return table.get_add_actions(flatten=True), int(table.version())
         except Exception as exc:  # noqa: BLE001 - any failure only costs the append shortcut
             self._open.pop(path, None)
             log.debug("cannot read the file statistics of %s (%s): merging", path, exc)

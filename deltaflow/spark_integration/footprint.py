@@ -50,7 +50,9 @@ class Footprint:
         files: after :meth:`checked_against`, the live files that may hold one of the group's
             keys (the rows of the file list it was given), else None.
         vectors: the deletion vector descriptor of every live file that has one (path as in
-            the log), for a merge-on-read commit that replaces them.
+            the log), for a merge-on-read commit that replaces them; None when they could not
+            be read at the files' version.
+        version: the table version ``files`` and ``vectors`` are of (-1: unknown).
     """
 
     buckets: tuple[int, ...] | None
@@ -58,9 +60,10 @@ class Footprint:
     ranges: tuple[tuple[Any, Any], ...] = ()
     fresh: bool = False
     files: Any = dataclasses.field(default=None, compare=False, repr=False)
-    vectors: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+    vectors: Mapping[str, Mapping[str, Any]] | None = dataclasses.field(
         default_factory=dict, compare=False, repr=False
     )
+    version: int = dataclasses.field(default=-1, compare=False)
 
     @classmethod
     def of(
@@ -87,7 +90,10 @@ class Footprint:
         return cls(buckets, key[0], ranges)
 
     def checked_against(
-        self, files: Any, vectors: Mapping[str, Mapping[str, Any]] | None = None
+        self,
+        files: Any,
+        vectors: Mapping[str, Mapping[str, Any]] | None = None,
+        version: int = -1,
     ) -> Footprint:
         """This footprint with the ``files`` that may hold one of its keys, and ``fresh`` if
         none may.
@@ -98,6 +104,7 @@ class Footprint:
                 ``max.<column>`` statistics, ``partition.<bucket column>`` for the layout. A
                 file without statistics for the key may hold any key.
             vectors: the live files' deletion vectors (see :attr:`vectors`).
+            version: the table version of ``files`` and ``vectors``.
         """
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -105,10 +112,9 @@ class Footprint:
         if self.column is None or not self.ranges:
             return self
         files = pa.table(files)
-        vectors = vectors or {}
         low, high = f"min.{self.column}", f"max.{self.column}"
         if files.num_rows and (low not in files.column_names or high not in files.column_names):
-            return dataclasses.replace(self, files=files, vectors=vectors)
+            return dataclasses.replace(self, files=files, vectors=vectors, version=version)
         may = pa.repeat(pa.scalar(False), files.num_rows)
         if files.num_rows:
             lows, highs = files.column(low), files.column(high)
@@ -122,7 +128,9 @@ class Footprint:
                 may = pc.and_(may, pc.fill_null(mine, False))
         candidates = files.filter(may)
         fresh = candidates.num_rows == 0
-        return dataclasses.replace(self, files=candidates, fresh=fresh, vectors=vectors)
+        return dataclasses.replace(
+            self, files=candidates, fresh=fresh, vectors=vectors, version=version
+        )
 
     def merge_condition(
         self, key: Sequence[str], quote: Callable[[str], str], literal: Callable[[Any], str]

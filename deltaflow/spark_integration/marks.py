@@ -49,6 +49,11 @@ class LaneMarks:
         #: commit that replaces it (merge-on-read): a ``remove`` must name it.
         self.vectors: dict[str, dict[str, Any]] = {}
 
+    @property
+    def scanned(self) -> int:
+        """The last log version read (-1 before any)."""
+        return self._scanned
+
     def applied(self, lane: str, mark: Mark) -> bool:
         held = self._marks.get(lane)
         return held is not None and mark <= held

@@ -39,7 +39,9 @@ from typing import Any, Final
 from urllib.parse import unquote
 
 from ..columnar import DELETE_COLUMN
+from ..errors import CommitConflictError
 from .deletion_vectors import DvWriter, descriptor_id, read
+from .footprint import Footprint
 from .rewrite import (
     _POOL,
     VECTOR_FEATURES,
@@ -54,7 +56,7 @@ from .rewrite import (
     add_action,
     remove_action,
 )
-from .tables import PROP_DELETION_VECTORS
+from .tables import BUCKET_COLUMN, PROP_DELETION_VECTORS
 
 __all__ = [
     "KEY_MEMORY_BYTES",
@@ -62,6 +64,7 @@ __all__ = [
     "KeyColumns",
     "MergeOnRead",
     "has_deletion_vectors",
+    "vectors_at",
     "write_merge_on_read",
 ]
 
@@ -153,6 +156,23 @@ class MergeOnRead:
         return out + [add_action(f, self.timestamp, f.stats) for f in self.adds]
 
 
+def vectors_at(footprint: Footprint, version: int, table: str, node: str) -> dict[str, Any]:
+    """The live files' deletion vectors the footprint carries, checked to be of the table
+    ``version`` the commit is planned on: a remove must name a file's current vector, and a
+    writer outside deltaflow (not holding the lock) may have committed in between.
+
+    Raises:
+        CommitConflictError: they are of another version (the group is planned again).
+    """
+    if footprint.vectors is None or footprint.version != version:
+        raise CommitConflictError(
+            f"table {table!r} moved to version {version} while this group's files were "
+            f"listed at version {footprint.version}",
+            node=node,
+        )
+    return {path: dict(dv) for path, dv in footprint.vectors.items()}
+
+
 def has_deletion_vectors(table: Any) -> bool:
     """Whether the delta-rs ``table`` has deletion vectors enabled (the feature in its
     protocol, and ``delta.enableDeletionVectors``): its groups are applied by merge-on-read."""
@@ -200,6 +220,8 @@ def write_merge_on_read(
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)
+    if set(partition_by) - {BUCKET_COLUMN}:
+        raise RewriteUnsupported(f"partitioned by {partition_by}")
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
     keys = data.column(key)
     writer = DvWriter(path)

@@ -202,6 +202,8 @@ def write_files(
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)
+    if set(partition_by) - {BUCKET_COLUMN}:  # the files written carry the bucket value only
+        raise RewriteUnsupported(f"partitioned by {partition_by}")
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
 

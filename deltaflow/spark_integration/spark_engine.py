@@ -40,7 +40,7 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import KeyColumns, has_deletion_vectors, write_merge_on_read
+from .merge_on_read import KeyColumns, has_deletion_vectors, vectors_at, write_merge_on_read
 from .rewrite import RewriteUnsupported, write_files
 from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 from .tables import (
@@ -271,7 +271,7 @@ class SparkTableEngine(TableEngine):
             if candidates is not None and has_deletion_vectors(target):
                 assert footprint is not None and column is not None
                 memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
-                vectors = {p: dict(v) for p, v in footprint.vectors.items()}
+                vectors = vectors_at(footprint, target.version(), table, self.node_id)
                 done, _ = write_merge_on_read(
                     target, path, data, column, candidates, vectors, memory
                 )
