@@ -703,6 +703,18 @@ class Variant:
     limit: Callable[[int], int | None] = lambda _total: None
 
 
+def _vectors_variant(engine: str) -> Variant:
+    """Nodes as processes, the Arrow source, a table with deletion vectors (merge-on-read)."""
+    table = f"deltaflow_{engine.replace('-', '_')}_arrow_procs_dv"
+    return Variant(
+        f"deltaflow-{engine}-arrow-procs-dv",
+        table,
+        lambda w, n: run_deltaflow(
+            w, n, engine, table=table, layout="process", arrow=True, vectors=True
+        ),
+    )
+
+
 VARIANTS: Final = (
     Variant(
         "deltaflow-spark",
@@ -755,32 +767,8 @@ VARIANTS: Final = (
             w, n, "delta-rs", table="deltaflow_delta_rs_arrow_procs", layout="process", arrow=True
         ),
     ),
-    Variant(
-        "deltaflow-spark-arrow-procs-dv",
-        "deltaflow_spark_arrow_procs_dv",
-        lambda w, n: run_deltaflow(
-            w,
-            n,
-            "spark",
-            table="deltaflow_spark_arrow_procs_dv",
-            layout="process",
-            arrow=True,
-            vectors=True,
-        ),
-    ),
-    Variant(
-        "deltaflow-delta-rs-arrow-procs-dv",
-        "deltaflow_delta_rs_arrow_procs_dv",
-        lambda w, n: run_deltaflow(
-            w,
-            n,
-            "delta-rs",
-            table="deltaflow_delta_rs_arrow_procs_dv",
-            layout="process",
-            arrow=True,
-            vectors=True,
-        ),
-    ),
+    _vectors_variant("spark"),
+    _vectors_variant("delta-rs"),
     Variant(
         "deltaflow-spark-paced",
         "deltaflow_spark_paced",

@@ -32,7 +32,7 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import KeyColumns, has_deletion_vectors, vectors_at, write_merge_on_read
+from .merge_on_read import has_deletion_vectors
 from .rewrite import RewriteUnsupported, rewrite
 from .tables import (
     BUCKET_COLUMN,
@@ -245,13 +245,9 @@ class DeltaRsTableEngine(TableEngine):
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
             target = self._latest(path)
-            if (
-                footprint.column is not None
-                and footprint.files is not None
-                and (has_deletion_vectors(target))
-            ):
+            if footprint.files is not None and has_deletion_vectors(target):
                 try:
-                    self._merge_on_read(target, path, data, footprint, metadata)
+                    self._commit_merge_on_read(table, path, target, data, footprint, metadata)
                     return
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", table, exc)
@@ -279,22 +275,18 @@ class DeltaRsTableEngine(TableEngine):
                 .execute()
             )
 
-    def _merge_on_read(
-        self, target: Any, path: Path, data: Any, footprint: Footprint, metadata: str
+    def _commit_merge_on_read(
+        self,
+        table: str,
+        path: Path,
+        target: Any,
+        data: Any,
+        footprint: Footprint,
+        metadata: str,
     ) -> None:
         """Apply the group by merge-on-read (:mod:`.merge_on_read`), committed by writing the
         next log entry directly (delta-rs's transaction API takes no deletion vectors)."""
-        assert footprint.column is not None
-        memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
-        done, _ = write_merge_on_read(
-            target,
-            path,
-            data,
-            footprint.column,
-            footprint.files,
-            vectors_at(footprint, target.version(), path.name, self.node_id),
-            memory,
-        )
+        done = self._merge_on_read(table, path, target, data, footprint)
         version = target.version() + 1
         info = {
             "timestamp": done.timestamp,
@@ -307,7 +299,7 @@ class DeltaRsTableEngine(TableEngine):
         }
         fault_point("before_commit")
         commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
-        memory.forget(c.file.path for c in done.changes if c.new is None)
+        self._landed(path, done)
         interval = int(target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL, 0) or 0)
         if version % (interval or CHECKPOINT_INTERVAL) == 0:
             try:  # the commit landed: a checkpoint only speeds readers up

@@ -54,7 +54,13 @@ from ..partitioning import partition_table
 from .footprint import Footprint
 from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
 from .marks import LaneMarks, Mark
-from .merge_on_read import KEY_MEMORY_BYTES, KeyColumns
+from .merge_on_read import (
+    KEY_MEMORY_BYTES,
+    KeyColumns,
+    MergeOnRead,
+    vectors_at,
+    write_merge_on_read,
+)
 from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
@@ -1028,6 +1034,25 @@ class TableEngine:
             self._open.pop(path, None)
             log.debug("cannot read the file statistics of %s (%s): merging", path, exc)
             return None
+
+    def _merge_on_read(
+        self, table: str, path: Path, target: Any, data: Any, footprint: Footprint
+    ) -> MergeOnRead:
+        """Blocking, under the table's lock: write the files and deletion vectors that apply
+        the group by merge-on-read to ``target`` (delta-rs, the version the commit is planned
+        on); the engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`."""
+        assert footprint.column is not None
+        memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
+        vectors = vectors_at(footprint, target.version(), table, self.node_id)
+        return write_merge_on_read(
+            target, path, data, footprint.column, footprint.files, vectors, memory
+        )
+
+    def _landed(self, path: Path, done: MergeOnRead) -> None:
+        """A merge-on-read commit landed: forget the key columns of the files it removed."""
+        memory = self._key_columns.get(path)
+        if memory is not None:
+            memory.forget(done.removed)
 
     def _latest(self, path: Path) -> Any:
         """Blocking: the delta-rs table at ``path``, at its latest version. Kept open between

@@ -80,37 +80,21 @@ def vacuum(
 
 
 def _vector_files(path: Path) -> set[Path]:
-    """Every deletion vector file the table's log names, in the commits still there and the
-    last checkpoint: those of live files, and of removed ones a reader of an older version
-    within the log may need."""
-    import pyarrow.parquet as pq
-
+    """Every deletion vector file the table's log names, in the commits and checkpoints still
+    there: those of live files, and of removed ones a reader of an older version may need."""
     from .deletion_vectors import file_of
+    from .marks import checkpoint_vectors, commit_vectors
 
     log_dir = path / "_delta_log"
-    descriptors: list[dict[str, Any]] = []
-    for commit in log_dir.glob("*.json"):
-        with commit.open(encoding="utf-8") as fh:
-            for line in fh:
-                if '"deletionVector"' in line:
-                    action = next(iter(json.loads(line).values()))
-                    if isinstance(action, dict) and action.get("deletionVector"):
-                        descriptors.append(action["deletionVector"])
+    descriptors = [dv for commit in log_dir.glob("*.json") for dv in commit_vectors(commit)]
     for checkpoint in log_dir.glob("*.checkpoint*.parquet"):
-        actions = pq.read_table(checkpoint, columns=["add", "remove"]).to_pylist()
-        descriptors += [
-            action["deletionVector"]
-            for row in actions
-            for action in (row.get("add"), row.get("remove"))
-            if action and action.get("deletionVector")
-        ]
+        descriptors += [dv for _, dv in checkpoint_vectors(checkpoint, ("add", "remove"))]
     files = (file_of(path, d) for d in descriptors)
     return {f.resolve() for f in files if f is not None}
 
 
 def history(warehouse: Path, table: str, *, limit: int = 20) -> list[dict[str, Any]]:
     """The latest commits, newest first: version, time, operation, writing node, rows."""
-    import json
 
     from deltalake import DeltaTable
 

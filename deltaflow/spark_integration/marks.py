@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from .deletion_vectors import descriptor_id
 
-__all__ = ["METADATA_KEY", "LaneMarks", "Mark"]
+__all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,6 @@ def _read_commit(
 def _checkpoint_vectors(log_dir: Path, into: _Vectors) -> int:
     """Read the deletion vectors of the live files the last checkpoint lists into ``into``;
     the checkpoint's version (-1 without one)."""
-    import pyarrow.parquet as pq
-
     try:
         last = json.loads((log_dir / "_last_checkpoint").read_text(encoding="utf-8"))
         version = int(last["version"])
@@ -165,14 +163,29 @@ def _checkpoint_vectors(log_dir: Path, into: _Vectors) -> int:
         return -1
     prefix = f"{version:020d}.checkpoint"
     for name in sorted(n for n in _listdir(log_dir) if n.startswith(prefix)):
-        if not name.endswith(".parquet"):
-            continue
-        adds = pq.read_table(log_dir / name, columns=["add"]).column("add").to_pylist()
-        for add in adds:
-            dv = (add or {}).get("deletionVector")
-            if dv:
-                into[add["path"]] = {k: v for k, v in dv.items() if v is not None}
+        if name.endswith(".parquet"):
+            into.update(checkpoint_vectors(log_dir / name, ("add",)))
     return version
+
+
+def commit_vectors(commit: Path) -> list[dict[str, Any]]:
+    """The deletion vectors one commit file names, in its adds and its removes."""
+    _, _, removed, added = _read_commit(commit)
+    return [dv for _, dv in removed] + list(added.values())
+
+
+def checkpoint_vectors(checkpoint: Path, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """The deletion vectors of the actions of ``kinds`` (``add``, ``remove``) a checkpoint
+    file lists: (path, descriptor) pairs."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(checkpoint, columns=list(kinds)).to_pylist()
+    return [
+        (action["path"], {k: v for k, v in action["deletionVector"].items() if v is not None})
+        for row in rows
+        for action in (row.get(kind) for kind in kinds)
+        if action and action.get("deletionVector")
+    ]
 
 
 def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:

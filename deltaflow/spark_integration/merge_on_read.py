@@ -48,13 +48,12 @@ from .rewrite import (
     DataFile,
     RewriteUnsupported,
     _bucket_of,
-    _files_per_bucket,
     _holding,
     _read,
     _unsupported,
-    _write_file,
     add_action,
     remove_action,
+    write_buckets,
 )
 from .tables import BUCKET_COLUMN, PROP_DELETION_VECTORS
 
@@ -116,9 +115,6 @@ class KeyColumns:
             if known is not None:
                 self._bytes -= known.keys.nbytes
 
-    def __len__(self) -> int:
-        return len(self._files)
-
 
 @dataclass(frozen=True, slots=True)
 class DvChange:
@@ -135,16 +131,19 @@ class MergeOnRead:
     """A group applied by merge-on-read, for one commit of the engine's own.
 
     Attributes:
-        adds: the new files (the group's rows).
+        adds: the new files (the group's rows, and the live rows of merged files).
         changes: the files whose deletion vectors change.
-        partition_by: the table's partition columns.
         timestamp: milliseconds since the epoch.
     """
 
     adds: list[DataFile]
     changes: list[DvChange]
-    partition_by: list[str]
     timestamp: int
+
+    @property
+    def removed(self) -> list[str]:
+        """The files no longer live once the commit lands (every row deleted, or merged)."""
+        return [c.file.path for c in self.changes if c.new is None]
 
     def actions(self) -> list[dict[str, Any]]:
         """The commit's ``add`` and ``remove`` actions, as the Delta log holds them."""
@@ -190,7 +189,7 @@ def write_merge_on_read(
     candidates: Any | None,
     vectors: dict[str, dict[str, Any]],
     memory: KeyColumns,
-) -> tuple[MergeOnRead, DvWriter]:
+) -> MergeOnRead:
     """Blocking, under the table's lock: write the new files and the deletion vector file
     that apply the group ``data`` to ``table`` (delta-rs, at its latest version); nothing is
     committed yet.
@@ -277,18 +276,13 @@ def write_merge_on_read(
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
     # A bucket's merged rows make one file (with the group's rows when they are few).
     gathered = {b: [pa.concat_tables(rows).sort_by(key)] for b, rows in kept.items()}
-    parts = [
-        (bucket, part)
-        for bucket, new, alone in _files_per_bucket(upserts, gathered, file_schema, key)
-        for part in (new, *alone)
-        if part.num_rows
-    ]
-    adds = list(_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts))
-    for added, (_, rows) in zip(adds, parts, strict=True):
+    adds = []
+    for added, rows in write_buckets(path, upserts, gathered, file_schema, key):
         memory.put(added.path, _Known(rows.column(key).combine_chunks(), stats=added.stats))
+        adds.append(added)
     if any(c.new is not None for c in changes):
         writer.write()
-    return MergeOnRead(adds, changes, partition_by, int(time.time() * 1000)), writer
+    return MergeOnRead(adds, changes, int(time.time() * 1000))
 
 
 def _tier_to_merge(files: list[dict[str, Any]]) -> set[str]:

@@ -49,7 +49,14 @@ from ..columnar import DELETE_COLUMN
 from .footprint import Footprint
 from .tables import BUCKET_COLUMN
 
-__all__ = ["DataFile", "Rewrite", "RewriteUnsupported", "rewrite", "write_files"]
+__all__ = [
+    "DataFile",
+    "Rewrite",
+    "RewriteUnsupported",
+    "rewrite",
+    "write_buckets",
+    "write_files",
+]
 
 #: A touched file whose kept rows are fewer than this share of its bucket's new rows is
 #: written with them (else it gets a file of its own): each carried row is then copied at
@@ -228,14 +235,23 @@ def write_files(
                 if rest.num_rows:
                     kept.setdefault(bucket, []).append(rest)
 
+    adds = [added for added, _ in write_buckets(path, upserts, kept, file_schema, key)]
+    return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
+
+
+def write_buckets(
+    path: Path, upserts: Any, kept: dict[str | None, list[Any]], schema: Any, key: str | None
+) -> list[tuple[DataFile, Any]]:
+    """Write the new files of a group: per bucket, the group's rows ``upserts`` and the rows
+    ``kept`` from files it replaces (:func:`_files_per_bucket`); each file with its rows."""
     parts = [
         (bucket, part)
-        for bucket, new, alone in _files_per_bucket(upserts, kept, file_schema, key)
+        for bucket, new, alone in _files_per_bucket(upserts, kept, schema, key)
         for part in (new, *alone)
         if part.num_rows
     ]
-    adds = list(_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts))
-    return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
+    adds = _POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts)
+    return [(added, rows) for added, (_, rows) in zip(adds, parts, strict=True)]
 
 
 def rewrite(

@@ -40,8 +40,8 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import KeyColumns, has_deletion_vectors, vectors_at, write_merge_on_read
-from .rewrite import RewriteUnsupported, write_files
+from .merge_on_read import MergeOnRead, has_deletion_vectors
+from .rewrite import Rewrite, RewriteUnsupported, write_files
 from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 from .tables import (
     BUCKET_COLUMN,
@@ -266,23 +266,15 @@ class SparkTableEngine(TableEngine):
             self._open.pop(path, None)
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
         with map_spark_errors(table, self.node_id):
-            actions: list[dict[str, Any]]
-            gone: list[str] = []  # files no longer live once the commit lands
-            if candidates is not None and has_deletion_vectors(target):
-                assert footprint is not None and column is not None
-                memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
-                vectors = vectors_at(footprint, target.version(), table, self.node_id)
-                done, _ = write_merge_on_read(
-                    target, path, data, column, candidates, vectors, memory
-                )
-                actions = done.actions()
-                gone = [c.file.path for c in done.changes if c.new is None]
+            done: MergeOnRead | Rewrite
+            if footprint is not None and candidates is not None and has_deletion_vectors(target):
+                done = self._merge_on_read(table, path, target, data, footprint)
             else:
-                actions = write_files(target, path, data, column, candidates).actions()
+                done = write_files(target, path, data, column, candidates)
             fault_point("before_commit")
-            self._commit_files(session, table, path, actions, metadata, target.version())
-            if gone:
-                memory.forget(gone)
+            self._commit_files(session, table, path, done.actions(), metadata, target.version())
+            if isinstance(done, MergeOnRead):
+                self._landed(path, done)
 
     def _commit_files(
         self,
