@@ -9,7 +9,9 @@ In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point 
 thread that reaches it: ``before_commit`` is reached once a group's data files are written
 and before the commit that adds them (another writer committing there is the race the commit
 must detect); ``before_listing`` before a group lists the live files it may touch, after the
-lane marks (and the files' deletion vectors) were read.
+lane marks (and the files' deletion vectors) were read; ``prepared`` once a group is prepared
+and before it waits for the table's lock (another node committing there may change what the
+group must apply).
 """
 
 from __future__ import annotations

@@ -226,16 +226,20 @@ async def test_interleaved_streams_in_one_group_equal_one_by_one_application(
 
 
 @contextlib.asynccontextmanager
-async def table_engine(engine: str, warehouse: Path, **kwargs: Any) -> AsyncIterator[TableEngine]:
+async def table_engine(
+    engine: str, warehouse: Path, node_id: str = "t1", **kwargs: Any
+) -> AsyncIterator[TableEngine]:
     """A node's table engine alone (no server): staging and commits, as a node runs them."""
     eng: TableEngine
     options = engine_options(engine)
     kwargs = {"deletion_vectors": options.get("deletion_vectors", False), **kwargs}
     if options["engine"] == "spark":
         writer = options.get("spark_writer", "direct")
-        eng = SparkTableEngine(warehouse, node_id="t1", spark=TEST_SPARK, writer=writer, **kwargs)
+        eng = SparkTableEngine(
+            warehouse, node_id=node_id, spark=TEST_SPARK, writer=writer, **kwargs
+        )
     else:
-        eng = DeltaRsTableEngine(warehouse, node_id="t1", **kwargs)
+        eng = DeltaRsTableEngine(warehouse, node_id=node_id, **kwargs)
     await eng.start()
     try:
         yield eng
@@ -520,6 +524,58 @@ async def test_merge_on_read_sees_a_vector_written_outside_deltaflow(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
     live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
     assert len(live) == len(set(live))
+
+
+@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
+async def test_a_group_prepared_before_another_node_applied_part_of_it_applies_only_the_rest(
+    warehouse: Path, engine: str
+) -> None:
+    """A group is prepared (its rows collapsed and, for merge-on-read, its files written)
+    before its node takes the table's lock. Meanwhile the node that took one of its lanes over
+    applies that lane's batch and a later one. The commit applies only the group's other
+    batch: the lane's later value stays."""
+    loop = asyncio.get_running_loop()
+    path = warehouse / "handover"
+    async with (
+        table_engine(engine, warehouse) as first,
+        table_engine(engine, warehouse, node_id="t2") as second,
+    ):
+        await upsert(first, "handover", [{"id": i, "name": "a"} for i in range(10)])
+
+        async def second_applies_the_lane() -> None:
+            for seq, name in ((0, "old"), (1, "new")):
+                rows = [{"id": 3, "name": name}]
+                await (
+                    await second.stage(
+                        "handover", ["id"], rows, frozenset(), mark=("s/0", (seq, 0))
+                    )
+                )
+
+        took_over: list[str] = []
+
+        def other_node() -> None:  # on the first engine's commit thread, before its lock
+            if not took_over:
+                took_over.append("s/0")
+                asyncio.run_coroutine_threadsafe(second_applies_the_lane(), loop).result(120)
+
+        running = True  # both writes are held until both are staged: they make one group
+        staged = [
+            await first.stage(
+                "handover", ["id"], rows, frozenset(), mark=(lane, (0, 0)), held=lambda: running
+            )
+            for lane, rows in (
+                ("s/0", [{"id": 3, "name": "old"}]),
+                ("s/1", [{"id": 5, "name": "x"}]),
+            )
+        ]
+        with at_fault_point("prepared", other_node):
+            running = False
+            first.release()
+            await asyncio.gather(*staged)
+        assert took_over == ["s/0"]
+        assert first.stats.batches_deduplicated == 1
+    want = {i: "a" for i in range(10)} | {3: "new", 5: "x"}
+    assert {k: r["name"] for k, r in read_delta(path).items()} == want
 
 
 @pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
@@ -843,15 +899,26 @@ async def test_max_group_bytes_bounds_a_group(warehouse: Path) -> None:
         assert eng.stats.commits == eng.stats.batches_committed == 4
         assert eng.stats.largest_group_rows == 1
     async with table_engine("delta-rs", warehouse) as eng:
-        with table_lock(warehouse, "big_groups"):
+        await upsert(eng, "big_groups", [{"id": 0, "v": 0.0}])
+        loop = asyncio.get_running_loop()
+        waiting = asyncio.Event()
+        lock = table_lock(warehouse, "big_groups")
+        await asyncio.to_thread(lock.__enter__)  # off the loop: the last commit releases it there
+        with contextlib.ExitStack() as held:
+            held.push(lock)  # released when the block ends
+            held.enter_context(
+                at_fault_point("prepared", lambda: loop.call_soon_threadsafe(waiting.set))
+            )
+            first = await eng.stage("big_groups", ["id"], [{"id": 1, "v": 1.0}], frozenset())
+            await waiting.wait()  # its group is prepared, and waits for the lock
             futures = [
                 await eng.stage("big_groups", ["id"], [{"id": i, "v": 1.0}], frozenset())
-                for i in range(4)
+                for i in range(2, 5)
             ]
-        await asyncio.gather(*futures)
-        # The group is taken once the table lock is ours: everything that queued while another
-        # writer held it commits as one group.
-        assert eng.stats.commits == 1 and eng.stats.largest_group_rows == 4
+        await asyncio.gather(first, *futures)
+        # A group is taken and prepared before it waits for the lock: everything that queued
+        # while another writer held the lock commits as the next group, not one by one.
+        assert eng.stats.commits == 3 and eng.stats.largest_group_rows == 3
 
 
 async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(

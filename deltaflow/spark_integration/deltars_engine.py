@@ -32,8 +32,8 @@ from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
-from .merge_on_read import has_deletion_vectors
-from .rewrite import RewriteUnsupported, rewrite
+from .merge_on_read import MergeOnRead, has_deletion_vectors
+from .rewrite import DataFile, RewriteUnsupported, rewrite
 from .tables import (
     BUCKET_COLUMN,
     CHECKPOINT_INTERVAL,
@@ -183,6 +183,9 @@ class DeltaRsTableEngine(TableEngine):
     name = "delta-rs"
     creates_deletion_vectors = True
 
+    def merges_on_read(self, settings: TableSettings) -> bool:
+        return settings.deletion_vectors
+
     def _start_engine(self) -> None:
         _require_deltalake()
 
@@ -218,9 +221,10 @@ class DeltaRsTableEngine(TableEngine):
         data: Any,
         metadata: str,
         footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None = None,
     ) -> None:
         try:
-            self._write(path, key, data, metadata, footprint, table)
+            self._write(path, key, data, metadata, footprint, written, table)
         except BaseException:
             self._open.pop(path, None)  # opened afresh next time, whatever state it is in
             raise
@@ -232,6 +236,7 @@ class DeltaRsTableEngine(TableEngine):
         data: Any,
         metadata: str,
         footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None,
         table: str,
     ) -> None:
         import pyarrow.compute as pc
@@ -240,17 +245,24 @@ class DeltaRsTableEngine(TableEngine):
         props = CommitProperties(custom_metadata={"userMetadata": metadata})
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         with map_deltars_errors(table, self.node_id):
+            listed = footprint is not None and footprint.files is not None
+            merge_on_read = written is not None or listed
+            if merge_on_read and len(key) == 1:
+                target = self._latest(path)
+                if has_deletion_vectors(target):
+                    try:
+                        done = self._merge_on_read(
+                            table, path, target, data, key[0], footprint, written
+                        )
+                        self._commit_merge_on_read(path, target, done, metadata)
+                        return
+                    except RewriteUnsupported as exc:
+                        log.debug("table %s: merging this group (%s)", table, exc)
             if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
                 return
             target = self._latest(path)
-            if footprint.files is not None and has_deletion_vectors(target):
-                try:
-                    self._commit_merge_on_read(table, path, target, data, footprint, metadata)
-                    return
-                except RewriteUnsupported as exc:
-                    log.debug("table %s: merging this group (%s)", table, exc)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props)
@@ -276,17 +288,10 @@ class DeltaRsTableEngine(TableEngine):
             )
 
     def _commit_merge_on_read(
-        self,
-        table: str,
-        path: Path,
-        target: Any,
-        data: Any,
-        footprint: Footprint,
-        metadata: str,
+        self, path: Path, target: Any, done: MergeOnRead, metadata: str
     ) -> None:
-        """Apply the group by merge-on-read (:mod:`.merge_on_read`), committed by writing the
-        next log entry directly (delta-rs's transaction API takes no deletion vectors)."""
-        done = self._merge_on_read(table, path, target, data, footprint)
+        """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) by writing the next
+        log entry directly (delta-rs's transaction API takes no deletion vectors)."""
         version = target.version() + 1
         info = {
             "timestamp": done.timestamp,

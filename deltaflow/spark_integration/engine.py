@@ -59,8 +59,10 @@ from .merge_on_read import (
     KeyColumns,
     MergeOnRead,
     vectors_at,
+    write_group,
     write_merge_on_read,
 )
+from .rewrite import DataFile
 from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
@@ -206,6 +208,28 @@ class _Staged:
         return self.held is None or not self.held()
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A group made ready for its commit outside the table lock (see ``_TableCommitter._run``).
+
+    Attributes:
+        data: the group's rows as the commit applies them: one row per key (the last),
+            conformed to the table's schema as read into ``settings`` and ``schema``.
+        settings: the table's settings the rows were conformed to (the same object, or the
+            table changed meanwhile and the group is prepared again under the lock).
+        schema: the data columns the rows were conformed to (the same object, likewise).
+        written: for merge-on-read, the group's new rows already written as data files, one
+            per bucket (file, rows); None when the engine writes them in the commit.
+        seconds: how long the preparation took (part of the commit time).
+    """
+
+    data: Any
+    settings: TableSettings
+    schema: Any
+    written: list[tuple[DataFile, Any]] | None
+    seconds: float
+
+
 class _TableCommitter:
     """Owns one table on this node: its settings, schema, staging queue and commit task."""
 
@@ -217,6 +241,7 @@ class _TableCommitter:
         self.key: list[str] | None = None  # the key this node's writes use
         self.settings: TableSettings | None = None  # None until the table exists
         self.schema: Any = None  # the data columns (no bucket), None until the table exists
+        self.partition_columns: tuple[str, ...] = ()
         self.queue: deque[_Staged] = deque()
         self.queued_rows = 0
         self.ready = asyncio.Event()
@@ -256,6 +281,7 @@ class _TableCommitter:
         full = pa.schema(desc.schema)
         self.settings = TableSettings.from_table(desc.properties, full.names)
         self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
+        self.partition_columns = tuple(desc.partition_columns)
         if self.settings.buckets and BUCKET_COLUMN not in desc.partition_columns:
             log.warning("table %s: %s is not a partition column", self.name, BUCKET_COLUMN)
 
@@ -289,27 +315,39 @@ class _TableCommitter:
         return self.engine.new_table_settings(key)
 
     async def _run(self) -> None:
+        node = self.engine.node_id
         while True:
             await self.ready.wait()
             if not self._any_takeable():
                 self.ready.clear()  # only writes of receivers still running: wait for release()
                 continue
-            # The group is taken only once the table lock is held: while another node commits
-            # to the table, this node's batches keep joining its next group, so under load the
-            # groups grow to cover the wait (instead of one taken early and then stuck waiting).
+            # The group is taken and prepared (its rows collapsed and conformed, and for
+            # merge-on-read its new files written) before the table lock is taken, so the lock
+            # is held only for the part that reads and writes the log: two nodes writing one
+            # table mostly prepare at the same time instead of waiting for each other.
+            group = self._take_group()
+            preparing = asyncio.ensure_future(self.engine._in_thread(self._prepare, group))
+            try:
+                prepared = await asyncio.shield(preparing)
+            except asyncio.CancelledError:  # the node stops: the group was taken off the queue
+                for staged in group:
+                    _settle(staged.future, ServerError("node stopped before commit", node=node))
+                raise
             lock = table_lock(self.engine.warehouse, self.name)
             entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
             try:
                 await asyncio.shield(entering)
             except asyncio.CancelledError:  # the node stops: release the lock once it is ours
                 entering.add_done_callback(functools.partial(_release_if_taken, lock=lock))
+                for staged in group:
+                    _settle(staged.future, ServerError("node stopped before commit", node=node))
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
-                for staged in self._take_group():
+                for staged in group:
                     self.engine.stats.batches_failed += 1
-                    _settle(staged.future, ServerError(str(exc), node=self.engine.node_id))
+                    _settle(staged.future, ServerError(str(exc), node=node))
                 continue
-            committing = asyncio.ensure_future(self._commit_group(self._take_group()))
+            committing = asyncio.ensure_future(self._commit_group(group, prepared))
             try:
                 # Shielded: a commit under way finishes (and settles its batches) even when
                 # the node stops, so the lock is never released under a running commit.
@@ -354,7 +392,7 @@ class _TableCommitter:
     def _any_takeable(self) -> bool:
         return any(staged.takeable() for staged in self.queue)
 
-    async def _commit_group(self, group: list[_Staged]) -> None:
+    async def _commit_group(self, group: list[_Staged], prepared: _Prepared | None = None) -> None:
         live = []
         for staged in group:  # checked right before every commit attempt
             if staged.abandoned is not None and staged.abandoned():
@@ -367,11 +405,13 @@ class _TableCommitter:
                 )
             else:
                 live.append(staged)
+        if len(live) < len(group):
+            prepared = None  # its rows include the dropped writes': prepared again
         group = live
         if not group:
             return
         try:
-            await self._commit_with_retries(group)
+            await self._commit_with_retries(group, prepared)
         # Whatever the commit raised settles the batches' futures (or isolates the culprit).
         except Exception as exc:  # noqa: BLE001
             if len(group) == 1:
@@ -396,18 +436,19 @@ class _TableCommitter:
             )
             _settle(staged.future, None)
 
-    async def _commit_with_retries(self, group: list[_Staged]) -> None:
+    async def _commit_with_retries(self, group: list[_Staged], prepared: _Prepared | None) -> None:
         for attempt in range(1, _COMMIT_ATTEMPTS + 1):
             try:
                 started = time.monotonic()
-                rows = await self.engine._in_thread(self._commit, group)
+                rows = await self.engine._in_thread(self._commit, group, prepared)
             except CommitConflictError:
                 self.engine.stats.commit_conflicts += 1
                 if attempt == _COMMIT_ATTEMPTS:
                     raise
                 await asyncio.sleep(0.05 * 2**attempt)
                 continue
-            elapsed = time.monotonic() - started
+            # The commit time counts the group's preparation too (not the wait for the lock).
+            elapsed = time.monotonic() - started + (prepared.seconds if prepared else 0.0)
             stats = self.engine.stats
             stats.commits += 1
             stats.rows_committed += rows
@@ -418,7 +459,47 @@ class _TableCommitter:
             stats.group_rows_histogram = stats.group_rows_histogram.observe(rows)
             return
 
-    def _commit(self, group: list[_Staged]) -> int:
+    def _prepare(self, group: list[_Staged]) -> _Prepared | None:
+        """Blocking, outside the table lock: the group's rows as its commit will apply them,
+        and for merge-on-read its new files written, when the table exists and the group needs
+        no change to it; else None (the commit does it all under the lock, where an error is
+        also reported)."""
+        prepared = self._prepare_group(group)
+        fault_point("prepared")
+        return prepared
+
+    def _prepare_group(self, group: list[_Staged]) -> _Prepared | None:
+        started = time.monotonic()
+        settings, schema = self.settings, self.schema
+        if settings is None or schema is None or not self.key:
+            return None
+        if settings.managed and list(settings.key) != self.key:
+            return None  # reported under the lock
+        try:
+            data = self._conform(
+                self._group_rows(group),
+                recompute=any(s.buckets != settings.buckets for s in group),
+                evolve=False,
+            )
+        except Exception:  # noqa: BLE001 - prepared again under the lock, which reports it
+            return None
+        written = None
+        if (
+            len(self.key) == 1
+            and set(self.partition_columns) <= {BUCKET_COLUMN}
+            and self.engine.merges_on_read(settings)
+        ):
+            written = write_group(self.path, data, schema, self.key[0])
+        return _Prepared(data, settings, schema, written, time.monotonic() - started)
+
+    def _group_rows(self, group: list[_Staged]) -> Any:
+        """The group's rows in staging order, the last per key kept."""
+        import pyarrow as pa
+
+        data = pa.concat_tables([s.table for s in group], promote_options="permissive")
+        return _last_per_key(data, self.key) if self.key else data
+
+    def _commit(self, group: list[_Staged], prepared: _Prepared | None = None) -> int:
         """Blocking, called with the table lock held (see ``_run``): drop writes the table
         already holds, then create the table if needed and apply the rest in one commit that
         also records the group's lane marks."""
@@ -429,19 +510,24 @@ class _TableCommitter:
         self.engine.stats.batches_deduplicated += len(group) - len(todo)
         if not todo:
             return 0
+        if prepared is not None and (
+            len(todo) < len(group)
+            or prepared.settings is not self.settings
+            or prepared.schema is not self.schema
+        ):
+            prepared = None  # some writes are applied already, or the table changed meanwhile
         lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
-        rows = self._commit_rows(todo, LaneMarks.user_metadata(self.engine.node_id, lanes))
+        metadata = LaneMarks.user_metadata(self.engine.node_id, lanes)
+        rows = self._commit_rows(todo, metadata, prepared)
         self.marks.absorb(lanes)
         fault_point("after_commit")
         return rows
 
-    def _commit_rows(self, group: list[_Staged], metadata: str) -> int:
-        import pyarrow as pa
-
+    def _commit_rows(self, group: list[_Staged], metadata: str, prepared: _Prepared | None) -> int:
         key = self.key or []
-        data = pa.concat_tables([s.table for s in group], promote_options="permissive")
-        if key:
-            data = _last_per_key(data, key)
+        if prepared is not None:
+            return self._write(key, prepared.data, metadata, prepared.written)
+        data = self._group_rows(group)
         if self.settings is None:
             if all(data.column(DELETE_COLUMN).to_pylist()):
                 return 0  # only deletes, and no table: nothing exists to delete
@@ -455,9 +541,16 @@ class _TableCommitter:
                 node=self.engine.node_id,
             )
         data = self._conform(data, recompute=any(s.buckets != settings.buckets for s in group))
+        return self._write(key, data, metadata, None)
+
+    def _write(
+        self, key: list[str], data: Any, metadata: str, written: list[tuple[DataFile, Any]] | None
+    ) -> int:
+        """Blocking, under the lock: apply the conformed group ``data`` in one commit."""
+        assert self.settings is not None
         footprint = None
         if key:
-            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
+            footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
             fault_point("before_listing")
             listed = self.engine.live_files(self.path) if footprint.ranges else None
             if listed is not None:
@@ -470,7 +563,7 @@ class _TableCommitter:
                 footprint = footprint.checked_against(files, vectors, version)
                 if footprint.fresh:
                     footprint = None  # no key of the group can be in the table: appended
-        self.engine.write(self.name, self.path, key, data, metadata, footprint)
+        self.engine.write(self.name, self.path, key, data, metadata, footprint, written)
         return int(data.num_rows)
 
     def _create(self, data: Any) -> None:
@@ -484,15 +577,15 @@ class _TableCommitter:
         log.info("created table %s (%s)", self.name, settings.describe())
         self._describe()
 
-    def _conform(self, data: Any, *, recompute: bool) -> Any:
-        """Blocking, under the lock: the group with exactly the table's columns, in its order
-        (added first if the table allows schema evolution), plus the bucket and delete
-        columns. Rows checked against an older schema, or before the table existed, are cast
-        here.
+    def _conform(self, data: Any, *, recompute: bool, evolve: bool = True) -> Any:
+        """Blocking, under the lock (or, with ``evolve`` False, anywhere): the group with
+        exactly the table's columns, in its order (added first if the table allows schema
+        evolution), plus the bucket and delete columns. Rows checked against an older schema,
+        or before the table existed, are cast here.
 
         Raises:
-            SchemaError: a column the table lacks (and may not add), or one whose type does not
-                convert.
+            SchemaError: a column the table lacks (and may not add, or ``evolve`` is False),
+                or one whose type does not convert.
         """
         import pyarrow as pa
 
@@ -504,7 +597,7 @@ class _TableCommitter:
         ]
         if new:
             names = [f.name for f in new]
-            if not settings.schema_evolution:
+            if not settings.schema_evolution or not evolve:
                 raise SchemaError(_no_evolution_text(self.name, names), node=node)
             untyped = [f.name for f in new if pa.types.is_null(f.type)]
             if untyped:
@@ -1004,6 +1097,7 @@ class TableEngine:
         data: Any,
         metadata: str,
         footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None = None,
     ) -> None:
         """Blocking, under the table's lock: apply ``data`` to the existing table in one commit.
 
@@ -1018,8 +1112,19 @@ class TableEngine:
                 files. Its ``files`` lists the live files that may hold one of the keys (when
                 the key has ranges). None to append the rows that are not deletes instead:
                 the table has no key, or holds none of the group's keys.
+            written: the group's rows that are not deletes, already written as data files
+                (:func:`.write_group`), when :meth:`merges_on_read` said the table is applied
+                by merge-on-read: the commit adds them instead of writing the rows again. An
+                engine that applies the group another way after all leaves them unreferenced
+                (``deltaflow table vacuum`` deletes them).
         """
         raise NotImplementedError
+
+    def merges_on_read(self, settings: TableSettings) -> bool:
+        """Whether this engine applies groups to a table with ``settings`` by merge-on-read
+        (:mod:`.merge_on_read`): the committer then writes a group's new files before it takes
+        the table lock, and passes them to :meth:`write`."""
+        return False
 
     def live_files(self, path: Path) -> tuple[Any, int] | None:
         """Blocking, under the table's lock: the table's live files with their statistics
@@ -1036,17 +1141,26 @@ class TableEngine:
             return None
 
     def _merge_on_read(
-        self, table: str, path: Path, target: Any, data: Any, footprint: Footprint
+        self,
+        table: str,
+        path: Path,
+        target: Any,
+        data: Any,
+        key: str,
+        footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None,
     ) -> MergeOnRead:
         """Blocking, under the table's lock: write the files and deletion vectors that apply
         the group by merge-on-read to ``target`` (delta-rs, the version the commit is planned
-        on); the engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`."""
-        assert footprint.column is not None
+        on); the engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`.
+        ``footprint`` None: no live file can hold one of the group's keys."""
         memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
-        vectors = vectors_at(footprint, target.version(), table, self.node_id)
-        return write_merge_on_read(
-            target, path, data, footprint.column, footprint.files, vectors, memory
-        )
+        if footprint is None:
+            candidates, vectors = None, {}
+        else:
+            candidates = footprint.files
+            vectors = vectors_at(footprint, target.version(), table, self.node_id)
+        return write_merge_on_read(target, path, data, key, candidates, vectors, memory, written)
 
     def _landed(self, path: Path, done: MergeOnRead) -> None:
         """A merge-on-read commit landed: forget the key columns of the files it removed."""

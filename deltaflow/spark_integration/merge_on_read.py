@@ -64,6 +64,7 @@ __all__ = [
     "MergeOnRead",
     "has_deletion_vectors",
     "vectors_at",
+    "write_group",
     "write_merge_on_read",
 ]
 
@@ -189,6 +190,7 @@ def write_merge_on_read(
     candidates: Any | None,
     vectors: dict[str, dict[str, Any]],
     memory: KeyColumns,
+    written: list[tuple[DataFile, Any]] | None = None,
 ) -> MergeOnRead:
     """Blocking, under the table's lock: write the new files and the deletion vector file
     that apply the group ``data`` to ``table`` (delta-rs, at its latest version); nothing is
@@ -203,6 +205,8 @@ def write_merge_on_read(
         vectors: the current deletion vector descriptor of every live file that has one
             (path as in the log -> descriptor), from the log.
         memory: this node's key columns of the table's files.
+        written: the group's new files, already written by :func:`write_group` (outside the
+            lock); None to write them here.
 
     Raises:
         RewriteUnsupported: the table has a feature this writer does not honour (nothing was
@@ -273,16 +277,37 @@ def write_merge_on_read(
             if live.any():
                 kept.setdefault(_bucket_of(f), []).append(rows.filter(pa.array(live)))
 
-    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
-    # A bucket's merged rows make one file (with the group's rows when they are few).
+    # A bucket's merged rows make one file (with the group's rows when they are few and not
+    # written yet).
     gathered = {b: [pa.concat_tables(rows).sort_by(key)] for b, rows in kept.items()}
+    if written is None:
+        written = write_group(path, data, file_schema, key, gathered)
+    elif gathered:
+        written = written + write_group(path, data.slice(0, 0), file_schema, key, gathered)
     adds = []
-    for added, rows in write_buckets(path, upserts, gathered, file_schema, key):
+    for added, rows in written:
         memory.put(added.path, _Known(rows.column(key).combine_chunks(), stats=added.stats))
         adds.append(added)
     if any(c.new is not None for c in changes):
         writer.write()
     return MergeOnRead(adds, changes, int(time.time() * 1000))
+
+
+def write_group(
+    path: Path,
+    data: Any,
+    schema: Any,
+    key: str,
+    kept: dict[str | None, list[Any]] | None = None,
+) -> list[tuple[DataFile, Any]]:
+    """Blocking, needing no lock: write the group ``data``'s rows that are not deletes as new
+    data files of the table at ``path`` (one per bucket, sorted by ``key``, with the file
+    ``schema``: the table's columns without its partition columns), and the rows ``kept``
+    per bucket; each file with its rows. Nothing refers to them until a commit adds them."""
+    import pyarrow.compute as pc
+
+    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
+    return write_buckets(path, upserts, kept or {}, schema, key)
 
 
 def _tier_to_merge(files: list[dict[str, Any]]) -> set[str]:

@@ -41,7 +41,7 @@ from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerErr
 from .engine import DELETE_COLUMN, TableDescription, TableEngine
 from .footprint import Footprint
 from .merge_on_read import MergeOnRead, has_deletion_vectors
-from .rewrite import Rewrite, RewriteUnsupported, write_files
+from .rewrite import DataFile, Rewrite, RewriteUnsupported, write_files
 from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 from .tables import (
     BUCKET_COLUMN,
@@ -161,6 +161,9 @@ class SparkTableEngine(TableEngine):
         self.spark: Any = None
         self._sessions: dict[str, Any] = {}
 
+    def merges_on_read(self, settings: TableSettings) -> bool:
+        return self.writer == "direct" and settings.deletion_vectors
+
     def _start_engine(self) -> None:
         config = self.spark_config or SparkConfig()
         if self.writer == "direct" and config.java_options is None:
@@ -228,10 +231,11 @@ class SparkTableEngine(TableEngine):
         data: Any,
         metadata: str,
         footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None = None,
     ) -> None:
         if self.writer == "direct":
             try:
-                self._write_direct(table, path, key, data, metadata, footprint)
+                self._write_direct(table, path, key, data, metadata, footprint, written)
                 return
             except RewriteUnsupported as exc:
                 log.debug("table %s: applying this group by Spark SQL (%s)", table, exc)
@@ -245,6 +249,7 @@ class SparkTableEngine(TableEngine):
         data: Any,
         metadata: str,
         footprint: Footprint | None,
+        written: list[tuple[DataFile, Any]] | None = None,
     ) -> None:
         """Apply the group by the node's own files, committed through the driver's Delta.
 
@@ -267,8 +272,9 @@ class SparkTableEngine(TableEngine):
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
         with map_spark_errors(table, self.node_id):
             done: MergeOnRead | Rewrite
-            if footprint is not None and candidates is not None and has_deletion_vectors(target):
-                done = self._merge_on_read(table, path, target, data, footprint)
+            merge_on_read = written is not None or candidates is not None
+            if merge_on_read and column is not None and has_deletion_vectors(target):
+                done = self._merge_on_read(table, path, target, data, column, footprint, written)
             else:
                 done = write_files(target, path, data, column, candidates)
             fault_point("before_commit")
