@@ -425,3 +425,54 @@ async def test_a_receiver_that_raises_after_staging_leaves_nothing_in_the_table(
         await node.stop()
     assert info.value.failed_items == [{"id": 1, "boom": True}]
     assert sorted(read_delta(warehouse / "held")) == list(range(2, 11))  # id 1 never landed
+
+
+async def test_the_summary_reports_how_long_acks_took(cluster: list[Node]) -> None:
+    """A batch's ack latency runs from its send to its ack: here, the 0.3 s its receiver is
+    held after yielding its first result."""
+    from deltaflow.testing import Gated
+
+    Gated.gate = asyncio.Event()
+    held = 0.3
+    opened: list[asyncio.TimerHandle] = []
+
+    def on_result(value: Any) -> None:  # the receiver runs: open its gate in 0.3 s
+        if not opened:
+            assert Gated.gate is not None
+            opened.append(asyncio.get_running_loop().call_later(held, Gated.gate.set))
+
+    try:
+        async with deltaflow.connect([cluster[0].address]) as client:
+            summary = await client.stream_data(
+                [1, 2, 3],
+                key=lambda x: "one key",
+                receiver="deltaflow.testing.Gated",
+                on_result=on_result,
+            )
+    finally:
+        Gated.gate = None
+    latency = summary.ack_latency
+    assert latency.batches == 1
+    assert held <= latency.max < held + 1.0
+    assert held * 0.97 <= latency.p50 <= latency.p99 <= latency.max
+    assert latency.mean == latency.max
+
+
+def test_ack_latency_quantiles_are_within_two_percent() -> None:
+    import random
+
+    from deltaflow.client.latency import LatencyHistogram
+
+    rng = random.Random(7)
+    seconds = [rng.lognormvariate(-2.0, 1.0) for _ in range(20_000)]
+    histogram = LatencyHistogram()
+    for s in seconds:
+        histogram.observe(s)
+    ordered = sorted(seconds)
+    summary = histogram.summary()
+    assert summary.batches == len(seconds)
+    for q, got in ((0.5, summary.p50), (0.9, summary.p90), (0.99, summary.p99)):
+        exact = ordered[int(q * len(ordered)) - 1]
+        assert abs(got - exact) <= 0.025 * exact, (q, got, exact)
+    assert summary.max == ordered[-1]
+    assert abs(summary.mean - sum(seconds) / len(seconds)) < 1e-9

@@ -3,11 +3,13 @@
 Stages, one module each: :mod:`.client` (facade), :mod:`.stream` (one stream's pump),
 :mod:`.accumulator` (per-partition buffers), :mod:`.sender` (window and retries),
 :mod:`.connection` (one WebSocket per node), :mod:`.results` (result dispatch),
-:mod:`.sources` (source adapters), :mod:`.sync` (blocking facade).
+:mod:`.sources` (source adapters), :mod:`.sync` (blocking facade), :mod:`.latency` (ack
+latency).
 """
 
 from .accumulator import Batch, BatchCreator, SizeBatchCreator
 from .client import Client, ClientState, ClientStatistics, connect
+from .latency import AckLatency
 from .options import StreamerOptions
 from .sender import NodeStatistics
 from .stream import TABLE_RECEIVER, CommitPosition, Delete, StreamStatistics, StreamSummary
@@ -15,6 +17,7 @@ from .sync import stream_data
 
 __all__ = [
     "TABLE_RECEIVER",
+    "AckLatency",
     "Batch",
     "BatchCreator",
     "Client",

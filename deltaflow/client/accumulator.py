@@ -35,6 +35,7 @@ class Batch:
         node: the node that acknowledged the batch.
         wire: an Arrow page's IPC encoding (``items`` is then :class:`ArrowRows` and
             ``packed`` is empty), made on first send.
+        first_sent: ``time.monotonic()`` of its first send (0.0 before it).
     """
 
     partition: int
@@ -48,6 +49,7 @@ class Batch:
     failures: dict[int, str] | None = None
     node: str | None = None
     wire: bytes | None = None
+    first_sent: float = 0.0
 
     def packed_items(self) -> list[bytes]:
         """Each item's msgpack encoding (an Arrow page's rows are packed on demand)."""

@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,7 @@ from ..errors import (
 )
 from ..protocol import Frame, join_items
 from .accumulator import Batch
+from .latency import LatencyHistogram
 from .options import StreamerOptions
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class _Counters:
     retried_batches: int = 0
     in_flight: int = 0
     per_node: dict[str, NodeStatistics] = field(default_factory=dict)
+    ack_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 class Sender:
@@ -333,6 +336,8 @@ class Sender:
     @staticmethod
     def _stamp(batch: Batch, frame: Frame) -> None:
         batch.attempts += 1
+        if batch.attempts == 1:
+            batch.first_sent = time.monotonic()
         frame["att"] = batch.attempts
 
     def _spawn(self, batch: Batch, frame: Frame, failed: BaseException | None) -> None:
@@ -403,6 +408,7 @@ class Sender:
         self._record_ack(batch, conn, ack)
 
     def _record_ack(self, batch: Batch, conn: Connection, ack: Frame) -> None:
+        self.counters.ack_latency.observe(time.monotonic() - batch.first_sent)
         batch.node = conn.node_id
         batch.failures = item_failures(ack, len(batch.items), conn.node_id)
         stats = self.counters.per_node.setdefault(conn.node_id, NodeStatistics())

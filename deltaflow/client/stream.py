@@ -17,6 +17,7 @@ from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, Usa
 from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator, Batch, SizeBatchCreator
+from .latency import AckLatency
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
 from .sender import NodeStatistics, Sender, StreamStoppedError
@@ -68,6 +69,8 @@ class StreamSummary:
         results: per-item results delivered to ``on_result``.
         duration: seconds from start to the last acknowledgement.
         per_node: acknowledged batches/items and errors by node id.
+        ack_latency: quantiles of the seconds from a batch's first send to its
+            acknowledgement (:class:`.AckLatency`).
     """
 
     stream_id: str
@@ -79,6 +82,7 @@ class StreamSummary:
     results: int
     duration: float
     per_node: dict[str, NodeStatistics]
+    ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
 
     @property
     def rows_per_second(self) -> float:
@@ -118,6 +122,7 @@ class StreamStatistics:
         commit_position: :class:`CommitPosition` count (contiguous settled prefix; tracked
             only when ``on_commit`` is given).
         per_node: per-node acknowledged batches/items and errors.
+        ack_latency: quantiles of the ack latency so far (as :attr:`StreamSummary.ack_latency`).
     """
 
     stream_id: str
@@ -130,6 +135,7 @@ class StreamStatistics:
     retried: int
     commit_position: int
     per_node: dict[str, NodeStatistics]
+    ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
 
 
 def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
@@ -250,6 +256,7 @@ class StreamRun:
             retried=c.retried_batches,
             commit_position=self.watermark.count,
             per_node=dict(c.per_node),
+            ack_latency=c.ack_latency.summary(),
         )
 
     # -- outcomes of batches (synchronous, on the loop) ------------------------------------
@@ -628,6 +635,7 @@ class StreamRun:
             results=self.results.delivered if self.results is not None else 0,
             duration=duration,
             per_node=counters.per_node,
+            ack_latency=counters.ack_latency.summary(),
         )
 
 
