@@ -985,3 +985,23 @@ async def test_a_node_with_a_backlog_does_not_starve_another_on_the_table_lock(
     # The other node got the lock after a commit or two, not after the whole backlog.
     assert commits_before_other <= 5, commits_before_other
     assert len(read_all(warehouse / "shared")) == 32
+
+
+@pytest.mark.parametrize("engine", ["spark-dv", "delta-rs-dv"])
+async def test_a_key_without_ranges_is_merged_on_a_table_with_deletion_vectors(
+    warehouse: Path, engine: str
+) -> None:
+    """A float key has no key ranges, so the commit cannot tell which live files hold its
+    keys: the group's files, written before the lock, are left aside and the group merged."""
+    async with table_engine(engine, warehouse) as eng:
+        for name in ("a", "b"):
+            rows = [{"x": i / 4, "name": name} for i in range(8)]
+            await (await eng.stage("floats", ["x"], rows, frozenset()))
+        rows = [{"x": 0.5, "name": "c"}]
+        await (await eng.stage("floats", ["x"], rows, frozenset({0})))
+    reader = QueryBuilder().register("t", DeltaTable(str(warehouse / "floats")))
+    got = {
+        r["x"]: r["name"]
+        for r in pa.table(reader.execute("SELECT * FROM t").read_all()).to_pylist()
+    }
+    assert got == {i / 4: "b" for i in range(8) if i != 2}

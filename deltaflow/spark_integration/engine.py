@@ -62,7 +62,7 @@ from .merge_on_read import (
     write_group,
     write_merge_on_read,
 )
-from .rewrite import DataFile
+from .rewrite import DataFile, RewriteUnsupported
 from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
@@ -156,7 +156,8 @@ class EngineStatistics:
     queued_rows: int = 0
     tables_created: int = 0
     columns_added: int = 0
-    # Per commit: its duration in seconds and its rows (0 when every batch was a duplicate).
+    # Per commit: its duration in seconds (its preparation outside the table lock included, the
+    # wait for the lock not) and its rows (0 when every batch was a duplicate).
     commit_seconds_histogram: Histogram = dataclasses.field(
         default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
     )
@@ -213,6 +214,8 @@ class _Prepared:
     """A group made ready for its commit outside the table lock (see ``_TableCommitter._run``).
 
     Attributes:
+        batches: how many writes the group had (a commit of fewer, some dropped as abandoned
+            or already applied, prepares again).
         data: the group's rows as the commit applies them: one row per key (the last),
             conformed to the table's schema as read into ``settings`` and ``schema``.
         settings: the table's settings the rows were conformed to (the same object, or the
@@ -223,6 +226,7 @@ class _Prepared:
         seconds: how long the preparation took (part of the commit time).
     """
 
+    batches: int
     data: Any
     settings: TableSettings
     schema: Any
@@ -315,7 +319,6 @@ class _TableCommitter:
         return self.engine.new_table_settings(key)
 
     async def _run(self) -> None:
-        node = self.engine.node_id
         while True:
             await self.ready.wait()
             if not self._any_takeable():
@@ -330,8 +333,7 @@ class _TableCommitter:
             try:
                 prepared = await asyncio.shield(preparing)
             except asyncio.CancelledError:  # the node stops: the group was taken off the queue
-                for staged in group:
-                    _settle(staged.future, ServerError("node stopped before commit", node=node))
+                self._fail(group, "node stopped before commit", count=False)
                 raise
             lock = table_lock(self.engine.warehouse, self.name)
             entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
@@ -339,13 +341,10 @@ class _TableCommitter:
                 await asyncio.shield(entering)
             except asyncio.CancelledError:  # the node stops: release the lock once it is ours
                 entering.add_done_callback(functools.partial(_release_if_taken, lock=lock))
-                for staged in group:
-                    _settle(staged.future, ServerError("node stopped before commit", node=node))
+                self._fail(group, "node stopped before commit", count=False)
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
-                for staged in group:
-                    self.engine.stats.batches_failed += 1
-                    _settle(staged.future, ServerError(str(exc), node=node))
+                self._fail(group, str(exc), count=True)
                 continue
             committing = asyncio.ensure_future(self._commit_group(group, prepared))
             try:
@@ -361,6 +360,14 @@ class _TableCommitter:
             if await self.engine._in_thread(others_waiting, self.lock_path):
                 # flock is not fair: let the node waiting for this table commit first.
                 await asyncio.sleep(YIELD_SECONDS)
+
+    def _fail(self, group: list[_Staged], message: str, *, count: bool) -> None:
+        """Settle a group taken off the queue that will not be committed (``count``: as
+        failed batches, not as batches of a stopping node)."""
+        for staged in group:
+            if count:
+                self.engine.stats.batches_failed += 1
+            _settle(staged.future, ServerError(message, node=self.engine.node_id))
 
     def _take_group(self) -> list[_Staged]:
         """The next group: queued writes in staging order, up to the bounds, passing over the
@@ -405,8 +412,6 @@ class _TableCommitter:
                 )
             else:
                 live.append(staged)
-        if len(live) < len(group):
-            prepared = None  # its rows include the dropped writes': prepared again
         group = live
         if not group:
             return
@@ -490,7 +495,7 @@ class _TableCommitter:
             and self.engine.merges_on_read(settings)
         ):
             written = write_group(self.path, data, schema, self.key[0])
-        return _Prepared(data, settings, schema, written, time.monotonic() - started)
+        return _Prepared(len(group), data, settings, schema, written, time.monotonic() - started)
 
     def _group_rows(self, group: list[_Staged]) -> Any:
         """The group's rows in staging order, the last per key kept."""
@@ -511,11 +516,12 @@ class _TableCommitter:
         if not todo:
             return 0
         if prepared is not None and (
-            len(todo) < len(group)
+            len(todo) < prepared.batches
             or prepared.settings is not self.settings
             or prepared.schema is not self.schema
         ):
-            prepared = None  # some writes are applied already, or the table changed meanwhile
+            # Some writes were abandoned or are applied already, or the table changed meanwhile.
+            prepared = None
         lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
         metadata = LaneMarks.user_metadata(self.engine.node_id, lanes)
         rows = self._commit_rows(todo, metadata, prepared)
@@ -1153,7 +1159,14 @@ class TableEngine:
         """Blocking, under the table's lock: write the files and deletion vectors that apply
         the group by merge-on-read to ``target`` (delta-rs, the version the commit is planned
         on); the engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`.
-        ``footprint`` None: no live file can hold one of the group's keys."""
+        ``footprint`` None: no live file can hold one of the group's keys.
+
+        Raises:
+            RewriteUnsupported: the footprint does not list the live files that may hold the
+                group's keys (a key without ranges, or statistics delta-rs cannot read).
+        """
+        if footprint is not None and footprint.files is None:
+            raise RewriteUnsupported("no live files listed for the group's keys")
         memory = self._key_columns.setdefault(path, KeyColumns(self.key_memory_bytes))
         if footprint is None:
             candidates, vectors = None, {}
