@@ -190,17 +190,8 @@ class DeltaRsTableEngine(TableEngine):
         _require_deltalake()
 
     def describe(self, table: str, path: Path) -> TableDescription:
-        import pyarrow as pa
-        from deltalake import DeltaTable
-
         with map_deltars_errors(table, self.node_id):
-            dt = DeltaTable(str(path))
-            meta = dt.metadata()
-            return TableDescription(
-                schema=pa.schema(dt.schema().to_arrow()),
-                partition_columns=tuple(meta.partition_columns),
-                properties=dict(meta.configuration),
-            )
+            return super().describe(table, path)
 
     def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
         create_delta_table(path, schema, settings, table=table, node=self.node_id)

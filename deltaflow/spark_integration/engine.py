@@ -52,7 +52,7 @@ from ..errors import (
 )
 from ..partitioning import partition_table
 from .footprint import Footprint
-from .lock import YIELD_SECONDS, others_waiting, table_lock, table_lock_path
+from .lock import table_lock
 from .marks import LaneMarks, Mark
 from .merge_on_read import (
     KEY_MEMORY_BYTES,
@@ -241,7 +241,6 @@ class _TableCommitter:
         self.engine = engine
         self.name = name
         self.path = engine.warehouse / name
-        self.lock_path = table_lock_path(engine.warehouse, name)
         self.key: list[str] | None = None  # the key this node's writes use
         self.settings: TableSettings | None = None  # None until the table exists
         self.schema: Any = None  # the data columns (no bucket), None until the table exists
@@ -255,6 +254,7 @@ class _TableCommitter:
         self.described_version = -1
         self.marks = LaneMarks(self.path)
         self.session: Any = None
+        self.released_at: float | None = None  # when this node last released the table lock
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
 
     async def load(self) -> None:
@@ -335,7 +335,7 @@ class _TableCommitter:
             except asyncio.CancelledError:  # the node stops: the group was taken off the queue
                 self._fail(group, "node stopped before commit", count=False)
                 raise
-            lock = table_lock(self.engine.warehouse, self.name)
+            lock = table_lock(self.engine.warehouse, self.name, released_at=self.released_at)
             entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
             try:
                 await asyncio.shield(entering)
@@ -357,9 +357,8 @@ class _TableCommitter:
                 raise
             finally:
                 lock.__exit__(None, None, None)  # a non-blocking unlock, on the loop
-            if await self.engine._in_thread(others_waiting, self.lock_path):
-                # flock is not fair: let the node waiting for this table commit first.
-                await asyncio.sleep(YIELD_SECONDS)
+                # flock is not fair: the next locking lets a node waiting now commit first.
+                self.released_at = time.monotonic()
 
     def _fail(self, group: list[_Staged], message: str, *, count: bool) -> None:
         """Settle a group taken off the queue that will not be committed (``count``: as
@@ -1078,8 +1077,19 @@ class TableEngine:
         """Blocking: start the engine."""
 
     def describe(self, table: str, path: Path) -> TableDescription:
-        """Blocking: the schema, partition columns and properties of the table at ``path``."""
-        raise NotImplementedError
+        """Blocking: the schema, partition columns and properties of the table at ``path``,
+        read from its log by delta-rs (milliseconds, where Spark's reading and ``DESCRIBE
+        DETAIL`` took 0.7 s a table, 2-3 s in a fresh JVM)."""
+        import pyarrow as pa
+        from deltalake import DeltaTable
+
+        dt = DeltaTable(str(path))
+        meta = dt.metadata()
+        return TableDescription(
+            schema=pa.schema(dt.schema().to_arrow()),
+            partition_columns=tuple(meta.partition_columns),
+            properties=dict(meta.configuration),
+        )
 
     def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
         """Blocking, under the table's lock: create the empty table at ``path``.

@@ -29,21 +29,25 @@ __all__ = [
 ]
 
 
-#: How often a waiter retries a held lock, and how long a holder that saw waiters stays away
-#: after releasing it (longer than the retry period, so a waiter gets its turn).
-POLL_SECONDS: Final = 0.01
+#: How often a waiter retries a held lock, and how long after its release a holder lets the
+#: processes that were waiting go first (many retry periods, so a waiter gets its turn).
+POLL_SECONDS: Final = 0.005
 YIELD_SECONDS: Final = 0.05
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
+def file_lock(
+    path: Path, *, timeout: float, what: str, released_at: float | None = None
+) -> Iterator[float]:
     """Hold an exclusive ``flock`` on ``path`` (created if missing); yields the seconds spent
     waiting. Polls every ``POLL_SECONDS`` so a timeout can be honoured.
 
     ``flock`` is not fair: a holder that releases and re-locks at once can starve a polling
     waiter indefinitely. So a waiter leaves a marker next to the lock while it waits
-    (:func:`others_waiting`), and a holder that sees one stays away for ``YIELD_SECONDS``
-    after releasing.
+    (:func:`others_waiting`), and a caller that released the lock at ``released_at``
+    (``time.monotonic()``) lets the waiters it finds go first, until ``YIELD_SECONDS`` after
+    that release. Only the next locking waits: what the caller does meanwhile (the next
+    group's preparation) is not held up, and nothing waits when no one else wants the lock.
 
     Blocking: call it from a worker thread, never on the event loop.
 
@@ -53,6 +57,9 @@ def file_lock(path: Path, *, timeout: float, what: str) -> Iterator[float]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     started = time.monotonic()
+    if released_at is not None:
+        while time.monotonic() < released_at + YIELD_SECONDS and others_waiting(path):
+            time.sleep(POLL_SECONDS)
     marker: Path | None = None
     try:
         while True:
@@ -99,9 +106,10 @@ def table_lock_path(warehouse: Path, table: str) -> Path:
 
 
 def table_lock(
-    warehouse: Path, table: str, *, timeout: float = 600.0
+    warehouse: Path, table: str, *, timeout: float = 600.0, released_at: float | None = None
 ) -> contextlib.AbstractContextManager[float]:
-    """Hold the table's commit lock (a context manager yielding the seconds spent waiting).
+    """Hold the table's commit lock (a context manager yielding the seconds spent waiting);
+    ``released_at``: when the caller last released it (see :func:`file_lock`).
 
     Blocking: call it from a worker thread, never on the event loop.
 
@@ -109,5 +117,8 @@ def table_lock(
         TimeoutError: the lock was not free within ``timeout`` seconds.
     """
     return file_lock(
-        table_lock_path(warehouse, table), timeout=timeout, what=f"commit lock of table {table!r}"
+        table_lock_path(warehouse, table),
+        timeout=timeout,
+        what=f"commit lock of table {table!r}",
+        released_at=released_at,
     )

@@ -197,6 +197,10 @@ class SparkTableEngine(TableEngine):
         return self._sessions[table]
 
     def describe(self, table: str, path: Path) -> TableDescription:
+        try:
+            return super().describe(table, path)
+        except Exception as exc:  # noqa: BLE001 - a Delta feature delta-rs cannot read
+            log.debug("table %s: described by Spark (delta-rs: %s)", table, exc)
         from pyspark.sql.pandas.types import to_arrow_schema
 
         session = self._session(table)
