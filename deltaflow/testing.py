@@ -269,8 +269,9 @@ def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     is about to list the table's live files it may touch; the lane marks are read),
     ``before_commit`` (a group's data files are written, its commit not yet made; the Spark
     engine's direct writer and the delta-rs engine's copy-on-write and merge-on-read),
-    ``after_commit`` (the commit landed, its batches not yet acknowledged) and ``prepared``
-    (a group was prepared outside the table's lock and is about to wait for it)."""
+    ``after_commit`` (the commit landed, its batches not yet acknowledged), ``prepared``
+    (a group was prepared outside the table's lock and is about to wait for it) and
+    ``converting`` (a write's rows are about to be checked and converted for the queue)."""
     _faults.set_action(name, action)
     try:
         yield

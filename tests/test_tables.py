@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from deltaflow.spark_integration import (
     maintenance,
     read_table_settings,
 )
+from deltaflow.spark_integration import engine as engine_module
 from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
 from deltaflow.spark_integration.engine import TableEngine
 from deltaflow.spark_integration.footprint import Footprint
@@ -919,6 +921,32 @@ async def test_max_group_bytes_bounds_a_group(warehouse: Path) -> None:
         # A group is taken and prepared before it waits for the lock: everything that queued
         # while another writer held the lock commits as the next group, not one by one.
         assert eng.stats.commits == 3 and eng.stats.largest_group_rows == 3
+
+
+async def test_a_burst_of_writes_to_an_idle_table_commits_as_one_group(
+    warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client flushes a batch per partition at once. The first write queued wakes the idle
+    committer, which waits for the writes still being converted rather than committing a
+    fragment of the burst while the rest waits a whole commit. delta-rs only: the base class
+    forms groups."""
+    monkeypatch.setattr(engine_module, "GATHER_SECONDS", 60.0)  # the bound is not under test
+    async with table_engine("delta-rs", warehouse) as eng:
+        await upsert(eng, "burst", [{"id": 0, "v": 0.0}])  # the table exists: groups prepare
+        commits = eng.stats.commits
+        prepared, passed = threading.Event(), threading.Lock()
+
+        def slow_but_first() -> None:  # the first conversion passes; the others take 0.5 s,
+            if not passed.acquire(blocking=False):  # or end once a group is prepared
+                prepared.wait(timeout=0.5)
+
+        with at_fault_point("converting", slow_but_first), at_fault_point("prepared", prepared.set):
+            futures = await asyncio.gather(
+                *(eng.stage("burst", ["id"], [{"id": i, "v": 1.0}], frozenset()) for i in (1, 2, 3))
+            )
+            await asyncio.gather(*futures)
+        assert eng.stats.commits - commits == 1
+        assert eng.stats.largest_group_rows == 3
 
 
 async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(

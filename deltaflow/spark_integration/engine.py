@@ -4,7 +4,8 @@ A Delta MERGE has a fixed cost (one to two seconds with Spark), so no engine com
 batch. Each table has a committer task: while one commit runs, newly staged batches queue up,
 and the next commit takes all of them (up to ``max_group_rows`` and ``max_group_bytes``). Under
 load commits grow and amortise the fixed cost; under light load a lone batch commits at once. A
-group never waits to fill: it is cut the moment the previous commit ends.
+group never waits to fill: it is cut the moment the previous commit ends (an idle committer
+woken by a burst waits, briefly, for the writes of the burst still being converted).
 
 Within a group, several writes of one key collapse to the last in staging order (deletes
 included), which is the order the node's lanes staged them: per (stream, partition) sequence
@@ -35,7 +36,7 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,9 @@ DEFAULT_MAX_GROUP_ROWS: Final = 500_000
 DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
 _COMMIT_ATTEMPTS: Final = 5
+#: How long a committer woken from idle waits at most for writes being converted to join its
+#: group (see ``_TableCommitter._gather``).
+GATHER_SECONDS: Final = 0.02
 _INTERNAL_COLUMNS: Final = (DELETE_COLUMN, BUCKET_COLUMN)
 #: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
 COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -255,6 +259,8 @@ class _TableCommitter:
         self.marks = LaneMarks(self.path)
         self.session: Any = None
         self.released_at: float | None = None  # when this node last released the table lock
+        self.converting = 0  # writes being checked and converted, about to be queued
+        self.converted = asyncio.Event()  # set when the last of them is queued (or failed)
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
 
     async def load(self) -> None:
@@ -318,9 +324,34 @@ class _TableCommitter:
             return settings
         return self.engine.new_table_settings(key)
 
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Count a write being converted for the queue (see :meth:`_gather`)."""
+        self.converting += 1
+        try:
+            yield
+        finally:
+            self.converting -= 1
+            if not self.converting:
+                self.converted.set()
+
+    async def _gather(self) -> None:
+        """Wait, up to ``GATHER_SECONDS``, for the writes being converted right now: a burst
+        of batches (one per partition, as a client flushes them) wakes an idle committer with
+        its first write, and would otherwise commit as a fragment of a group while the rest
+        waits a whole commit for the next one. A lone batch waits for nothing."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(GATHER_SECONDS):
+                while self.converting:
+                    self.converted.clear()
+                    await self.converted.wait()
+
     async def _run(self) -> None:
         while True:
+            idle = not self.ready.is_set()
             await self.ready.wait()
+            if idle and self.converting:
+                await self._gather()
             if not self._any_takeable():
                 self.ready.clear()  # only writes of receivers still running: wait for release()
                 continue
@@ -686,6 +717,12 @@ def _cast_column(column: Any, field: Any, table: str, node: str) -> Any:
         node=node,
         details={"column": field.name},
     )
+
+
+def _converted(*args: Any, **kwargs: Any) -> Any:
+    """:func:`to_arrow_rows` on a worker thread, behind fault point ``converting``."""
+    fault_point("converting")
+    return to_arrow_rows(*args, **kwargs)
 
 
 def _release_if_taken(entering: asyncio.Future[Any], lock: Any) -> None:
@@ -1258,29 +1295,30 @@ class TableEngine:
         committer = self._tables.get(table)
         if committer is None:
             committer = self._tables[table] = _TableCommitter(self, table)
-        await committer.load()
-        for attempt in (1, 2):
-            settings = committer.plan(key)
-            try:
-                converted = await asyncio.to_thread(
-                    to_arrow_rows,
-                    rows,
-                    deletes,
-                    key,
-                    committer.schema,
-                    table=table,
-                    node=self.node_id,
-                    evolve=settings.schema_evolution,
-                    buckets=settings.buckets,
-                )
-                break
-            except SchemaError as exc:
-                # Checked against what this node last read of the table: if the table changed
-                # since (a column added, evolution allowed), check once more against it.
-                if attempt == 2 or "column" not in exc.details:
-                    raise
-                if not await self._in_thread(committer._describe_if_newer):
-                    raise
+        with committer.arriving():
+            await committer.load()
+            for attempt in (1, 2):
+                settings = committer.plan(key)
+                try:
+                    converted = await asyncio.to_thread(
+                        _converted,
+                        rows,
+                        deletes,
+                        key,
+                        committer.schema,
+                        table=table,
+                        node=self.node_id,
+                        evolve=settings.schema_evolution,
+                        buckets=settings.buckets,
+                    )
+                    break
+                except SchemaError as exc:
+                    # Checked against what this node last read of the table: if the table changed
+                    # since (a column added, evolution allowed), check once more against it.
+                    if attempt == 2 or "column" not in exc.details:
+                        raise
+                    if not await self._in_thread(committer._describe_if_newer):
+                        raise
         # Waits for room, unless everything queued is held by running receivers: then nothing
         # could make room until they return (this one among them, perhaps).
         while committer.queued_rows >= self.max_queued_rows and committer._any_takeable():
