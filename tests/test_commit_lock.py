@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import StreamerOptions
+from deltaflow.spark_integration.lock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
 
 from .conftest import read_delta
@@ -127,3 +130,26 @@ async def test_hammer_300_merge_on_read_commits_from_two_delta_rs_processes(
         keys=20,
         extra=("--deletion-vectors",),
     )
+
+
+def test_a_waiter_killed_while_waiting_stops_counting_as_waiting(tmp_path: Path) -> None:
+    """A process SIGKILLed while it waits for a table's lock cannot remove its marker; left
+    there, it would make every holder step aside after each release for good."""
+    lock_path = table_lock_path(tmp_path, "t")
+    script = (
+        "import sys; from pathlib import Path; "
+        "from deltaflow.spark_integration.lock import table_lock; "
+        "table_lock(Path(sys.argv[1]), 't').__enter__()"
+    )
+    with table_lock(tmp_path, "t"):
+        waiter = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+        try:
+            deadline = time.monotonic() + 60
+            while not others_waiting(lock_path):  # the waiter's marker, once it found the lock held
+                assert waiter.poll() is None and time.monotonic() < deadline
+                time.sleep(0.01)
+        finally:
+            waiter.kill()
+            waiter.wait()
+        assert not others_waiting(lock_path)
+    assert not any(lock_path.parent.glob("*.waiting/*"))

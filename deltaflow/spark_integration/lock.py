@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,7 +69,7 @@ def file_lock(
                 break
             except BlockingIOError:
                 if marker is None:
-                    marker = _waiting_dir(path) / f"{os.getpid()}-{uuid.uuid4().hex}"
+                    marker = _waiting_dir(path) / f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex}"
                     marker.parent.mkdir(exist_ok=True)
                     marker.touch()
                 if time.monotonic() - started > timeout:
@@ -89,16 +90,44 @@ def file_lock(
         os.close(fd)
 
 
+#: This host in waiting markers (no ``-``: markers are ``<host>-<pid>-<random>``).
+_HOST: Final = socket.gethostname().replace("-", "_")
+
+
 def _waiting_dir(path: Path) -> Path:
     return path.parent / f"{path.name}.waiting"
 
 
 def others_waiting(path: Path) -> bool:
-    """Whether another thread or process is waiting for the lock at ``path``."""
+    """Whether another thread or process is waiting for the lock at ``path``. The marker of
+    a process of this host that died waiting (SIGKILL skips its removal) is removed instead:
+    it would make every holder step aside after each release, for as long as the warehouse
+    lives."""
     try:
-        return any(_waiting_dir(path).iterdir())
+        markers = list(_waiting_dir(path).iterdir())
     except FileNotFoundError:
         return False
+    waiting = False
+    for marker in markers:
+        if _died_waiting(marker.name):
+            marker.unlink(missing_ok=True)
+        else:
+            waiting = True
+    return waiting
+
+
+def _died_waiting(name: str) -> bool:
+    host, _, rest = name.partition("-")
+    pid = rest.partition("-")[0]
+    if host != _HOST or not pid.isdigit():
+        return False  # another host's process (or an unknown name): it cannot be checked here
+    try:
+        os.kill(int(pid), 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # it exists, as another user
+        return False
+    return False
 
 
 def table_lock_path(warehouse: Path, table: str) -> Path:
