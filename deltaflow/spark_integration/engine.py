@@ -719,12 +719,6 @@ def _cast_column(column: Any, field: Any, table: str, node: str) -> Any:
     )
 
 
-def _converted(*args: Any, **kwargs: Any) -> Any:
-    """:func:`to_arrow_rows` on a worker thread, behind fault point ``converting``."""
-    fault_point("converting")
-    return to_arrow_rows(*args, **kwargs)
-
-
 def _release_if_taken(entering: asyncio.Future[Any], lock: Any) -> None:
     if not entering.cancelled() and entering.exception() is None:
         lock.__exit__(None, None, None)
@@ -793,6 +787,7 @@ def to_arrow_rows(
     Raises:
         SchemaError: naming the first bad item (its index in the batch) and column.
     """
+    fault_point("converting")
     import pyarrow as pa
 
     if isinstance(rows, ArrowRows):
@@ -1301,7 +1296,7 @@ class TableEngine:
                 settings = committer.plan(key)
                 try:
                     converted = await asyncio.to_thread(
-                        _converted,
+                        to_arrow_rows,
                         rows,
                         deletes,
                         key,

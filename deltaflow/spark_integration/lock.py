@@ -126,7 +126,7 @@ def _died_waiting(name: str) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:  # it exists, as another user
-        return False
+        pass
     return False
 
 
