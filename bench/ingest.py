@@ -21,12 +21,11 @@ import dataclasses
 import itertools
 import json
 import os
-import random
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from array import array
@@ -56,32 +55,30 @@ STAMP_LINE: Final = "-" * 133
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """Consecutive generated rows, column by column.
+    """Consecutive generated rows.
 
     Attributes:
         start: index of the first row in the whole data set.
-        ids: ``id`` column (int64); ``id = i % (N // 2)``, so the second half updates.
-        keys: ``key`` column (string).
-        ts: ``ts`` column (float).
-        values: ``value`` column (float).
-        payloads: ``payload`` column (100-character string).
-        deletes: whether the row is a delete of its id (about 1%).
+        table: the rows as an Arrow table: ``id`` (int64; ``id = i % (N // 2)``, so the second
+            half updates), ``key`` (string), ``ts`` and ``value`` (float), ``payload`` (100
+            characters) and ``is_delete`` (whether the row deletes its id; about 1%).
     """
 
     start: int
-    ids: list[int]
-    keys: list[str]
-    ts: list[float]
-    values: list[float]
-    payloads: list[str]
-    deletes: list[bool]
+    table: Any
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return int(self.table.num_rows)
+
+
+#: Rows generated at a time (a block, cut into chunks of ``CHUNK_ROWS``).
+BLOCK_ROWS: Final = 10 * CHUNK_ROWS
 
 
 def generate(total: int, limit: int | None = None) -> Iterator[Chunk]:
-    """The benchmark data, in chunks of ``CHUNK_ROWS`` rows.
+    """The benchmark data, in chunks of ``CHUNK_ROWS`` rows, made column by column (numpy,
+    Arrow compute), so that producing rows costs the timed runs about 0.15 s per 1,000,000:
+    what is measured is the ingest, not a Python loop that makes the data.
 
     The data depend only on ``total`` (and ``SEED``): every variant and every process sees the
     same rows, and a prefix (``limit``) is the prefix of the full data.
@@ -93,29 +90,48 @@ def generate(total: int, limit: int | None = None) -> Iterator[Chunk]:
     Yields:
         Chunks of consecutive rows.
     """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     distinct = max(1, total // 2)
     stop = total if limit is None else min(limit, total)
-    for start in range(0, stop, CHUNK_ROWS):
-        rng = random.Random(SEED * 1_000_003 + start // CHUNK_ROWS)
-        chunk = Chunk(start, [], [], [], [], [], [])
-        for i in range(start, min(start + CHUNK_ROWS, stop)):
-            row_id = i % distinct
-            chunk.ids.append(row_id)
-            chunk.keys.append(f"key-{row_id}")
-            chunk.ts.append(TS_BASE + i / 1000)
-            chunk.values.append(rng.random() * 1000)
-            chunk.deletes.append(rng.random() < DELETE_FRACTION)
-            chunk.payloads.append(f"{i:012d}{rng.randbytes(44).hex()}")
-        yield chunk
+    for block in range(0, stop, BLOCK_ROWS):
+        rng = np.random.default_rng([SEED, block // BLOCK_ROWS])
+        i = np.arange(block, min(block + BLOCK_ROWS, total), dtype=np.int64)
+        n = len(i)
+        ids = pa.array(i % distinct, pa.int64())
+        # payload: the row's index in 12 digits, then 44 random bytes in hex (100 characters)
+        digits = pc.utf8_lpad(pa.array(i).cast(pa.string()), 12, "0").buffers()[2]
+        payload = np.empty((n, 100), np.uint8)
+        payload[:, :12] = np.frombuffer(digits, np.uint8, 12 * n).reshape(n, 12)
+        payload[:, 12:] = np.frombuffer(rng.bytes(44 * n).hex().encode(), np.uint8).reshape(n, 88)
+        offsets = np.arange(0, 100 * (n + 1), 100, dtype=np.int32)
+        table = pa.table(
+            {
+                "id": ids,
+                "key": pc.binary_join_element_wise("key-", ids.cast(pa.string()), ""),
+                "ts": pa.array(TS_BASE + i / 1000, pa.float64()),
+                "value": pa.array(rng.random(n) * 1000, pa.float64()),
+                "payload": pa.StringArray.from_buffers(
+                    n, pa.py_buffer(offsets), pa.py_buffer(payload)
+                ),
+                "is_delete": pa.array(rng.random(n) < DELETE_FRACTION, pa.bool_()),
+            }
+        )
+        for start in range(block, min(block + BLOCK_ROWS, stop), CHUNK_ROWS):
+            yield Chunk(start, table.slice(start - block, min(CHUNK_ROWS, stop - start)))
 
 
 def rows_of(chunk: Chunk) -> Iterator[Any]:
     """The chunk as deltaflow items: row dicts, and ``Delete({"id": ...})`` for deletes."""
     from deltaflow import Delete
 
-    for row_id, key, ts, value, payload, delete in zip(
-        chunk.ids, chunk.keys, chunk.ts, chunk.values, chunk.payloads, chunk.deletes, strict=True
-    ):
+    columns = [  # through numpy: pyarrow's to_pylist costs ten times as much per value
+        chunk.table.column(name).to_numpy(zero_copy_only=False).tolist()
+        for name in (*COLUMNS, "is_delete")
+    ]
+    for row_id, key, ts, value, payload, delete in zip(*columns, strict=True):
         if delete:
             yield Delete({"id": row_id})
         else:
@@ -126,40 +142,30 @@ def arrow_of(chunks: list[Chunk]) -> Any:
     """The chunks as one Arrow table with the table's columns plus ``is_delete``."""
     import pyarrow as pa
 
-    def column(name: str) -> list[Any]:
-        return list(itertools.chain.from_iterable(getattr(c, name) for c in chunks))
+    return pa.concat_tables([c.table for c in chunks]).combine_chunks()
 
-    return pa.table(
-        {
-            "id": pa.array(column("ids"), pa.int64()),
-            "key": pa.array(column("keys"), pa.string()),
-            "ts": pa.array(column("ts"), pa.float64()),
-            "value": pa.array(column("values"), pa.float64()),
-            "payload": pa.array(column("payloads"), pa.string()),
-            "is_delete": pa.array(column("deletes"), pa.bool_()),
-        }
-    )
+
+def _last_of_each_id(ids: Any) -> Any:
+    """Indexes of the last occurrence of each id in ``ids`` (a numpy array), ascending."""
+    import numpy as np
+
+    _, first_from_end = np.unique(ids[::-1], return_index=True)
+    return np.sort(len(ids) - 1 - first_from_end)
 
 
 def last_per_id(table: Any) -> Any:
     """Keep the last row of each id (as deltaflow's group commit does); MERGE needs it."""
-    ids = table.column("id").to_pylist()
-    last = {row_id: i for i, row_id in enumerate(ids)}
-    if len(last) == len(ids):
+    last = _last_of_each_id(table.column("id").to_numpy())
+    if len(last) == table.num_rows:
         return table
-    return table.take(sorted(last.values()))
+    return table.take(last)
 
 
 def expected_rows(total: int, limit: int | None = None) -> int:
     """Rows the table must hold after applying the (first ``limit``) rows in order."""
-    live: set[int] = set()
-    for chunk in generate(total, limit):
-        for row_id, delete in zip(chunk.ids, chunk.deletes, strict=True):
-            if delete:
-                live.discard(row_id)
-            else:
-                live.add(row_id)
-    return len(live)
+    data = arrow_of(list(generate(total, limit)))
+    last = _last_of_each_id(data.column("id").to_numpy())
+    return int(len(last) - data.column("is_delete").to_numpy()[last].sum())
 
 
 # -- measurement --------------------------------------------------------------------------
@@ -218,17 +224,60 @@ def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _peak_rss_mib(who: int) -> float:
-    return resource.getrusage(who).ru_maxrss / 1024  # Linux reports KiB
+def _peak_rss_kib(pid: int | str) -> int:
+    """A process's peak RSS (``VmHWM``), KiB; 0 once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+class PeakRss:
+    """The peak RSS of this process and of each process it started (Spark's JVM, node
+    processes and their JVMs), read from ``/proc`` (``VmHWM``) every 0.1 s by a thread.
+
+    Not ``ru_maxrss``: Linux carries a parent's RSS at ``fork`` over ``exec`` into it, so a
+    small variant started by a large parent would report the parent's size; nor
+    ``RUSAGE_CHILDREN``, which is the largest child, not the sum of them.
+    """
+
+    def __init__(self) -> None:
+        self._peaks: dict[int, int] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._done.wait(0.1):
+            for pid in _descendants(os.getpid()):
+                self._peaks[pid] = max(self._peaks.get(pid, 0), _peak_rss_kib(pid))
+
+    def stop(self) -> tuple[float, float]:
+        """This process's peak and the sum of its descendants' peaks, MiB."""
+        self._done.set()
+        self._thread.join()
+        return _peak_rss_kib("self") / 1024, sum(self._peaks.values()) / 1024
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for path in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children = [int(child) for child in path.read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
 
 
 def stop_spark() -> None:
-    """Stop the SparkSession and wait for its JVM to exit.
-
-    Spark's JVM is a child process of Python. ``RUSAGE_CHILDREN`` only counts children that
-    have exited and been waited for, so the JVM must end (closing its stdin makes the gateway
-    exit) and be reaped before the peak RSS is read.
-    """
+    """Stop the SparkSession and wait for its JVM to exit (closing its stdin makes the
+    gateway exit), so that a variant leaves no process behind."""
     from pyspark import SparkContext
 
     gateway = SparkContext._gateway
@@ -778,13 +827,15 @@ VARIANTS: Final = (
     Variant(
         "deltaflow-spark-paced",
         "deltaflow_spark_paced",
-        lambda w, n: run_deltaflow(w, n, "spark", table="deltaflow_spark_paced", rate=PACED_RATE),
+        lambda w, n: run_deltaflow(
+            w, n, "spark", table="deltaflow_spark_paced", layout="process", rate=PACED_RATE
+        ),
     ),
     Variant(
         "deltaflow-delta-rs-paced",
         "deltaflow_delta_rs_paced",
         lambda w, n: run_deltaflow(
-            w, n, "delta-rs", table="deltaflow_delta_rs_paced", rate=PACED_RATE
+            w, n, "delta-rs", table="deltaflow_delta_rs_paced", layout="process", rate=PACED_RATE
         ),
     ),
     Variant(
@@ -812,10 +863,9 @@ BY_NAME: Final = {v.name: v for v in VARIANTS}
 
 def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
     """Child process: run one variant and write its :class:`Result` as JSON to ``out``."""
+    peaks = PeakRss()
     run = BY_NAME[name].run(warehouse, total)
-    # Peaks first: sorting the latencies below must not count.
-    rss_self = _peak_rss_mib(resource.RUSAGE_SELF)
-    rss_children = _peak_rss_mib(resource.RUSAGE_CHILDREN)
+    rss_self, rss_children = peaks.stop()  # before sorting the latencies below
     ordered = sorted(run.latencies)
     result = Result(
         variant=name,
@@ -861,7 +911,7 @@ def print_table(results: list[Result]) -> None:
     print(
         f"{'variant':<25}{'rows':>10}{'time':>9}{'rows/s':>10}{'p50 lat':>9}{'p95 lat':>9}"
         f"{'p99 lat':>9}"
-        f"{'commits':>8}{'mean cmt':>9}{'RSS py':>9}{'RSS jvm':>9}{'RSS sum':>9}  check"
+        f"{'commits':>8}{'mean cmt':>9}{'RSS py':>9}{'RSS sub':>9}{'RSS sum':>9}  check"
     )
     print(STAMP_LINE)
     for r in results:
@@ -875,8 +925,9 @@ def print_table(results: list[Result]) -> None:
     print(STAMP_LINE)
     print(
         "time: first row produced to last commit durable (startup excluded); latency: row "
-        "produced -> durable/acked;\nRSS: peak ru_maxrss of the variant's Python process (py) "
-        "and of its children, i.e. Spark's JVM (jvm); sum = py + jvm (peaks may not coincide)"
+        "produced -> durable/acked;\nRSS: peak of the variant's Python process (py) and the sum "
+        "of the peaks of the processes it started (sub: Spark's JVM, or the node processes and "
+        "their JVMs); sum = py + sub (peaks may not coincide)"
     )
     for r in results:
         if r.note:
