@@ -91,9 +91,9 @@ def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
         if column.null_count == 0 and _vector_ints(column.type):
             values = column.to_numpy().astype("int64", copy=False)
             return pa.array(_int_partitions(values, partitions), type=pa.int32())
-    columns = [table.column(k).to_pylist() for k in key]
     # Columns whose Python values msgpack packs as they are need no per-value conversion.
     plain = all(_is_plain(table.schema.field(k).type) for k in key)
+    columns = [_python_values(table.column(k)) for k in key]
     if len(columns) == 1:
         keys: Iterable[Any] = columns[0] if plain else map(_routable, columns[0])
     elif plain:
@@ -101,6 +101,14 @@ def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
     else:
         keys = (tuple(map(_routable, row)) for row in zip(*columns, strict=True))
     return pa.array(partition_many(keys, partitions), type=pa.int32())
+
+
+def _python_values(column: Any) -> list[Any]:
+    """The values of an Arrow column as Python objects. Through numpy for the plain types
+    without nulls (strings, floats, booleans, binaries): a tenth of ``to_pylist``'s cost."""
+    if column.null_count == 0 and _is_plain(column.type):
+        return list(column.to_numpy(zero_copy_only=False).tolist())
+    return list(column.to_pylist())
 
 
 def _vector_ints(arrow_type: Any) -> bool:
