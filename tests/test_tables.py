@@ -1015,6 +1015,48 @@ async def test_a_node_with_a_backlog_does_not_starve_another_on_the_table_lock(
     assert len(read_all(warehouse / "shared")) == 32
 
 
+@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
+async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
+    spark: Any, warehouse: Path, engine: str
+) -> None:
+    """A checkpoint costs seconds on a large table (5 s measured, Spark, 2 cores). Written
+    inside the commit, as Delta and delta-rs do by default, it held the table's lock, so every
+    node's commits to the table, and their acks, waited for it every 100 commits."""
+    path = warehouse / "checkpointed"
+    loop = asyncio.get_running_loop()
+    started, release = asyncio.Event(), threading.Event()
+
+    def blocked() -> None:  # the checkpoint's thread waits here until the test is done
+        loop.call_soon_threadsafe(started.set)
+        release.wait(timeout=120)
+
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "checkpointed", [{"id": 0, "v": 0.0}, {"id": 1, "v": 0.0}])
+        due = DeltaTable(str(path)).version() + 2  # after the next two commits: this one,
+        await asyncio.to_thread(  # and the write below, due a checkpoint (altered by Spark:
+            spark.sql,  # delta-rs would add a table feature Spark cannot read)
+            f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = '{due}')",
+        )
+        with at_fault_point("checkpointing", blocked):
+            try:  # the write is acknowledged while its checkpoint is written
+                # An update: with deletion vectors, the checkpoint must carry the vector.
+                await asyncio.wait_for(upsert(eng, "checkpointed", [{"id": 1, "v": 1.0}]), 60)
+                await asyncio.wait_for(started.wait(), 60)
+                lock = table_lock(warehouse, "checkpointed")
+                await asyncio.wait_for(asyncio.to_thread(lock.__enter__), 60)
+                lock.__exit__(None, None, None)  # the lock was free during the checkpoint
+                await asyncio.wait_for(upsert(eng, "checkpointed", [{"id": 2, "v": 2.0}]), 60)
+                assert eng.stats.checkpoints == 0
+            finally:
+                release.set()
+    assert eng.stats.checkpoints == 1  # stop() waited for it
+    assert (path / "_delta_log" / f"{due:020d}.checkpoint.parquet").is_file()
+    assert DeltaTable(str(path)).version() == due + 1
+    # delta-rs writes the checkpoint for either engine; both read the table through it.
+    assert [(r["id"], r["v"]) for r in read_all(path)] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+    assert {k: r["v"] for k, r in read_spark(spark, path).items()} == {0: 0.0, 1: 1.0, 2: 2.0}
+
+
 @pytest.mark.parametrize("engine", ["spark-dv", "delta-rs-dv"])
 async def test_a_key_without_ranges_is_merged_on_a_table_with_deletion_vectors(
     warehouse: Path, engine: str

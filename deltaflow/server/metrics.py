@@ -107,6 +107,16 @@ class NodeCollector:
         yield counter(
             "deltaflow_columns_added", "Columns added by schema evolution.", e.columns_added
         )
+        yield counter(
+            "deltaflow_checkpoints",
+            "Delta checkpoints written (after their commit, outside the table lock).",
+            e.checkpoints,
+        )
+        yield counter(
+            "deltaflow_checkpoint_seconds",
+            "Time spent writing those checkpoints.",
+            e.checkpoint_seconds,
+        )
 
         yield gauge("deltaflow_streams", "Streams open on this node.", d.streams)
         yield gauge(

@@ -231,9 +231,11 @@ class DeltaRsTableEngine(TableEngine):
         table: str,
     ) -> None:
         import pyarrow.compute as pc
-        from deltalake import CommitProperties, write_deltalake
+        from deltalake import CommitProperties, PostCommitHookProperties, write_deltalake
 
         props = CommitProperties(custom_metadata={"userMetadata": metadata})
+        # The checkpoint is written after the lock is released (see TableEngine.checkpoint).
+        hooks = PostCommitHookProperties(create_checkpoint=False)
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         with map_deltars_errors(table, self.node_id):
             listed = footprint is not None and footprint.files is not None
@@ -246,17 +248,26 @@ class DeltaRsTableEngine(TableEngine):
                             table, path, target, data, key[0], footprint, written
                         )
                         self._commit_merge_on_read(path, target, done, metadata)
+                        self._note_checkpoint(path)
                         return
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", table, exc)
             if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
-                write_deltalake(self._latest(path), rows, mode="append", commit_properties=props)
+                write_deltalake(
+                    self._latest(path),
+                    rows,
+                    mode="append",
+                    commit_properties=props,
+                    post_commithook_properties=hooks,
+                )
+                self._note_checkpoint(path)
                 return
             target = self._latest(path)
             if _copies_much(footprint, data.num_rows):
                 try:
-                    rewrite(target, path, data, footprint, props)
+                    rewrite(target, path, data, footprint, props, hooks)
+                    self._note_checkpoint(path)
                     return
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", table, exc)
@@ -271,12 +282,27 @@ class DeltaRsTableEngine(TableEngine):
                     target_alias="t",
                     streamed_exec=False,
                     commit_properties=props,
+                    post_commithook_properties=hooks,
                 )
                 .when_matched_delete(predicate=flag)
                 .when_matched_update(updates=updates)
                 .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
                 .execute()
             )
+            self._note_checkpoint(path)
+
+    def _note_checkpoint(self, path: Path) -> None:
+        """After a commit, under the lock: record a checkpoint due if the commit's version
+        reached the table's interval (written outside the lock, see ``checkpoint``)."""
+        target = self._latest(path)
+        configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
+        version = target.version()
+        if version > 0 and version % (int(configured or 0) or CHECKPOINT_INTERVAL) == 0:
+            self.checkpoints_due[path] = version
+
+    def checkpoint(self, table: str, path: Path, version: int) -> None:
+        with map_deltars_errors(table, self.node_id):
+            super().checkpoint(table, path, version)
 
     def _commit_merge_on_read(
         self, path: Path, target: Any, done: MergeOnRead, metadata: str
@@ -296,14 +322,6 @@ class DeltaRsTableEngine(TableEngine):
         fault_point("before_commit")
         commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
         self._landed(path, done)
-        interval = int(target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL, 0) or 0)
-        if version % (interval or CHECKPOINT_INTERVAL) == 0:
-            try:  # the commit landed: a checkpoint only speeds readers up
-                self._latest(path).create_checkpoint()
-            except Exception as exc:  # noqa: BLE001
-                log.warning(
-                    "table %s: checkpoint at version %d failed: %s", path.name, version, exc
-                )
 
 
 def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) -> None:

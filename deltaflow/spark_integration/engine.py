@@ -160,6 +160,8 @@ class EngineStatistics:
     queued_rows: int = 0
     tables_created: int = 0
     columns_added: int = 0
+    checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
+    checkpoint_seconds: float = 0.0
     # Per commit: its duration in seconds (its preparation outside the table lock included, the
     # wait for the lock not) and its rows (0 when every batch was a duplicate).
     commit_seconds_histogram: Histogram = dataclasses.field(
@@ -261,6 +263,7 @@ class _TableCommitter:
         self.released_at: float | None = None  # when this node last released the table lock
         self.converting = 0  # writes being checked and converted, about to be queued
         self.converted = asyncio.Event()  # set when the last of them is queued (or failed)
+        self.checkpointing: asyncio.Future[None] | None = None  # see _start_checkpoint
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
 
     async def load(self) -> None:
@@ -390,6 +393,32 @@ class _TableCommitter:
                 lock.__exit__(None, None, None)  # a non-blocking unlock, on the loop
                 # flock is not fair: the next locking lets a node waiting now commit first.
                 self.released_at = time.monotonic()
+            due = self.engine.checkpoints_due.pop(self.path, None)
+            if due is not None:
+                self._start_checkpoint(due)
+
+    def _start_checkpoint(self, version: int) -> None:
+        """Write the checkpoint a commit made due, on a thread of its own: after the commit
+        landed and its batches were acknowledged, and outside the table lock, so neither this
+        node's next commits nor another node's wait for it (a Spark checkpoint of a table with
+        a few thousand files took 5 s on 2 cores). One at a time per table: a checkpoint due
+        while one is written is skipped (readers replay a few more commits until the next)."""
+        if self.checkpointing is not None and not self.checkpointing.done():
+            return
+        self.checkpointing = asyncio.ensure_future(asyncio.to_thread(self._checkpoint, version))
+
+    def _checkpoint(self, version: int) -> None:
+        """Blocking: the checkpoint at ``version``; a failure is logged (a checkpoint only
+        speeds readers up; the next interval tries again)."""
+        started = time.monotonic()
+        try:
+            fault_point("checkpointing")
+            self.engine.checkpoint(self.name, self.path, version)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("table %s: checkpoint at version %d failed: %s", self.name, version, exc)
+            return
+        self.engine.stats.checkpoints += 1
+        self.engine.stats.checkpoint_seconds += time.monotonic() - started
 
     def _fail(self, group: list[_Staged], message: str, *, count: bool) -> None:
         """Settle a group taken off the queue that will not be committed (``count``: as
@@ -1088,6 +1117,9 @@ class TableEngine:
         self._tables: dict[str, _TableCommitter] = {}
         self._open: dict[Path, Any] = {}  # delta-rs tables, see _latest
         self._key_columns: dict[Path, KeyColumns] = {}  # merge-on-read, per table
+        # Tables whose last commit reached their checkpoint interval: the version to write a
+        # checkpoint at, once the table lock is released (set by the engine's commit).
+        self.checkpoints_due: dict[Path, int] = {}
 
     def new_table_settings(self, key: Sequence[str]) -> TableSettings:
         """The settings of a table this node creates on first write with ``key``."""
@@ -1136,6 +1168,19 @@ class TableEngine:
     def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
         """Blocking, under the table's lock: add nullable columns (Arrow fields), one commit."""
         raise NotImplementedError
+
+    def checkpoint(self, table: str, path: Path, version: int) -> None:
+        """Blocking, outside the table's lock, while other commits may land: write the
+        table's Delta checkpoint at ``version``. A commit that reaches the table's
+        ``delta.checkpointInterval`` records its version in ``checkpoints_due`` instead of
+        writing the checkpoint itself under the lock.
+
+        delta-rs writes it, for either engine: 0.06 s for a table of 2,000 files, where
+        Spark's checkpoint job took 5 s and both cores.
+        """
+        from deltalake import DeltaTable
+
+        DeltaTable(str(path), version=version).create_checkpoint()
 
     def write(
         self,
@@ -1243,6 +1288,8 @@ class TableEngine:
         for committer in self._tables.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await committer.task
+            if committer.checkpointing is not None:  # finishes on its thread: wait for it
+                await asyncio.wait([committer.checkpointing])
             for staged in committer.queue:
                 _settle(staged.future, ServerError("node stopped before commit", node=self.node_id))
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)

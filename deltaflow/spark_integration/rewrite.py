@@ -255,7 +255,12 @@ def write_buckets(
 
 
 def rewrite(
-    table: Any, path: Path, data: Any, footprint: Footprint, commit_properties: Any
+    table: Any,
+    path: Path,
+    data: Any,
+    footprint: Footprint,
+    commit_properties: Any,
+    post_commithook_properties: Any = None,
 ) -> None:
     """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
     its latest version) in one delta-rs commit, by copy-on-write of the files holding its keys
@@ -265,6 +270,8 @@ def rewrite(
         footprint: the group's footprint on its one key column, checked against the live
             files (``column`` and ``files`` set).
         commit_properties: the commit's properties (its ``userMetadata`` carries the marks).
+        post_commithook_properties: delta-rs's hooks after the commit (checkpoint, log
+            cleanup); None for its defaults.
 
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
@@ -303,6 +310,7 @@ def rewrite(
         schema=table.schema(),
         partition_by=done.partition_by or None,
         commit_properties=commit_properties,
+        post_commithook_properties=post_commithook_properties,
     )
 
 
