@@ -1035,13 +1035,16 @@ async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
         due = DeltaTable(str(path)).version() + 2  # after the next two commits: this one,
         await asyncio.to_thread(  # and the write below, due a checkpoint (altered by Spark:
             spark.sql,  # delta-rs would add a table feature Spark cannot read)
-            f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = '{due}')",
+            f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = "
+            f"'{due}', 'delta.logRetentionDuration' = 'interval 0 seconds')",
         )
         with at_fault_point("checkpointing", blocked):
             try:  # the write is acknowledged while its checkpoint is written
                 # An update: with deletion vectors, the checkpoint must carry the vector.
                 await asyncio.wait_for(upsert(eng, "checkpointed", [{"id": 1, "v": 1.0}]), 60)
                 await asyncio.wait_for(started.wait(), 60)
+                checkpoint = path / "_delta_log" / f"{due:020d}.checkpoint.parquet"
+                assert not checkpoint.exists()  # not written inside the commit
                 lock = table_lock(warehouse, "checkpointed")
                 await asyncio.wait_for(asyncio.to_thread(lock.__enter__), 60)
                 lock.__exit__(None, None, None)  # the lock was free during the checkpoint
@@ -1050,7 +1053,8 @@ async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
             finally:
                 release.set()
     assert eng.stats.checkpoints == 1  # stop() waited for it
-    assert (path / "_delta_log" / f"{due:020d}.checkpoint.parquet").is_file()
+    assert checkpoint.is_file()
+    assert not (path / "_delta_log" / f"{0:020d}.json").exists()  # expired: cleaned up
     assert DeltaTable(str(path)).version() == due + 1
     # delta-rs writes the checkpoint for either engine; both read the table through it.
     assert [(r["id"], r["v"]) for r in read_all(path)] == [(0, 0.0), (1, 1.0), (2, 2.0)]

@@ -68,6 +68,7 @@ from .tables import (
     BUCKET_COLUMN,
     DEFAULT_BUCKETS,
     MAX_BUCKETS,
+    PROP_EXPIRED_LOG_CLEANUP,
     PROP_SCHEMA_EVOLUTION,
     TableSettings,
 )
@@ -1176,11 +1177,16 @@ class TableEngine:
         writing the checkpoint itself under the lock.
 
         delta-rs writes it, for either engine: 0.06 s for a table of 2,000 files, where
-        Spark's checkpoint job took 5 s and both cores.
+        Spark's checkpoint job took 5 s and both cores. Then, as Delta does after a
+        checkpoint, it deletes the log's commit files older than the table's
+        ``delta.logRetentionDuration`` (unless ``delta.enableExpiredLogCleanup`` is false).
         """
         from deltalake import DeltaTable
 
-        DeltaTable(str(path), version=version).create_checkpoint()
+        target = DeltaTable(str(path), version=version)
+        target.create_checkpoint()
+        if target.metadata().configuration.get(PROP_EXPIRED_LOG_CLEANUP, "true") != "false":
+            target.cleanup_metadata()
 
     def write(
         self,

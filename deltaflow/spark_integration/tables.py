@@ -57,6 +57,7 @@ PROP_BUCKETS: Final = "deltaflow.buckets"
 PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
 PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
 PROP_CHECKPOINT_INTERVAL: Final = "delta.checkpointInterval"
+PROP_EXPIRED_LOG_CLEANUP: Final = "delta.enableExpiredLogCleanup"
 #: Commits between two checkpoints of the tables deltaflow creates (delta-rs's default; see
 #: the module docstring). Readers replay at most this many small JSON commits.
 CHECKPOINT_INTERVAL: Final = 100
