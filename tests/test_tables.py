@@ -876,6 +876,30 @@ def test_a_footprint_is_fresh_only_if_no_file_of_its_buckets_can_hold_a_key() ->
     assert not Footprint(None).checked_against(pa.table({"path": pa.array([], pa.string())})).fresh
 
 
+@pytest.mark.parametrize(
+    ("key", "values"),
+    [
+        (["id"], [3, 1, 3, 2, 1, 3]),  # integers
+        (["id"], ["b", "a", "b", "c", "a", "b"]),  # dictionary codes
+        (["id"], [1.5, 2.5, 1.5, 0.5, 2.5, 1.5]),  # floats: dictionary codes
+        (["id", "region"], [1, 2, 1, 1, 2, 1]),  # composite: the hash aggregation
+    ],
+)
+def test_a_group_keeps_the_last_row_of_each_key_in_order(key: list[str], values: list[Any]) -> None:
+    """A group's rows collapse to the last per key, in the order those rows came, across the
+    pages (chunks) the group was staged in."""
+    rows = [{"id": v, "region": "eu", "seq": i} for i, v in enumerate(values)]
+    if key == ["id", "region"]:
+        rows[2]["region"] = "us"  # (1, eu) at 0, 3, 5 and (1, us) at 2
+    pages = [pa.Table.from_pylist(rows[:2]), pa.Table.from_pylist(rows[2:])]
+    group = pa.concat_tables(pages)
+    last: dict[Any, int] = {}
+    for i, row in enumerate(rows):
+        last[repr([row[k] for k in key])] = i
+    kept = engine_module._last_per_key(group, key)
+    assert kept.column("seq").to_pylist() == sorted(last.values())
+
+
 def test_footprint_cuts_integer_keys_at_their_widest_gaps() -> None:
     data = pa.table({"id": [7, 3, 1000, 5, 4, 9_000_000, 1001, 3], "_deltaflow_bucket": [1] * 8})
     footprint = Footprint.of(data, ["id"], bucketed=True, max_ranges=3)
