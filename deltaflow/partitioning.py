@@ -106,9 +106,12 @@ def partition_table(table: Any, key: Sequence[str], partitions: int) -> Any:
 def _python_values(column: Any) -> list[Any]:
     """The values of an Arrow column as Python objects. Through numpy for the plain types
     without nulls (strings, floats, booleans, binaries): a tenth of ``to_pylist``'s cost."""
-    if column.null_count == 0 and _is_plain(column.type):
-        return list(column.to_numpy(zero_copy_only=False).tolist())
-    return list(column.to_pylist())
+    values: list[Any] = (
+        column.to_numpy(zero_copy_only=False).tolist()
+        if column.null_count == 0 and _is_plain(column.type)
+        else column.to_pylist()
+    )
+    return values
 
 
 def _vector_ints(arrow_type: Any) -> bool:

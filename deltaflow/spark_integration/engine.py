@@ -404,22 +404,24 @@ class _TableCommitter:
         node's next commits nor another node's wait for it (a Spark checkpoint of a table with
         a few thousand files took 5 s on 2 cores). One at a time per table: a checkpoint due
         while one is written is skipped (readers replay a few more commits until the next)."""
-        if self.checkpointing is not None and not self.checkpointing.done():
-            return
-        self.checkpointing = asyncio.ensure_future(asyncio.to_thread(self._checkpoint, version))
+        if self.checkpointing is None or self.checkpointing.done():
+            self.checkpointing = asyncio.ensure_future(self._checkpoint(version))
 
-    def _checkpoint(self, version: int) -> None:
-        """Blocking: the checkpoint at ``version``; a failure is logged (a checkpoint only
-        speeds readers up; the next interval tries again)."""
+    async def _checkpoint(self, version: int) -> None:
+        """The checkpoint at ``version``; a failure is logged (a checkpoint only speeds readers
+        up; the next interval tries again)."""
         started = time.monotonic()
         try:
-            fault_point("checkpointing")
-            self.engine.checkpoint(self.name, self.path, version)
+            await asyncio.to_thread(self._write_checkpoint, version)
         except Exception as exc:  # noqa: BLE001
             log.warning("table %s: checkpoint at version %d failed: %s", self.name, version, exc)
             return
         self.engine.stats.checkpoints += 1
         self.engine.stats.checkpoint_seconds += time.monotonic() - started
+
+    def _write_checkpoint(self, version: int) -> None:
+        fault_point("checkpointing")
+        self.engine.checkpoint(self.name, self.path, version)
 
     def _fail(self, group: list[_Staged], message: str, *, count: bool) -> None:
         """Settle a group taken off the queue that will not be committed (``count``: as

@@ -162,7 +162,7 @@ class SparkTableEngine(TableEngine):
         self.writer = writer
         self.spark: Any = None
         self._sessions: dict[str, Any] = {}
-        self._checkpoint_hook: Any = None  # Delta's CheckpointHook, see _commit_files
+        self._checkpoint_hook: list[Any] | None = None  # Delta's CheckpointHook, _commit_files
 
     def merges_on_read(self, settings: TableSettings) -> bool:
         return self.writer == "direct" and settings.deletion_vectors
@@ -341,13 +341,11 @@ class SparkTableEngine(TableEngine):
         # lock; without the hook the commit only says whether one is due, and the node writes
         # it after releasing the lock (see TableEngine.checkpoint).
         hooks = txn.postCommitHooks()
-        if self._checkpoint_hook is None:  # found once: a Scala object, one per JVM
+        if self._checkpoint_hook is None:  # looked up once: a Scala object, one per JVM
             found = [hooks.apply(i) for i in range(hooks.size())]
-            self._checkpoint_hook = next(
-                (h for h in found if h.getClass().getName() == _CHECKPOINT_HOOK), None
-            )
-        if self._checkpoint_hook is not None:
-            getattr(hooks, "$minus$eq")(self._checkpoint_hook)
+            self._checkpoint_hook = [h for h in found if h.getClass().getName() == _CHECKPOINT_HOOK]
+        for hook in self._checkpoint_hook:
+            getattr(hooks, "$minus$eq")(hook)
         committed = txn.commit(buffer, operation)
         if txn.needsCheckpoint():
             self.checkpoints_due[path] = int(committed)
