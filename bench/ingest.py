@@ -77,7 +77,7 @@ BLOCK_ROWS: Final = 10 * CHUNK_ROWS
 
 def generate(total: int, limit: int | None = None) -> Iterator[Chunk]:
     """The benchmark data, in chunks of ``CHUNK_ROWS`` rows, made column by column (numpy,
-    Arrow compute), so that producing rows costs the timed runs about 0.15 s per 1,000,000:
+    Arrow compute), so that producing rows costs the timed runs about 0.4 s per 1,000,000:
     what is measured is the ingest, not a Python loop that makes the data.
 
     The data depend only on ``total`` (and ``SEED``): every variant and every process sees the
