@@ -270,8 +270,10 @@ def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     ``before_commit`` (a group's data files are written, its commit not yet made; the Spark
     engine's direct writer and the delta-rs engine's copy-on-write and merge-on-read),
     ``after_commit`` (the commit landed, its batches not yet acknowledged), ``prepared``
-    (a group was prepared outside the table's lock and is about to wait for it) and
-    ``converting`` (a write's rows are about to be checked and converted for the queue)."""
+    (a group was prepared outside the table's lock and is about to wait for it),
+    ``converting`` (a write's rows are about to be checked and converted for the queue) and
+    ``checkpointing`` (a checkpoint a commit made due is about to be written, on its own
+    thread, the table's lock released)."""
     _faults.set_action(name, action)
     try:
         yield
