@@ -108,6 +108,7 @@ async def test_two_nodes_report_what_they_applied_and_committed(
     assert total("deltaflow_commits_total") > 0
     assert total("deltaflow_rows_committed_total") == len(rows)
     assert total("deltaflow_tables_created_total") == 1
+    assert total("deltaflow_checkpoints_total") == 0  # a new table: far from its interval
     assert total("deltaflow_owned_partitions") == nodes[0].config.partitions
     assert total("deltaflow_side_input_leader", side_input="vat_rates") == 1
     # The leader's first retrieval published version 1; nothing failed anywhere.
