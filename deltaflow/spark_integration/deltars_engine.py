@@ -219,6 +219,7 @@ class DeltaRsTableEngine(TableEngine):
         except BaseException:
             self._open.pop(path, None)  # opened afresh next time, whatever state it is in
             raise
+        self._note_checkpoint(path)
 
     def _write(
         self,
@@ -248,7 +249,6 @@ class DeltaRsTableEngine(TableEngine):
                             table, path, target, data, key[0], footprint, written
                         )
                         self._commit_merge_on_read(path, target, done, metadata)
-                        self._note_checkpoint(path)
                         return
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", table, exc)
@@ -261,13 +261,11 @@ class DeltaRsTableEngine(TableEngine):
                     commit_properties=props,
                     post_commithook_properties=hooks,
                 )
-                self._note_checkpoint(path)
                 return
             target = self._latest(path)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props, hooks)
-                    self._note_checkpoint(path)
                     return
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", table, exc)
@@ -289,11 +287,10 @@ class DeltaRsTableEngine(TableEngine):
                 .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
                 .execute()
             )
-            self._note_checkpoint(path)
 
     def _note_checkpoint(self, path: Path) -> None:
-        """After a commit, under the lock: record a checkpoint due if the commit's version
-        reached the table's interval (written outside the lock, see ``checkpoint``)."""
+        """After a group's commit, under the lock: record a checkpoint due if the commit's
+        version reached the table's interval (written outside the lock, see ``checkpoint``)."""
         target = self._latest(path)
         configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
         version = target.version()
