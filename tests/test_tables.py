@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -578,6 +579,28 @@ async def test_a_group_prepared_before_another_node_applied_part_of_it_applies_o
         assert first.stats.batches_deduplicated == 1
     want = {i: "a" for i in range(10)} | {3: "new", 5: "x"}
     assert {k: r["name"] for k, r in read_delta(path).items()} == want
+
+
+@pytest.mark.parametrize("engine", ["delta-rs", "delta-rs-dv"])
+async def test_a_group_whose_preparation_fails_is_applied_by_its_commit(
+    warehouse: Path, engine: str
+) -> None:
+    """Preparing a group outside the lock (for merge-on-read, writing its files) can fail, on
+    a full disk say. The commit then does all of it under the lock, where an error would be
+    reported per batch, and the node goes on committing. delta-rs only: the base class runs
+    the two stages."""
+    async with table_engine(engine, warehouse) as eng:
+        await upsert(eng, "unprepared", [{"id": i, "name": "a"} for i in range(3)])
+
+        def disk_full() -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with at_fault_point("prepared", disk_full):
+            async with asyncio.timeout(60):
+                await upsert(eng, "unprepared", [{"id": 1, "name": "b"}])
+        await upsert(eng, "unprepared", [{"id": 2, "name": "c"}])
+    path = warehouse / "unprepared"
+    assert {k: r["name"] for k, r in read_delta(path).items()} == {0: "a", 1: "b", 2: "c"}
 
 
 @pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])

@@ -370,6 +370,9 @@ class _TableCommitter:
             except asyncio.CancelledError:  # the node stops: the group was taken off the queue
                 self._fail(group, "node stopped before commit", count=False)
                 raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the commit does it all
+                log.warning("table %s: preparing a group failed (%s)", self.name, exc)
+                prepared = None
             lock = table_lock(self.engine.warehouse, self.name, released_at=self.released_at)
             entering = asyncio.ensure_future(self.engine._in_thread(lock.__enter__))
             try:
