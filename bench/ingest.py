@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import itertools
 import json
 import os
@@ -337,12 +336,22 @@ def _create_spark_table(spark: Any, path: Path) -> None:
     )
 
 
+#: The client's pages and window for the other unpaced variants: 4,000-row pages, 32 batches
+#: in flight, 2 per partition. That is the defaults' 128,000 rows in flight (1,000-row pages,
+#: 128 and 4) in a quarter of the batches: a node spends about 1.5 ms of CPU per batch (its
+#: frame, decoding and checking the page, and a file per page's bucket in the commit), so on
+#: 2 cores the defaults measured 315,000 rows/s (delta-rs) and 208,000 (Spark) from an Arrow
+#: source, these 375,000 and 258,000, with acks 30-40% sooner (see docs/configuration.md).
+BULK_PAGE_SIZE: Final = 4000
+BULK_WINDOW_BATCHES: Final = 32
+BULK_WINDOW_PER_PARTITION: Final = 2
 #: The client's window for the Spark SQL writer's variant: up to 512 batches (512,000 rows) in
 #: flight, 16 per partition. Under load a node's group commit is what arrived during the
 #: previous commits, so a larger window makes larger groups that amortise Spark's MERGE fixed
 #: cost of seconds (see docs/configuration.md); the defaults (128 and 4) measure about 40%
-#: lower with it. The other variants (delta-rs, and Spark's direct writer) keep the defaults:
-#: their commits take a fraction of a second, and a larger window only adds queueing.
+#: lower with it. The other variants (delta-rs, and Spark's direct writer) keep 128,000 rows
+#: in flight (above): their commits take a fraction of a second, and a larger window only adds
+#: queueing.
 #: ``BENCH_SPARK_WINDOW=sql`` gives every Spark variant the large window.
 SPARK_WINDOW_BATCHES: Final = 512
 SPARK_WINDOW_PER_PARTITION: Final = 16
@@ -437,13 +446,16 @@ def run_deltaflow(
             max_in_flight=SPARK_WINDOW_BATCHES, per_partition_in_flight=SPARK_WINDOW_PER_PARTITION
         )
         if engine == "spark" and os.environ.get("BENCH_SPARK_WINDOW", writer) == "sql"
-        else deltaflow.StreamerOptions()
+        else deltaflow.StreamerOptions(
+            page_size=BULK_PAGE_SIZE,
+            max_in_flight=BULK_WINDOW_BATCHES,
+            per_partition_in_flight=BULK_WINDOW_PER_PARTITION,
+        )
     )
     if rate is not None:
         # Pages flushed after a quarter second hold ~200 rows, so the window (counted in
         # batches) must hold more of them to keep a few seconds of rows in flight.
-        options = dataclasses.replace(
-            options,
+        options = deltaflow.StreamerOptions(
             auto_flush_interval=PACED_FLUSH_INTERVAL,
             max_in_flight=PACED_WINDOW_BATCHES,
             per_partition_in_flight=PACED_WINDOW_PER_PARTITION,
