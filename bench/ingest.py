@@ -837,17 +837,29 @@ VARIANTS: Final = (
     _vectors_variant("spark"),
     _vectors_variant("delta-rs"),
     Variant(
-        "deltaflow-spark-paced",
-        "deltaflow_spark_paced",
+        "deltaflow-spark-paced-dv",
+        "deltaflow_spark_paced_dv",
         lambda w, n: run_deltaflow(
-            w, n, "spark", table="deltaflow_spark_paced", layout="process", rate=PACED_RATE
+            w,
+            n,
+            "spark",
+            table="deltaflow_spark_paced_dv",
+            layout="process",
+            rate=PACED_RATE,
+            vectors=True,
         ),
     ),
     Variant(
-        "deltaflow-delta-rs-paced",
-        "deltaflow_delta_rs_paced",
+        "deltaflow-delta-rs-paced-dv",
+        "deltaflow_delta_rs_paced_dv",
         lambda w, n: run_deltaflow(
-            w, n, "delta-rs", table="deltaflow_delta_rs_paced", layout="process", rate=PACED_RATE
+            w,
+            n,
+            "delta-rs",
+            table="deltaflow_delta_rs_paced_dv",
+            layout="process",
+            rate=PACED_RATE,
+            vectors=True,
         ),
     ),
     Variant(
@@ -972,7 +984,7 @@ def print_ratios(results: list[Result]) -> None:
     ratio("deltaflow-delta-rs-arrow-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-arrow-procs-dv", "bulk-delta-rs")
     for name in by:
-        if name.endswith("-paced"):
+        if "-paced" in name:
             r = by[name]
             print(
                 f"  {name}: sustained {r.rows_per_s:,.0f} rows/s (source paced at "
