@@ -215,11 +215,11 @@ class DeltaRsTableEngine(TableEngine):
         written: list[tuple[DataFile, Any]] | None = None,
     ) -> None:
         try:
-            self._write(path, key, data, metadata, footprint, written, table)
+            version = self._write(path, key, data, metadata, footprint, written, table)
         except BaseException:
             self._open.pop(path, None)  # opened afresh next time, whatever state it is in
             raise
-        self._note_checkpoint(path)
+        self._note_checkpoint(path, version)
 
     def _write(
         self,
@@ -230,7 +230,9 @@ class DeltaRsTableEngine(TableEngine):
         footprint: Footprint | None,
         written: list[tuple[DataFile, Any]] | None,
         table: str,
-    ) -> None:
+    ) -> int | None:
+        """Apply the group in one commit; the commit's version when it is known without reading
+        the log again (merge-on-read writes the log entry itself), else None."""
         import pyarrow.compute as pc
         from deltalake import CommitProperties, PostCommitHookProperties, write_deltalake
 
@@ -248,8 +250,7 @@ class DeltaRsTableEngine(TableEngine):
                         done = self._merge_on_read(
                             table, path, target, data, key[0], footprint, written
                         )
-                        self._commit_merge_on_read(path, target, done, metadata)
-                        return
+                        return self._commit_merge_on_read(path, target, done, metadata)
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", table, exc)
             if footprint is None:
@@ -261,12 +262,12 @@ class DeltaRsTableEngine(TableEngine):
                     commit_properties=props,
                     post_commithook_properties=hooks,
                 )
-                return
+                return None
             target = self._latest(path)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props, hooks)
-                    return
+                    return None
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
@@ -287,13 +288,19 @@ class DeltaRsTableEngine(TableEngine):
                 .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
                 .execute()
             )
+            return None
 
-    def _note_checkpoint(self, path: Path) -> None:
+    def _note_checkpoint(self, path: Path, version: int | None) -> None:
         """After a group's commit, under the lock: record a checkpoint due if the commit's
-        version reached the table's interval (written outside the lock, see ``checkpoint``)."""
-        target = self._latest(path)
+        ``version`` (None: read from the log) reached the table's interval (written outside the
+        lock, see ``checkpoint``). A known version spares reading the table's state again, 15 ms
+        under the lock for a table of a few thousand files; the interval is the table's, as of
+        the commit's read."""
+        target = self._open.get(path) if version is not None else None
+        if target is None or version is None:
+            target = self._latest(path)
+            version = int(target.version())
         configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
-        version = target.version()
         if version > 0 and version % (int(configured or 0) or CHECKPOINT_INTERVAL) == 0:
             self.checkpoints_due[path] = version
 
@@ -303,10 +310,10 @@ class DeltaRsTableEngine(TableEngine):
 
     def _commit_merge_on_read(
         self, path: Path, target: Any, done: MergeOnRead, metadata: str
-    ) -> None:
+    ) -> int:
         """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) by writing the next
         log entry directly (delta-rs's transaction API takes no deletion vectors)."""
-        version = target.version() + 1
+        version = int(target.version()) + 1
         info = {
             "timestamp": done.timestamp,
             "operation": "MERGE",
@@ -319,6 +326,7 @@ class DeltaRsTableEngine(TableEngine):
         fault_point("before_commit")
         commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
         self._landed(path, done)
+        return version
 
 
 def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) -> None:
