@@ -341,7 +341,8 @@ def _create_spark_table(spark: Any, path: Path) -> None:
 #: 128 and 4) in a quarter of the batches: a node spends about 1.5 ms of CPU per batch (its
 #: frame, decoding and checking the page, and a file per page's bucket in the commit), so on
 #: 2 cores the defaults measured 315,000 rows/s (delta-rs) and 208,000 (Spark) from an Arrow
-#: source, these 375,000 and 258,000, with acks 30-40% sooner (see docs/configuration.md).
+#: source, these 375,000 and 258,000, with acks 25-40% sooner once sent; a row waits longer
+#: in its partition's buffer before, so time to table grows (see docs/configuration.md).
 BULK_PAGE_SIZE: Final = 4000
 BULK_WINDOW_BATCHES: Final = 32
 BULK_WINDOW_PER_PARTITION: Final = 2
