@@ -217,7 +217,7 @@ class DeltaRsTableEngine(TableEngine):
         try:
             version = self._write(path, key, data, metadata, footprint, written, table)
         except BaseException:
-            self._open.pop(path, None)  # opened afresh next time, whatever state it is in
+            self._forget(path)  # read afresh next time, whatever state it is in
             raise
         self._note_checkpoint(path, version)
 
@@ -244,13 +244,13 @@ class DeltaRsTableEngine(TableEngine):
             listed = footprint is not None and footprint.files is not None
             merge_on_read = written is not None or listed
             if merge_on_read and len(key) == 1:
-                target = self._latest(path)
+                target, planned = self._planned(path)
                 if has_deletion_vectors(target):
                     try:
                         done = self._merge_on_read(
-                            table, path, target, data, key[0], footprint, written
+                            table, path, target, data, key[0], footprint, written, planned
                         )
-                        return self._commit_merge_on_read(path, target, done, metadata)
+                        return self._commit_merge_on_read(path, done, metadata, planned)
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", table, exc)
             if footprint is None:
@@ -309,16 +309,17 @@ class DeltaRsTableEngine(TableEngine):
             super().checkpoint(table, path, version)
 
     def _commit_merge_on_read(
-        self, path: Path, target: Any, done: MergeOnRead, metadata: str
+        self, path: Path, done: MergeOnRead, metadata: str, planned: int
     ) -> int:
-        """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) by writing the next
-        log entry directly (delta-rs's transaction API takes no deletion vectors)."""
-        version = int(target.version()) + 1
+        """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) on table version
+        ``planned`` by writing the next log entry directly (delta-rs's transaction API takes
+        no deletion vectors)."""
+        version = planned + 1
         info = {
             "timestamp": done.timestamp,
             "operation": "MERGE",
             "operationParameters": {"mode": "merge-on-read"},
-            "readVersion": target.version(),
+            "readVersion": planned,
             "isBlindAppend": False,
             "userMetadata": metadata,
             "engineInfo": f"deltaflow {self.name}",

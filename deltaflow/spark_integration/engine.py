@@ -53,6 +53,7 @@ from ..errors import (
 )
 from ..partitioning import partition_table
 from .footprint import Footprint
+from .live_files import LiveFiles
 from .lock import table_lock
 from .marks import LaneMarks, Mark
 from .merge_on_read import (
@@ -1148,6 +1149,7 @@ class TableEngine:
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
         self._tables: dict[str, _TableCommitter] = {}
         self._open: dict[Path, Any] = {}  # delta-rs tables, see _latest
+        self._live: dict[Path, LiveFiles] = {}  # their live files, see live_files
         self._key_columns: dict[Path, KeyColumns] = {}  # merge-on-read, per table
         # Tables whose last commit reached their checkpoint interval: the version to write a
         # checkpoint at, once the table lock is released (set by the engine's commit).
@@ -1261,14 +1263,42 @@ class TableEngine:
         (``DeltaTable.get_add_actions(flatten=True)`` of delta-rs, which reads the Delta log
         whichever engine wrote it) and the version they are of, or None if they cannot be
         read (the ``deltalake`` package missing, a table feature delta-rs does not read): the
-        group is then merged."""
+        group is then merged.
+
+        Listed through delta-rs once, then kept up to date from the commits made since
+        (:class:`.LiveFiles`), which spares delta-rs's replay of the log under the lock."""
+        index = self._live.get(path)
+        if index is not None and index.advance(_latest_version(path)):
+            return index.files, index.version
+        self._live.pop(path, None)
         try:
             table = self._latest(path)
-            return table.get_add_actions(flatten=True), int(table.version())
+            files, version = table.get_add_actions(flatten=True), int(table.version())
         except Exception as exc:  # noqa: BLE001 - any failure only costs the append shortcut
             self._open.pop(path, None)
             log.debug("cannot read the file statistics of %s (%s): merging", path, exc)
             return None
+        if LiveFiles.understood(files):
+            index = self._live[path] = LiveFiles(path, files, version)
+            return index.files, version
+        return files, version
+
+    def _planned(self, path: Path) -> tuple[Any, int]:
+        """Blocking, under the table's lock: the delta-rs table (for its metadata, protocol
+        and schema) and the version a commit is planned on, the latest. From the live files
+        when they are kept (no commit since the table was read changed its metadata or
+        protocol, or they would have declined), else by bringing the table up to date."""
+        index, table = self._live.get(path), self._open.get(path)
+        if index is not None and table is not None and index.advance(_latest_version(path)):
+            return table, index.version
+        self._live.pop(path, None)
+        table = self._latest(path)
+        return table, int(table.version())
+
+    def _forget(self, path: Path) -> None:
+        """Read the table afresh next time (a write failed: its state is unknown)."""
+        self._open.pop(path, None)
+        self._live.pop(path, None)
 
     def _merge_on_read(
         self,
@@ -1279,11 +1309,13 @@ class TableEngine:
         key: str,
         footprint: Footprint | None,
         written: list[tuple[DataFile, Any]] | None,
+        planned: int | None = None,
     ) -> MergeOnRead:
         """Blocking, under the table's lock: write the files and deletion vectors that apply
-        the group by merge-on-read to ``target`` (delta-rs, the version the commit is planned
-        on); the engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`.
-        ``footprint`` None: no live file can hold one of the group's keys.
+        the group by merge-on-read to ``target`` (delta-rs, for the table's metadata) at the
+        version the commit is planned on (``planned``, None: ``target``'s); the engine commits
+        :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`. ``footprint`` None: no live
+        file can hold one of the group's keys.
 
         Raises:
             RewriteUnsupported: the footprint does not list the live files that may hold the
@@ -1296,7 +1328,8 @@ class TableEngine:
             candidates, vectors = None, {}
         else:
             candidates = footprint.files
-            vectors = vectors_at(footprint, target.version(), table, self.node_id)
+            version = int(target.version()) if planned is None else planned
+            vectors = vectors_at(footprint, version, table, self.node_id)
         return write_merge_on_read(target, path, data, key, candidates, vectors, memory, written)
 
     def _landed(self, path: Path, done: MergeOnRead) -> None:
