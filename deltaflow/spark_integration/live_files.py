@@ -69,14 +69,14 @@ class LiveFiles:
                     continue
                 try:
                     kind, action = next(iter(json.loads(line).items()))
-                except (ValueError, StopIteration, AttributeError):
-                    return False
-                if kind in ("metaData", "protocol"):
-                    return False
-                if kind == "add":
-                    added[action["path"]] = action
-                elif kind == "remove":
-                    removed.add(action["path"])
+                    if kind in ("metaData", "protocol"):
+                        return False
+                    if kind == "add":
+                        added[str(action["path"])] = action
+                    elif kind == "remove":
+                        removed.add(str(action["path"]))
+                except (ValueError, StopIteration, AttributeError, KeyError, TypeError):
+                    return False  # not a log entry as the protocol writes them
             if not self._apply(removed, added):
                 return False
             self.version = version
