@@ -1278,7 +1278,7 @@ class TableEngine:
             self._open.pop(path, None)
             log.debug("cannot read the file statistics of %s (%s): merging", path, exc)
             return None
-        if LiveFiles.understood(files):
+        if LiveFiles.understood(files, table.metadata().configuration):
             index = self._live[path] = LiveFiles(path, files, version)
             return index.files, version
         return files, version
@@ -1288,8 +1288,11 @@ class TableEngine:
         and schema) and the version a commit is planned on, the latest. From the live files
         when they are kept (no commit since the table was read changed its metadata or
         protocol, or they would have declined), else by bringing the table up to date."""
-        index, table = self._live.get(path), self._open.get(path)
-        if index is not None and table is not None and index.advance(_latest_version(path)):
+        index = self._live.get(path)
+        if index is not None and index.advance(_latest_version(path)):
+            table = self._open.get(path)
+            if table is None:  # opened afresh, at the latest version: its metadata is current
+                table = self._latest(path)
             return table, index.version
         self._live.pop(path, None)
         table = self._latest(path)

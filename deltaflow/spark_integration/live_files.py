@@ -19,6 +19,7 @@ key": never a file wrongly passed over, at worst one read needlessly.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,14 +50,24 @@ class LiveFiles:
         self.version = version
 
     @staticmethod
-    def understood(files: Any) -> bool:
-        """Whether every column of delta-rs's listing ``files`` is one this class keeps up
-        to date (else it must not be used for the table)."""
-        return all(_known(name) for name in files.schema.names)
+    def understood(files: Any, configuration: Mapping[str, Any]) -> bool:
+        """Whether this class keeps delta-rs's listing ``files`` of a table with
+        ``configuration`` (its properties) up to date: every column is one it knows, and the
+        table has no column mapping (its log names columns by physical names)."""
+        mapping = str(configuration.get("delta.columnMapping.mode") or "none").lower()
+        return mapping == "none" and all(_known(name) for name in files.schema.names)
 
     def advance(self, latest: int) -> bool:
         """Apply the commits after :attr:`version` up to ``latest``; False when the listing
-        must be read through delta-rs again (the state is then unspecified)."""
+        must be read through delta-rs again (the state is then unspecified): never raises."""
+        if latest < self.version:
+            return False  # the log restarted (the table was deleted and made again)
+        try:
+            return self._advance(latest)
+        except Exception:  # noqa: BLE001 - anything unexpected in a log entry: list afresh
+            return False
+
+    def _advance(self, latest: int) -> bool:
         for version in range(self.version + 1, latest + 1):
             try:
                 text = (self._log_dir / f"{version:020d}.json").read_text(encoding="utf-8")
@@ -117,9 +128,10 @@ def _rows(adds: list[dict[str, Any]], schema: Any) -> Any:
     for add in adds:
         raw = add.get("stats")
         try:
-            stats.append(json.loads(raw) if isinstance(raw, str) and raw else {})
+            parsed = json.loads(raw) if isinstance(raw, str) and raw else {}
         except ValueError:
-            stats.append({})
+            parsed = {}
+        stats.append(parsed if isinstance(parsed, dict) else {})
     columns = []
     try:
         for field in schema:
@@ -131,8 +143,8 @@ def _rows(adds: list[dict[str, Any]], schema: Any) -> Any:
                 columns.append(pa.array([s.get("numRecords") for s in stats], field.type))
             elif name.startswith("partition."):
                 column = name.removeprefix("partition.")
-                values = [(a.get("partitionValues") or {}).get(column) for a in adds]
-                columns.append(pa.array(values, pa.string()).cast(field.type))
+                values = [(a.get("partitionValues") or {}).get(column) or None for a in adds]
+                columns.append(pa.array(values, pa.string()).cast(field.type))  # "": null
             elif name.startswith("deletionVector."):
                 part = name.removeprefix("deletionVector.")
                 values = [(a.get("deletionVector") or {}).get(part) for a in adds]
@@ -142,7 +154,9 @@ def _rows(adds: list[dict[str, Any]], schema: Any) -> Any:
                 column = name.removeprefix(prefix)
                 values = [_nested(s.get(_STATS_PREFIXES[prefix]), column) for s in stats]
                 columns.append(_statistic(values, field.type))
-    except (pa.ArrowException, TypeError, ValueError, StopIteration):
+    except Exception:  # noqa: BLE001 - not what delta-rs would list: decline
+        return None
+    if any(not f.nullable and c.null_count for f, c in zip(schema, columns, strict=True)):
         return None
     return pa.Table.from_arrays(columns, schema=schema)
 
