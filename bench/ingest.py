@@ -771,14 +771,16 @@ class Variant:
     limit: Callable[[int], int | None] = lambda _total: None
 
 
-def _vectors_variant(engine: str) -> Variant:
-    """Nodes as processes, the Arrow source, a table with deletion vectors (merge-on-read)."""
-    table = f"deltaflow_{engine.replace('-', '_')}_arrow_procs_dv"
+def _dv_variant(engine: str, kind: str, **options: Any) -> Variant:
+    """Nodes as processes and a table with deletion vectors (merge-on-read), with ``options``
+    of :func:`run_deltaflow`: ``deltaflow-<engine>-<kind>-dv``."""
+    name = f"deltaflow-{engine}-{kind}-dv"
+    table = name.replace("-", "_")
     return Variant(
-        f"deltaflow-{engine}-arrow-procs-dv",
+        name,
         table,
         lambda w, n: run_deltaflow(
-            w, n, engine, table=table, layout="process", arrow=True, vectors=True
+            w, n, engine, table=table, layout="process", vectors=True, **options
         ),
     )
 
@@ -835,34 +837,10 @@ VARIANTS: Final = (
             w, n, "delta-rs", table="deltaflow_delta_rs_arrow_procs", layout="process", arrow=True
         ),
     ),
-    _vectors_variant("spark"),
-    _vectors_variant("delta-rs"),
-    Variant(
-        "deltaflow-spark-paced-dv",
-        "deltaflow_spark_paced_dv",
-        lambda w, n: run_deltaflow(
-            w,
-            n,
-            "spark",
-            table="deltaflow_spark_paced_dv",
-            layout="process",
-            rate=PACED_RATE,
-            vectors=True,
-        ),
-    ),
-    Variant(
-        "deltaflow-delta-rs-paced-dv",
-        "deltaflow_delta_rs_paced_dv",
-        lambda w, n: run_deltaflow(
-            w,
-            n,
-            "delta-rs",
-            table="deltaflow_delta_rs_paced_dv",
-            layout="process",
-            rate=PACED_RATE,
-            vectors=True,
-        ),
-    ),
+    _dv_variant("spark", "arrow-procs", arrow=True),  # the Arrow source
+    _dv_variant("delta-rs", "arrow-procs", arrow=True),
+    _dv_variant("spark", "paced", rate=PACED_RATE),  # the dict source, paced
+    _dv_variant("delta-rs", "paced", rate=PACED_RATE),
     Variant(
         "naive-spark-merge",
         "naive_spark",

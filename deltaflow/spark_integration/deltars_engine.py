@@ -296,7 +296,7 @@ class DeltaRsTableEngine(TableEngine):
         lock, see ``checkpoint``). A known version spares reading the table's state again, 15 ms
         under the lock for a table of a few thousand files; the interval is the table's, as of
         the commit's read."""
-        target = self._open.get(path) if version is not None else None
+        target = self._open.get(path)
         if target is None or version is None:
             target = self._latest(path)
             version = int(target.version())

@@ -1267,10 +1267,9 @@ class TableEngine:
 
         Listed through delta-rs once, then kept up to date from the commits made since
         (:class:`.LiveFiles`), which spares delta-rs's replay of the log under the lock."""
-        index = self._live.get(path)
-        if index is not None and index.advance(_latest_version(path)):
+        index = self._kept(path)
+        if index is not None:
             return index.files, index.version
-        self._live.pop(path, None)
         try:
             table = self._latest(path)
             files, version = table.get_add_actions(flatten=True), int(table.version())
@@ -1288,15 +1287,23 @@ class TableEngine:
         and schema) and the version a commit is planned on, the latest. From the live files
         when they are kept (no commit since the table was read changed its metadata or
         protocol, or they would have declined), else by bringing the table up to date."""
-        index = self._live.get(path)
-        if index is not None and index.advance(_latest_version(path)):
+        index = self._kept(path)
+        if index is not None:
             table = self._open.get(path)
             if table is None:  # opened afresh, at the latest version: its metadata is current
                 table = self._latest(path)
             return table, index.version
-        self._live.pop(path, None)
         table = self._latest(path)
         return table, int(table.version())
+
+    def _kept(self, path: Path) -> LiveFiles | None:
+        """The table's kept live files brought up to the latest commit, or None (and
+        dropped) when there are none or they declined."""
+        index = self._live.get(path)
+        if index is not None and index.advance(_latest_version(path)):
+            return index
+        self._live.pop(path, None)
+        return None
 
     def _forget(self, path: Path) -> None:
         """Read the table afresh next time (a write failed: its state is unknown)."""

@@ -69,25 +69,21 @@ class LiveFiles:
 
     def _advance(self, latest: int) -> bool:
         for version in range(self.version + 1, latest + 1):
-            try:
-                text = (self._log_dir / f"{version:020d}.json").read_text(encoding="utf-8")
-            except OSError:
-                return False
+            # A missing file (cleaned up) or an entry not as the protocol writes them raises:
+            # advance() declines.
+            text = (self._log_dir / f"{version:020d}.json").read_text(encoding="utf-8")
             removed: set[str] = set()
             added: dict[str, dict[str, Any]] = {}
             for line in text.splitlines():
                 if not line.strip():
                     continue
-                try:
-                    kind, action = next(iter(json.loads(line).items()))
-                    if kind in ("metaData", "protocol"):
-                        return False
-                    if kind == "add":
-                        added[str(action["path"])] = action
-                    elif kind == "remove":
-                        removed.add(str(action["path"]))
-                except (ValueError, StopIteration, AttributeError, KeyError, TypeError):
-                    return False  # not a log entry as the protocol writes them
+                kind, action = next(iter(json.loads(line).items()))
+                if kind in ("metaData", "protocol"):
+                    return False
+                if kind == "add":
+                    added[str(action["path"])] = action
+                elif kind == "remove":
+                    removed.add(str(action["path"]))
             if not self._apply(removed, added):
                 return False
             self.version = version
