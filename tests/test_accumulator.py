@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from deltaflow.client.accumulator import Accumulator, Batch, SizeBatchCreator
@@ -136,3 +137,62 @@ def test_add_many_cuts_exactly_like_adding_one_by_one() -> None:
         return out
 
     assert lanes(many) == lanes(one)  # per partition: same cuts, sequence, items and positions
+
+
+def test_evenly_filled_partitions_send_their_pages_spread_out_not_in_one_burst() -> None:
+    """Keys hashed evenly fill every partition at one pace: with pages all cut at page_size,
+    every partition's page would fall due within the same few items, so the window would get
+    a burst and then nothing (the nodes idle in turns). First pages are staggered instead."""
+    partitions, page = 8, 40
+    clock = FakeClock()
+    cuts: list[tuple[int, Batch]] = []  # (items added so far, batch)
+    added = 0
+    acc = Accumulator(
+        batch_creator=SizeBatchCreator(page, 1 << 20),
+        flush_interval=0,
+        on_cut=lambda b: cuts.append((added, b)),
+        call_later=clock.call_later,
+        stagger=partitions,
+    )
+    for i in range(partitions * page * 4):  # round robin: the most even stream there is
+        added = i + 1
+        acc.add(i % partitions, i, i, b"x", is_delete=False)
+    # From then on pages leave evenly: one every `page` items, never several at once.
+    steady = [at for at, b in cuts if at > partitions * page]
+    gaps = [b - a for a, b in itertools.pairwise(steady)]
+    assert gaps and min(gaps) >= page // 2, gaps
+    firsts = {b.partition: len(b.items) for _, b in cuts if b.seq == 0}
+    assert firsts == {p: page * (p + 1) // partitions for p in range(partitions)}
+    assert all(len(b.items) == page for _, b in cuts if b.seq > 0)
+
+
+def test_arrow_pages_are_staggered_like_row_pages() -> None:
+    import pyarrow as pa
+
+    from deltaflow.columnar import ArrowRows
+
+    partitions, page = 4, 10
+    clock = FakeClock()
+    cuts: list[Batch] = []
+    acc = Accumulator(
+        batch_creator=SizeBatchCreator(page, 1 << 20),
+        flush_interval=0,
+        on_cut=cuts.append,
+        call_later=clock.call_later,
+        stagger=partitions,
+    )
+    for p in range(partitions):
+        rows = ArrowRows.of(pa.table({"id": list(range(25))}))
+        acc.add_rows(p, rows, pa.array(range(25), pa.int64()))
+    assert [(b.partition, len(b.items)) for b in cuts] == [
+        (0, 2),
+        (0, 10),
+        (0, 10),
+        (1, 5),
+        (1, 10),
+        (1, 10),
+        (2, 7),
+        (2, 10),
+        (3, 10),
+        (3, 10),
+    ]

@@ -115,10 +115,11 @@ class SizeBatchCreator:
 
 
 class _Buffer:
-    __slots__ = ("batch", "pages", "rows", "timer")
+    __slots__ = ("batch", "limit", "pages", "rows", "timer")
 
-    def __init__(self, batch: Batch) -> None:
+    def __init__(self, batch: Batch, limit: int = 0) -> None:
         self.batch = batch
+        self.limit = limit  # rows at which the default creator cuts it
         self.timer: asyncio.TimerHandle | None = None
         self.pages: list[tuple[ArrowRows, Any]] | None = None  # Arrow rows, their positions
         self.rows = 0
@@ -132,6 +133,11 @@ class Accumulator:
         flush_interval: seconds after a buffer's first item when it is cut anyway (0: never).
         on_cut: receives every batch cut by count, bytes, the creator or the timer.
         call_later: the clock (``loop.call_later``); injectable for tests.
+        stagger: the stream's partition count: with the default creator, partition ``p``'s
+            first page is cut at ``page_size * (p + 1) // stagger`` rows, later ones at
+            ``page_size``, so evenly filled partitions send their pages spread out rather
+            than all at once (``StreamerOptions.stagger_pages``); 0: every page at
+            ``page_size``.
     """
 
     def __init__(
@@ -141,8 +147,10 @@ class Accumulator:
         flush_interval: float,
         on_cut: Callable[[Batch], None],
         call_later: Callable[..., asyncio.TimerHandle],
+        stagger: int = 0,
     ) -> None:
         self._creator = batch_creator
+        self._stagger = stagger
         self._interval = flush_interval
         self._on_cut = on_cut
         self._call_later = call_later
@@ -180,17 +188,12 @@ class Accumulator:
             )
         if offsets is None:
             offsets = byte_offsets(rows.table)
-        page_size, max_bytes = self._limits
+        max_bytes = self._limits[1]
         offset, left = 0, len(rows)
         while left:
-            buf = self._buffers.get(partition)
-            if buf is None:
-                buf = self._buffers[partition] = _Buffer(Batch(partition, -1))
-                buf.pages = []
-                if self._interval > 0:
-                    buf.timer = self._call_later(self._interval, self._timer_fired, partition)
+            buf = self._buffers.get(partition) or self._open(partition, pages=True)
             assert buf.pages is not None
-            take = min(left, page_size - buf.rows)
+            take = min(left, buf.limit - buf.rows)
             nbytes = int(offsets[offset + take] - offsets[offset])
             if buf.batch.nbytes + nbytes > max_bytes:
                 if buf.rows:
@@ -205,7 +208,7 @@ class Accumulator:
             buf.batch.nbytes += nbytes
             offset += take
             left -= take
-            if buf.rows >= page_size or buf.batch.nbytes >= max_bytes:
+            if buf.rows >= buf.limit or buf.batch.nbytes >= max_bytes:
                 self._on_cut(self._cut(partition))
 
     def add(self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool) -> None:
@@ -221,9 +224,7 @@ class Accumulator:
             self._on_cut(self._cut(partition))
             buf = None
         if buf is None:
-            buf = self._buffers[partition] = _Buffer(Batch(partition, -1))
-            if self._interval > 0:
-                buf.timer = self._call_later(self._interval, self._timer_fired, partition)
+            buf = self._open(partition)
         batch = buf.batch
         if is_delete:
             batch.deletes.append(len(batch.items))
@@ -231,7 +232,7 @@ class Accumulator:
         cast("list[int]", batch.positions).append(position)
         batch.packed.append(packed)
         batch.nbytes += nbytes
-        if len(batch.items) >= limits[0] if limits is not None else self._creator.cut_after(batch):
+        if len(batch.items) >= buf.limit if limits is not None else self._creator.cut_after(batch):
             self._on_cut(self._cut(partition))
 
     def add_many(
@@ -248,17 +249,15 @@ class Accumulator:
             for j, item in enumerate(items):
                 self.add(partitions[j], position + j, item, packed[j], j in deletes)
             return
-        page_size, max_bytes = self._limits
-        buffers, interval = self._buffers, self._interval
+        max_bytes = self._limits[1]
+        buffers = self._buffers
         for j, (item, partition, data) in enumerate(zip(items, partitions, packed, strict=False)):
             nbytes = len(data)
             buf = buffers.get(partition)
             if buf is None or buf.batch.nbytes + nbytes > max_bytes:
                 if buf is not None:
                     self._on_cut(self._cut(partition))
-                buf = buffers[partition] = _Buffer(Batch(partition, -1))
-                if interval > 0:
-                    buf.timer = self._call_later(interval, self._timer_fired, partition)
+                buf = self._open(partition)
             batch = buf.batch
             batch_items = cast("list[Any]", batch.items)
             if deletes and j in deletes:
@@ -267,7 +266,7 @@ class Accumulator:
             cast("list[int]", batch.positions).append(position + j)
             batch.packed.append(data)
             batch.nbytes += nbytes
-            if len(batch_items) >= page_size:
+            if len(batch_items) >= buf.limit:
                 self._on_cut(self._cut(partition))
 
     def drain(self) -> list[Batch]:
@@ -277,6 +276,20 @@ class Accumulator:
     def discard(self) -> list[Batch]:
         """Drop every buffer; returns what they held (never sent)."""
         return self.drain()
+
+    def _open(self, partition: int, *, pages: bool = False) -> _Buffer:
+        """A new, empty buffer for ``partition`` (its flush timer started)."""
+        limit = 0
+        if self._limits is not None:
+            limit = self._limits[0]
+            if self._stagger > 1 and partition not in self._next_seq:
+                limit = max(1, limit * (partition % self._stagger + 1) // self._stagger)
+        buf = self._buffers[partition] = _Buffer(Batch(partition, -1), limit)
+        if pages:
+            buf.pages = []
+        if self._interval > 0:
+            buf.timer = self._call_later(self._interval, self._timer_fired, partition)
+        return buf
 
     def _timer_fired(self, partition: int) -> None:
         if partition in self._buffers:

@@ -225,6 +225,7 @@ class StreamRun:
             flush_interval=options.auto_flush_interval,
             on_cut=self.sender.submit,
             call_later=asyncio.get_running_loop().call_later,
+            stagger=self.partitions if options.stagger_pages else 0,
         )
         self._dead_letters: Sender | None = None
         # Unique per run: a replay under the same stream id must not have its dead letters
