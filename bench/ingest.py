@@ -343,6 +343,7 @@ def _create_spark_table(spark: Any, path: Path) -> None:
 #: 2 cores the defaults measured 315,000 rows/s (delta-rs) and 208,000 (Spark) from an Arrow
 #: source, these 375,000 and 258,000, with acks 25-40% sooner once sent; a row waits longer
 #: in its partition's buffer before, so time to table grows (see docs/configuration.md).
+#: Their first pages are staggered (``stagger_pages``) so that pages leave evenly spread.
 BULK_PAGE_SIZE: Final = 4000
 BULK_WINDOW_BATCHES: Final = 32
 BULK_WINDOW_PER_PARTITION: Final = 2
@@ -451,6 +452,7 @@ def run_deltaflow(
             page_size=BULK_PAGE_SIZE,
             max_in_flight=BULK_WINDOW_BATCHES,
             per_partition_in_flight=BULK_WINDOW_PER_PARTITION,
+            stagger_pages=True,
         )
     )
     if rate is not None:

@@ -11,7 +11,6 @@ import pytest
 
 import deltaflow
 from deltaflow import StreamerOptions
-from deltaflow.partitioning import partition_of
 from deltaflow.receivers import Receiver, ReceiverContext
 
 from .conftest import start_cluster
@@ -173,17 +172,13 @@ async def test_cancelling_a_stream_says_what_was_applied_and_what_is_in_doubt(
             with pytest.raises(asyncio.CancelledError) as info:
                 await task
             assert repr(client).startswith("<Client open")
-            partitions = client.partition_map.partitions
     finally:
         Gate.opened.set()
         await nodes[0].stop()
     err = info.value
     assert err.applied == 0
-    # The two batches the gate holds: the partition's first page (staggered, see
-    # StreamerOptions.page_size) and a whole one.
-    held = 10 * (partition_of(0, partitions) + 1) // partitions + 10
-    assert err.in_doubt == list(range(held))
-    assert err.not_applied == list(range(held, len(err.not_applied) + held))
+    assert err.in_doubt == list(range(20))  # the two batches the gate holds
+    assert err.not_applied == list(range(20, len(err.not_applied) + 20))
 
 
 async def test_linger_sends_a_trickle_at_once_and_a_busy_source_still_fills_pages(
@@ -200,9 +195,7 @@ async def test_linger_sends_a_trickle_at_once_and_a_busy_source_still_fills_page
             assert [x["i"] for x in await acked.get()] == [i]
 
     async with deltaflow.connect([address]) as client:
-        options = StreamerOptions(
-            page_size=1000, auto_flush_interval=60, linger=0.02, stagger_pages=False
-        )
+        options = StreamerOptions(page_size=1000, auto_flush_interval=60, linger=0.02)
         async with asyncio.timeout(20):
             summary = await client.stream_data(
                 trickle(5),

@@ -184,6 +184,8 @@ def test_usage_errors_say_what_to_do() -> None:
         deltaflow.connect(["nohost"])
     with pytest.raises(UsageError, match="page_size"):
         StreamerOptions(page_size=0)
+    with pytest.raises(UsageError, match="stagger_pages must be True or False"):
+        StreamerOptions(stagger_pages="yes")  # type: ignore[arg-type]
     _ = dataclasses  # keep import for readability of options tests
 
 

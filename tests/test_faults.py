@@ -27,9 +27,7 @@ def engine() -> str:
 async def test_every_fifth_request_lost_and_every_item_lands_once(cluster: list[Node]) -> None:
     dropper = RequestDropper(every=5)
     items = list(range(5000))
-    # Whole pages only: a lane's staggered first page would put two of its batches in
-    # flight, and one lost ahead of the other makes both wait out the ack timeout.
-    opts = StreamerOptions(page_size=100, stagger_pages=False, **LOSSY)
+    opts = StreamerOptions(page_size=100, **LOSSY)
     summary, results = await echo_stream(cluster[0].address, items, opts, dropper)
     assert dropper.dropped >= 10
     assert summary.items_acked == 5000 and summary.batches_retried == dropper.dropped
@@ -42,9 +40,7 @@ async def test_a_node_that_keeps_failing_exhausts_retries_with_exact_failed_item
 ) -> None:
     FailOn.raised = 0
     items = list(range(60))
-    opts = StreamerOptions(
-        page_size=10, retry_limit=3, per_partition_in_flight=2, stagger_pages=False, **FAST_RETRY
-    )
+    opts = StreamerOptions(page_size=10, retry_limit=3, per_partition_in_flight=2, **FAST_RETRY)
     results: list[int] = []
     async with deltaflow.connect([cluster[0].address]) as client:
         with pytest.raises(DataStreamerError) as info:

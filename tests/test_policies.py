@@ -25,9 +25,7 @@ BAD_BATCH = list(range(30, 40))
 
 
 def opts(policy: str) -> StreamerOptions:
-    return StreamerOptions(
-        page_size=10, on_failure=policy, retry_initial_backoff=0.01, stagger_pages=False
-    )
+    return StreamerOptions(page_size=10, on_failure=policy, retry_initial_backoff=0.01)
 
 
 async def test_fallback_writes_the_failed_batch_to_the_dead_letter_table_and_goes_on(
@@ -176,7 +174,7 @@ async def test_items_taken_from_a_blocking_iterator_are_all_accounted_for(
                 key=lambda x: 0,
                 receiver="deltaflow.testing.FailOn",
                 receiver_args={"fail_on": 25},
-                options=StreamerOptions(page_size=10, max_in_flight=1, stagger_pages=False),
+                options=StreamerOptions(page_size=10, max_in_flight=1),
             )
     failed = info.value.failed_items
     # Applied (0-19) + everything else taken from the iterator, even items still in a chunk.
