@@ -11,6 +11,7 @@ import pytest
 
 import deltaflow
 from deltaflow import StreamerOptions
+from deltaflow.partitioning import partition_of
 from deltaflow.receivers import Receiver, ReceiverContext
 
 from .conftest import start_cluster
@@ -226,3 +227,24 @@ async def test_linger_sends_a_trickle_at_once_and_a_busy_source_still_fills_page
         )
     assert busy.items_acked == len(items)
     assert sum(s.batches_acked for s in busy.per_node.values()) == 7
+
+
+async def test_staggered_pages_cut_each_partitions_first_page_short_then_whole_pages(
+    cluster: list[Any],
+) -> None:
+    """stagger_pages reaches the stream's cutting: partition p's first page holds
+    page_size * (p + 1) // n items, then whole pages, and every item is applied once."""
+    sizes: list[int] = []
+    async with deltaflow.connect([cluster[0].address]) as client:
+        n = client.partition_map.partitions
+        summary = await client.stream_data(
+            list(range(200)),
+            key=lambda i: 0,  # one partition: its batches are acknowledged in order
+            receiver="deltaflow.testing.Echo",
+            on_ack=lambda items: sizes.append(len(items)),
+            options=StreamerOptions(page_size=64, per_partition_in_flight=1, stagger_pages=True),
+        )
+    first = 64 * (partition_of(0, n) + 1) // n
+    assert summary.items_acked == 200
+    assert sizes[0] == first and sum(sizes) == 200
+    assert all(size == 64 for size in sizes[1:-1]) and 0 < sizes[-1] <= 64
