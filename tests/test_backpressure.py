@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import queue
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -187,25 +188,37 @@ async def test_linger_sends_a_trickle_at_once_and_a_busy_source_still_fills_page
 ) -> None:
     address = cluster[0].address
     acked = asyncio.Queue[list[Any]]()
+    blocking_acked: queue.Queue[list[Any]] = queue.Queue()
 
+    # Each item waits for the previous one's ack: only a send of the partly filled buffer
+    # (page 1,000, auto flush after a minute) lets it go on.
     async def trickle(count: int) -> AsyncIterator[dict[str, int]]:
-        # Each item waits for the previous one's ack: only a send of the partly filled
-        # buffer (page 1,000, auto flush after a minute) lets it go on.
         for i in range(count):
             yield {"i": i}
             assert [x["i"] for x in await acked.get()] == [i]
 
+    def blocking_trickle(count: int) -> Iterator[dict[str, int]]:
+        # Read on a worker thread: each item must reach the stream as soon as it is
+        # yielded, not once a chunk of them has been read.
+        for i in range(count):
+            yield {"i": i}
+            assert [x["i"] for x in blocking_acked.get(timeout=10)] == [i]
+
     async with deltaflow.connect([address]) as client:
         options = StreamerOptions(page_size=1000, auto_flush_interval=60, linger=0.02)
-        async with asyncio.timeout(20):
-            summary = await client.stream_data(
-                trickle(5),
-                key="i",
-                receiver="deltaflow.testing.Echo",
-                on_ack=acked.put_nowait,
-                options=options,
-            )
-        assert summary.items_acked == 5
+        for source, on_ack in (
+            (trickle(5), acked.put_nowait),
+            (blocking_trickle(5), blocking_acked.put_nowait),
+        ):
+            async with asyncio.timeout(20):
+                summary = await client.stream_data(
+                    source,
+                    key="i",
+                    receiver="deltaflow.testing.Echo",
+                    on_ack=on_ack,
+                    options=options,
+                )
+            assert summary.items_acked == 5
 
         # Without linger the first item sits in its buffer.
         no_linger = StreamerOptions(page_size=1000, auto_flush_interval=60)

@@ -1,9 +1,10 @@
 """Adapt every supported source kind to one async iterator, with backpressure.
 
 - async iterable: pulled directly, one item at a time, only when the streamer asks.
-- iterable: pulled in small chunks on a worker thread, so a blocking iterator (a file, a
-  cursor) never blocks the event loop; a list, tuple or range is already in memory and is
-  chunked on the loop itself.
+- iterable: pulled on a worker thread, so a blocking iterator (a file, a cursor) never blocks
+  the event loop; each item is handed over as soon as it is read, and the worker reads at most
+  a small chunk ahead. A list, tuple or range is already in memory and is chunked on the loop
+  itself.
 - reactivex Observable: subscribed on a dedicated thread and bridged through a bounded queue.
   ``on_next`` called off the event loop blocks the emitting thread while the queue is full (real
   backpressure); ``on_next`` called *on* the event loop cannot block, so overflowing the queue
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import operator
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from concurrent.futures import CancelledError as FutureCancelledError
@@ -27,6 +29,9 @@ from ..errors import UsageError
 __all__ = ["SourceOverflowError", "aiter_source"]
 
 _CHUNK = 256
+# How often a stream waiting on a blocking source looks for items its worker has read.
+_POLL = 0.005
+_first = operator.itemgetter(0)
 _END = object()
 
 
@@ -66,6 +71,12 @@ def _is_observable(source: Any) -> bool:
 class _ChunkedIterator:
     """Pulls a blocking iterator in chunks on a worker thread.
 
+    The worker extends a deque straight from the source (C speed, each item visible as soon
+    as it is read) while the loop pops from the other end, so a slow iterator's items are never
+    held back until a chunk fills: the loop looks every ``_POLL`` seconds while it waits,
+    instead of the worker paying a wake-up per item. A chunk (``_CHUNK`` items, or one Arrow
+    batch) bounds how far the worker reads ahead; the next is read once the last is taken.
+
     Items taken from the source but not yet handed out are never lost: :meth:`leftovers`
     returns them (the stream reports them as not applied when it stops early).
     """
@@ -73,8 +84,10 @@ class _ChunkedIterator:
     def __init__(self, it: Iterator[Any], *, blocking: bool = True) -> None:
         self._it = it
         self._blocking = blocking
+        # Appended by the worker, popped from the left by the loop: each deque operation is
+        # atomic, so the two need no lock.
         self._chunk: collections.deque[Any] = collections.deque()
-        self._pending: asyncio.Future[tuple[list[Any], BaseException | None, bool]] | None = None
+        self._pending: asyncio.Future[tuple[BaseException | None, bool]] | None = None
         self._exhausted = False
         # An error the source raised: handed out after the items read before it.
         self._error: BaseException | None = None
@@ -83,7 +96,7 @@ class _ChunkedIterator:
         return self
 
     async def __anext__(self) -> Any:
-        if not self._chunk:
+        while not self._chunk:
             if self._error is not None:
                 error, self._error = self._error, None
                 raise error
@@ -91,44 +104,50 @@ class _ChunkedIterator:
                 raise StopAsyncIteration
             if not self._blocking:
                 await asyncio.sleep(0)  # one yield per chunk keeps the loop fair
-                self._take(self._read_chunk())
+                self._finish(self._read_chunk())
             else:
-                if self._pending is None:
-                    self._pending = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
-                # Shielded: a cancelled pull keeps its chunk for the next call or leftovers().
-                chunk = await asyncio.shield(self._pending)
-                self._pending = None
-                self._take(chunk)
-            if not self._chunk:
-                return await self.__anext__()  # the end, or the source's error
+                await self._wait_for_items()
         return self._chunk.popleft()
 
-    def _read_chunk(self) -> tuple[list[Any], BaseException | None, bool]:
-        """Up to ``_CHUNK`` items (an Arrow batch, which holds many rows, alone), the error the
-        source raised after them if any, and whether the source ended."""
-        items: list[Any] = []
+    async def _wait_for_items(self) -> None:
+        """Until the chunk under way ends or ``_POLL`` passes (start a chunk if none runs)."""
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
+        # Not cancelled with us: a cancelled pull keeps its chunk for leftovers().
+        await asyncio.wait((pending,), timeout=_POLL)
+        if pending.done():
+            self._pending = None
+            self._finish(pending.result())
+
+    def _read_chunk(self) -> tuple[BaseException | None, bool]:
+        """Append up to ``_CHUNK`` items (an Arrow batch, which holds many rows, alone); returns
+        the error the source raised, if any, and whether the source ended."""
+        chunk = self._chunk
         try:
             for first in self._it:
-                items.append(first)
+                chunk.append(first)
                 if is_arrow(type(first)):
-                    return items, None, False
-                items.extend(itertools.islice(self._it, _CHUNK - 1))
-                break
+                    return None, False
+                read = itertools.count(1)  # counts what islice yields, at C speed
+                rest = zip(itertools.islice(self._it, _CHUNK - 1), read, strict=False)
+                chunk.extend(map(_first, rest))
+                return None, next(read) < _CHUNK
         except Exception as exc:  # noqa: BLE001 - the items read before it are kept
-            return items, exc, True
-        return items, None, len(items) < _CHUNK
+            return exc, True
+        return None, True
 
-    def _take(self, chunk: tuple[list[Any], BaseException | None, bool]) -> None:
-        items, error, ended = chunk
-        self._chunk.extend(items)
-        self._exhausted = ended
-        self._error = error
+    def _finish(self, outcome: tuple[BaseException | None, bool]) -> None:
+        self._error, self._exhausted = outcome
 
     def take_buffered(self) -> list[Any]:
         """The items already pulled and not yet handed out, all at once (no await): the pump
         admits a chunk in one go instead of awaiting each item."""
-        items = list(self._chunk)
-        self._chunk.clear()
+        chunk = self._chunk
+        if self._pending is not None and not self._pending.done():  # the worker may append
+            return [chunk.popleft() for _ in range(len(chunk))]
+        items = list(chunk)
+        chunk.clear()
         return items
 
     def put_back(self, items: list[Any]) -> None:
@@ -138,12 +157,9 @@ class _ChunkedIterator:
     async def leftovers(self) -> list[Any]:
         """Items taken from the source and not handed out (waits for a pull under way)."""
         if self._pending is not None:
-            items, _, _ = await self._pending  # a source error was (or will be) raised by anext
-            self._chunk.extend(items)
+            await self._pending  # a source error was (or will be) raised by anext
             self._pending = None
-        items = list(self._chunk)
-        self._chunk.clear()
-        return items
+        return self.take_buffered()
 
 
 class _ObservableBridge:

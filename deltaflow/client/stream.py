@@ -555,7 +555,7 @@ class StreamRun:
                     break
                 finally:
                     self._awaiting_source = False
-                # A blocking iterable is pulled a chunk at a time: admit the whole chunk at
+                # A blocking iterable is read on a worker: admit all it has read so far at
                 # once (the window is checked per chunk; memory stays bounded by the chunk).
                 taken = [first] if chunked is None else [first, *chunked.take_buffered()]
                 self._admit(taken, chunked)
