@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
         failure_timeout=args.failure_timeout,
         max_group_rows=args.max_group_rows,
         max_group_bytes=args.max_group_bytes,
+        min_commit_interval=args.min_commit_interval,
         table_buckets=args.table_buckets,
         schema_evolution=args.schema_evolution,
         deletion_vectors=args.deletion_vectors,
@@ -242,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=256 * 1024 * 1024,
         help="largest group commit in bytes of Arrow data (default 256 MiB)",
+    )
+    serve.add_argument(
+        "--min-commit-interval",
+        type=float,
+        default=0.0,
+        help="seconds between two commits of a table on this node, at least, unless a whole "
+        "group is queued (default 0: commit as soon as the previous commit ends)",
     )
     serve.add_argument(
         "--table-buckets",

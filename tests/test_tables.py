@@ -25,7 +25,7 @@ import deltaflow
 from deltaflow import Delete, StreamerOptions
 from deltaflow.errors import SchemaError, UsageError
 from deltaflow.partitioning import partition_of
-from deltaflow.server import Node
+from deltaflow.server import Node, NodeConfig
 from deltaflow.spark_integration import (
     BUCKET_COLUMN,
     create_table,
@@ -1044,6 +1044,38 @@ async def test_a_burst_of_writes_to_an_idle_table_commits_as_one_group(
             await asyncio.gather(*futures)
         assert eng.stats.commits - commits == 1
         assert eng.stats.largest_group_rows == 3
+
+
+async def test_min_commit_interval_spaces_commits_but_a_whole_group_goes_at_once(
+    warehouse: Path,
+) -> None:
+    """A node's commit rate cap: writes queued within the interval after a commit wait and
+    commit together; a queue holding a whole group commits without waiting. delta-rs only:
+    the base class paces groups."""
+    async with table_engine(
+        "delta-rs", warehouse, min_commit_interval=60.0, max_group_rows=3
+    ) as eng:
+        await upsert(eng, "capped", [{"id": 0, "v": 0.0}])  # the first commit does not wait
+        commits = eng.stats.commits
+        futures = [
+            await eng.stage("capped", ["id"], [{"id": i, "v": 1.0}], frozenset()) for i in (1, 2)
+        ]
+        done, _ = await asyncio.wait(futures, timeout=0.5)  # a commit takes ~10 ms
+        assert not done
+        async with asyncio.timeout(30):  # half the interval: only a full group gets through
+            futures.append(await eng.stage("capped", ["id"], [{"id": 3, "v": 1.0}], frozenset()))
+            await asyncio.gather(*futures)
+        # Held back until the third made a whole group, then one commit.
+        assert eng.stats.commits - commits == 1
+        assert eng.stats.largest_group_rows == 3
+    async with table_engine("delta-rs", warehouse, min_commit_interval=0.3) as eng:
+        began = time.monotonic()
+        await upsert(eng, "spaced", [{"id": 0, "v": 0.0}])
+        await upsert(eng, "spaced", [{"id": 1, "v": 1.0}])  # the interval had not passed
+        assert time.monotonic() - began >= 0.3
+    assert [r["id"] for r in read_all(warehouse / "capped")] == [0, 1, 2, 3]
+    with pytest.raises(UsageError, match="min_commit_interval must be between 0 and 600"):
+        NodeConfig(node_id="n", warehouse=warehouse, min_commit_interval=-1)
 
 
 async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(

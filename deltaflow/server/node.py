@@ -9,7 +9,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -22,7 +22,12 @@ from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
 from ..spark_integration.deltars_engine import DeltaRsTableEngine
-from ..spark_integration.engine import DEFAULT_MAX_GROUP_BYTES, EngineStatistics, TableEngine
+from ..spark_integration.engine import (
+    DEFAULT_MAX_GROUP_BYTES,
+    MAX_COMMIT_INTERVAL,
+    EngineStatistics,
+    TableEngine,
+)
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SPARK_WRITERS, SparkTableEngine
 from ..spark_integration.tables import MAX_BUCKETS, default_buckets
@@ -78,6 +83,10 @@ class NodeConfig:
         max_group_rows: largest group commit, rows. Default 500,000.
         max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
             larger than either bound still commits, alone.)
+        min_commit_interval: seconds between the starts of two commits of one table on this
+            node, at least; a group that reaches ``max_group_rows`` or ``max_group_bytes``
+            commits without waiting. Default 0: a group commits as soon as the previous commit
+            ends (see docs/configuration.md, "Commit rate").
         table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
             the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
             largest divisor up to 64 (see docs/tables.md).
@@ -114,6 +123,7 @@ class NodeConfig:
     spark_writer: str = "direct"
     max_group_rows: int = 500_000
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    min_commit_interval: float = 0.0
     table_buckets: int | None = None
     schema_evolution: bool = False
     deletion_vectors: bool = False
@@ -149,6 +159,11 @@ class NodeConfig:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
         if self.max_group_rows < 1 or self.max_group_bytes < 1:
             raise UsageError("max_group_rows and max_group_bytes must be at least 1")
+        if not 0 <= self.min_commit_interval <= MAX_COMMIT_INTERVAL:
+            raise UsageError(
+                f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds, "
+                f"got {self.min_commit_interval!r}"
+            )
         if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
         if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
@@ -205,28 +220,21 @@ class Node:
         buckets = config.table_buckets
         if buckets is None:
             buckets = default_buckets(config.partitions)
+        common: dict[str, Any] = {
+            "node_id": config.node_id,
+            "max_group_rows": config.max_group_rows,
+            "max_group_bytes": config.max_group_bytes,
+            "min_commit_interval": config.min_commit_interval,
+            "table_buckets": buckets,
+            "schema_evolution": config.schema_evolution,
+            "deletion_vectors": config.deletion_vectors,
+        }
         if config.engine == "spark":
             self.engine = SparkTableEngine(
-                Path(config.warehouse),
-                spark=config.spark,
-                writer=config.spark_writer,
-                node_id=config.node_id,
-                max_group_rows=config.max_group_rows,
-                max_group_bytes=config.max_group_bytes,
-                table_buckets=buckets,
-                schema_evolution=config.schema_evolution,
-                deletion_vectors=config.deletion_vectors,
+                Path(config.warehouse), spark=config.spark, writer=config.spark_writer, **common
             )
         else:
-            self.engine = DeltaRsTableEngine(
-                Path(config.warehouse),
-                node_id=config.node_id,
-                max_group_rows=config.max_group_rows,
-                max_group_bytes=config.max_group_bytes,
-                table_buckets=buckets,
-                schema_evolution=config.schema_evolution,
-                deletion_vectors=config.deletion_vectors,
-            )
+            self.engine = DeltaRsTableEngine(Path(config.warehouse), **common)
         # Side inputs, like receivers, are imported here from the operator's list only.
         classes = load_side_inputs([*config.side_inputs, *side_inputs])
         self.side_inputs: SideInputStore | None = None

@@ -5,7 +5,9 @@ batch. Each table has a committer task: while one commit runs, newly staged batc
 and the next commit takes all of them (up to ``max_group_rows`` and ``max_group_bytes``). Under
 load commits grow and amortise the fixed cost; under light load a lone batch commits at once. A
 group never waits to fill: it is cut the moment the previous commit ends (an idle committer
-woken by a burst waits, briefly, for the writes of the burst still being converted).
+woken by a burst waits, briefly, for the writes of the burst still being converted). Only a
+node's ``min_commit_interval`` holds a group back, to cap the commit rate: until that long
+after the previous group was taken, or until a whole group is queued.
 
 Within a group, several writes of one key collapse to the last in staging order (deletes
 included), which is the order the node's lanes staged them: per (stream, partition) sequence
@@ -82,6 +84,7 @@ __all__ = [
     "DEFAULT_MAX_QUEUED_ROWS",
     "DELETE_COLUMN",
     "GROUP_ROWS_BUCKETS",
+    "MAX_COMMIT_INTERVAL",
     "EngineStatistics",
     "Histogram",
     "TableDescription",
@@ -94,6 +97,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_GROUP_ROWS: Final = 500_000
 DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
+#: The longest ``min_commit_interval`` (seconds): batches wait up to this for their commit.
+MAX_COMMIT_INTERVAL: Final = 600.0
 _COMMIT_ATTEMPTS: Final = 5
 #: How long a committer woken from idle waits at most for writes being converted to join its
 #: group (see ``_TableCommitter._gather``).
@@ -255,7 +260,10 @@ class _TableCommitter:
         self.partition_columns: tuple[str, ...] = ()
         self.queue: deque[_Staged] = deque()
         self.queued_rows = 0
+        self.queued_bytes = 0
         self.ready = asyncio.Event()
+        self.full = asyncio.Event()  # set once the queue holds a whole group (see _pace)
+        self.last_commit_at: float | None = None  # when the last group was taken
         self.room = asyncio.Event()
         self.room.set()
         self.loaded = False
@@ -351,12 +359,33 @@ class _TableCommitter:
                     self.converted.clear()
                     await self.converted.wait()
 
+    async def _pace(self) -> None:
+        """With ``min_commit_interval``: wait until that long after the last group was taken,
+        unless a whole group (``max_group_rows`` or ``max_group_bytes``) is queued by then."""
+        interval = self.engine.min_commit_interval
+        if not interval or self.last_commit_at is None:
+            return
+        delay = self.last_commit_at + interval - time.monotonic()
+        if delay <= 0 or self._holds_a_group():
+            return
+        self.full.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self.full.wait()
+
+    def _holds_a_group(self) -> bool:
+        engine = self.engine
+        return (
+            self.queued_rows >= engine.max_group_rows or self.queued_bytes >= engine.max_group_bytes
+        )
+
     async def _run(self) -> None:
         while True:
             idle = not self.ready.is_set()
             await self.ready.wait()
             if idle and self.converting:
                 await self._gather()
+            await self._pace()
             if not self._any_takeable():
                 self.ready.clear()  # only writes of receivers still running: wait for release()
                 continue
@@ -455,6 +484,8 @@ class _TableCommitter:
         held.extend(self.queue)
         self.queue = held
         self.queued_rows -= rows
+        self.queued_bytes -= nbytes
+        self.last_commit_at = time.monotonic()
         self.engine.stats.queued_rows -= rows
         if not self.queue:
             self.ready.clear()
@@ -1092,6 +1123,9 @@ class TableEngine:
         max_queued_rows: rows staged per table and not yet committed; staging waits beyond it
             (backpressure reaches the client through the unacknowledged window). Default
             1,000,000.
+        min_commit_interval: seconds between the takes of two groups of one table, at least,
+            unless a whole group is queued (fewer, larger commits at a steady rate, for a
+            little latency). Default 0: a group is taken as soon as the previous commit ends.
         table_buckets: buckets of the keyed tables this node creates on first write (0: no
             bucket layout). Default 64.
         schema_evolution: tables this node creates on first write allow schema evolution.
@@ -1120,6 +1154,7 @@ class TableEngine:
         max_group_rows: int = DEFAULT_MAX_GROUP_ROWS,
         max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES,
         max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS,
+        min_commit_interval: float = 0.0,
         table_buckets: int = DEFAULT_BUCKETS,
         schema_evolution: bool = False,
         deletion_vectors: bool = False,
@@ -1139,6 +1174,11 @@ class TableEngine:
         self.max_group_rows = max_group_rows
         self.max_group_bytes = max_group_bytes
         self.max_queued_rows = max_queued_rows
+        if not 0 <= min_commit_interval <= MAX_COMMIT_INTERVAL:
+            raise UsageError(
+                f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds"
+            )
+        self.min_commit_interval = min_commit_interval
         if not 0 <= table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
         self.table_buckets = table_buckets
@@ -1448,7 +1488,11 @@ class TableEngine:
             await committer.room.wait()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         committer.queue.append(_Staged(converted, fut, abandoned, mark, settings.buckets, held))
-        committer.queued_rows += converted.num_rows
-        self.stats.queued_rows += converted.num_rows
+        staged = committer.queue[-1]
+        committer.queued_rows += staged.rows
+        committer.queued_bytes += staged.nbytes
+        self.stats.queued_rows += staged.rows
         committer.ready.set()
+        if committer._holds_a_group():
+            committer.full.set()
         return fut
