@@ -337,23 +337,28 @@ def _create_spark_table(spark: Any, path: Path) -> None:
 
 
 #: The client's pages and window for the other unpaced variants: 4,000-row pages, 32 batches
-#: in flight, 2 per partition. That is the defaults' 128,000 rows in flight (1,000-row pages,
-#: 128 and 4) in a quarter of the batches: a node spends about 1.5 ms of CPU per batch (its
-#: frame, decoding and checking the page, and a file per page's bucket in the commit), so on
-#: 2 cores the defaults measured 315,000 rows/s (delta-rs) and 208,000 (Spark) from an Arrow
-#: source, these 375,000 and 258,000, with acks 25-40% sooner once sent; a row waits longer
-#: in its partition's buffer before, so time to table grows (see docs/configuration.md).
-#: Their first pages are staggered (``stagger_pages``) so that pages leave evenly spread.
+#: in flight (Spark; delta-rs 16, below), 2 per partition. For Spark that is the defaults'
+#: 128,000 rows in flight (1,000-row pages, 128 and 4) in a quarter of the batches: a node
+#: spends about 1.5 ms of CPU per batch (its frame, decoding and checking the page, and a file
+#: per page's bucket in the commit), so on 2 cores the defaults measured 315,000 rows/s
+#: (delta-rs) and 208,000 (Spark) from an Arrow source, these 375,000 and 258,000, with acks
+#: 25-40% sooner once sent; a row waits longer in its partition's buffer before, so time to
+#: table grows (see docs/configuration.md). Their first pages are staggered
+#: (``stagger_pages``) so that pages leave evenly spread.
+#: delta-rs keeps half the window: its commits take 15-20 ms, Spark's direct writer's 85-120
+#: ms (Spark with 16: 200,000 rows/s against 300,000 with 32). For delta-rs the larger window
+#: only added queueing: 526,000-532,000 rows/s with acks p99 159-183 ms, against
+#: 511,000-522,000 and 105-109 ms with 16 (session 15, two pairs).
 BULK_PAGE_SIZE: Final = 4000
-BULK_WINDOW_BATCHES: Final = 32
+BULK_WINDOW_BATCHES: Final = {"spark": 32, "delta-rs": 16}
 BULK_WINDOW_PER_PARTITION: Final = 2
 #: The client's window for the Spark SQL writer's variant: up to 512 batches (512,000 rows) in
 #: flight, 16 per partition. Under load a node's group commit is what arrived during the
 #: previous commits, so a larger window makes larger groups that amortise Spark's MERGE fixed
 #: cost of seconds (see docs/configuration.md); the defaults (128 and 4) measure about 40%
-#: lower with it. The other variants (delta-rs, and Spark's direct writer) keep 128,000 rows
-#: in flight (above): their commits take a fraction of a second, and a larger window only adds
-#: queueing.
+#: lower with it. The other variants (delta-rs, and Spark's direct writer) keep 64,000 and
+#: 128,000 rows in flight (above): their commits take a fraction of a second, and a larger
+#: window only adds queueing.
 #: ``BENCH_SPARK_WINDOW=sql`` gives every Spark variant the large window.
 SPARK_WINDOW_BATCHES: Final = 512
 SPARK_WINDOW_PER_PARTITION: Final = 16
@@ -450,7 +455,7 @@ def run_deltaflow(
         if engine == "spark" and os.environ.get("BENCH_SPARK_WINDOW", writer) == "sql"
         else deltaflow.StreamerOptions(
             page_size=BULK_PAGE_SIZE,
-            max_in_flight=BULK_WINDOW_BATCHES,
+            max_in_flight=BULK_WINDOW_BATCHES[engine],
             per_partition_in_flight=BULK_WINDOW_PER_PARTITION,
             stagger_pages=True,
         )
