@@ -3,6 +3,8 @@ upstream commit position; a subscriber that raises."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import CommitPosition, DataStreamerError, StreamerOptions
+from deltaflow.client.sources import aiter_source
 from deltaflow.server import Node
 
 # One partition, ten items a batch: item 35 fails batch 3 of the only lane.
@@ -180,6 +183,29 @@ async def test_items_taken_from_a_blocking_iterator_are_all_accounted_for(
     # Applied (0-19) + everything else taken from the iterator, even items still in a chunk.
     assert failed == list(range(20, yielded))
     assert yielded < 10_000
+
+
+async def test_a_stopping_stream_takes_only_the_item_its_blocking_source_is_reading() -> None:
+    """The worker reading a blocking iterator cannot be interrupted inside it, but once the
+    stream stops it reads no further item: not the rest of a 256-item chunk."""
+    release = threading.Event()
+    yielded = 0
+
+    def numbers() -> Any:
+        nonlocal yielded
+        for i in range(1000):
+            if i == 1:
+                release.wait(timeout=10)  # the worker is inside the iterator when the stop comes
+            yielded += 1
+            yield i
+
+    items = aiter_source(numbers(), buffer=16)
+    assert await anext(items) == 0
+    stopping = asyncio.create_task(items.leftovers())  # type: ignore[attr-defined]
+    await asyncio.sleep(0)  # leftovers() runs to its first await: the stop is asked
+    release.set()
+    assert await asyncio.wait_for(stopping, timeout=10) == [1]
+    assert yielded == 2
 
 
 async def test_a_blocking_source_that_raises_reports_exactly_the_items_not_applied(

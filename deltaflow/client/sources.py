@@ -31,7 +31,7 @@ __all__ = ["SourceOverflowError", "aiter_source"]
 _CHUNK = 256
 # How often a stream waiting on a blocking source looks for items its worker has read.
 _POLL = 0.005
-_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
 _END = object()
 
 
@@ -88,6 +88,8 @@ class _ChunkedIterator:
         # atomic, so the two need no lock.
         self._chunk: collections.deque[Any] = collections.deque()
         self._pending: asyncio.Future[tuple[BaseException | None, bool]] | None = None
+        self._reading = False  # while the worker runs (it clears this itself when done)
+        self._stop: list[None] = []  # non-empty: the worker reads no further item
         self._exhausted = False
         # An error the source raised: handed out after the items read before it.
         self._error: BaseException | None = None
@@ -113,6 +115,7 @@ class _ChunkedIterator:
         """Until the chunk under way ends or ``_POLL`` passes (start a chunk if none runs)."""
         pending = self._pending
         if pending is None:
+            self._reading = True
             pending = self._pending = asyncio.ensure_future(asyncio.to_thread(self._read_chunk))
         # Not cancelled with us: a cancelled pull keeps its chunk for leftovers().
         await asyncio.wait((pending,), timeout=_POLL)
@@ -129,12 +132,17 @@ class _ChunkedIterator:
                 chunk.append(first)
                 if is_arrow(type(first)):
                     return None, False
-                read = itertools.count(1)  # counts what islice yields, at C speed
-                rest = zip(itertools.islice(self._it, _CHUNK - 1), read, strict=False)
-                chunk.extend(map(_first, rest))
+                # At C speed: before each item, whether leftovers() asked the worker to stop
+                # (zip ends there without reading on); after it, a count of those read.
+                stopped = iter(self._stop.__len__, 1)
+                read = itertools.count(1)
+                rest = zip(stopped, itertools.islice(self._it, _CHUNK - 1), read, strict=False)
+                chunk.extend(map(_second, rest))
                 return None, next(read) < _CHUNK
         except Exception as exc:  # noqa: BLE001 - the items read before it are kept
             return exc, True
+        finally:
+            self._reading = False
         return None, True
 
     def _finish(self, outcome: tuple[BaseException | None, bool]) -> None:
@@ -144,7 +152,7 @@ class _ChunkedIterator:
         """The items already pulled and not yet handed out, all at once (no await): the pump
         admits a chunk in one go instead of awaiting each item."""
         chunk = self._chunk
-        if self._pending is not None and not self._pending.done():  # the worker may append
+        if self._reading:  # the worker may append meanwhile
             return [chunk.popleft() for _ in range(len(chunk))]
         items = list(chunk)
         chunk.clear()
@@ -155,9 +163,12 @@ class _ChunkedIterator:
         self._chunk.extendleft(reversed(items))
 
     async def leftovers(self) -> list[Any]:
-        """Items taken from the source and not handed out (waits for a pull under way)."""
+        """Items taken from the source and not handed out: the worker, if reading, stops after
+        the item it is waiting for (a thread cannot be interrupted inside the iterator)."""
         if self._pending is not None:
-            await self._pending  # a source error was (or will be) raised by anext
+            self._stop.append(None)
+            # Not cancelled with us; a source error was (or will be) raised by anext.
+            await asyncio.wait((self._pending,))
             self._pending = None
         return self.take_buffered()
 

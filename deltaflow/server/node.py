@@ -83,10 +83,10 @@ class NodeConfig:
         max_group_rows: largest group commit, rows. Default 500,000.
         max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
             larger than either bound still commits, alone.)
-        min_commit_interval: seconds between the starts of two commits of one table on this
-            node, at least; a group that reaches ``max_group_rows`` or ``max_group_bytes``
-            commits without waiting. Default 0: a group commits as soon as the previous commit
-            ends (see docs/configuration.md, "Commit rate").
+        min_commit_interval: seconds between taking two groups of one table on this node
+            for commit, at least; a queue that holds a whole group (``max_group_rows`` or
+            ``max_group_bytes``) is taken without waiting. Default 0: a group commits as soon
+            as the previous commit ends (see docs/configuration.md, "Commit rate").
         table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
             the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
             largest divisor up to 64 (see docs/tables.md).

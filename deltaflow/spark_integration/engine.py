@@ -374,9 +374,11 @@ class _TableCommitter:
                 await self.full.wait()
 
     def _holds_a_group(self) -> bool:
+        """Whether the queue holds a whole group, or all it may hold (staging then waits)."""
         engine = self.engine
         return (
-            self.queued_rows >= engine.max_group_rows or self.queued_bytes >= engine.max_group_bytes
+            self.queued_rows >= min(engine.max_group_rows, engine.max_queued_rows)
+            or self.queued_bytes >= engine.max_group_bytes
         )
 
     async def _run(self) -> None:
