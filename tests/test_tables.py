@@ -1068,6 +1068,26 @@ async def test_min_commit_interval_spaces_commits_but_a_whole_group_goes_at_once
         # Held back until the third made a whole group, then one commit.
         assert eng.stats.commits - commits == 1
         assert eng.stats.largest_group_rows == 3
+    # Writes of a receiver still running do not make a whole group until it returns.
+    async with table_engine(
+        "delta-rs", warehouse, min_commit_interval=60.0, max_group_rows=3
+    ) as eng:
+        await upsert(eng, "held", [{"id": 0, "v": 0.0}])
+        running = True
+        held = await eng.stage(
+            "held",
+            ["id"],
+            [{"id": 1, "v": 1.0}, {"id": 2, "v": 1.0}],
+            frozenset(),
+            held=lambda: running,
+        )
+        free = await eng.stage("held", ["id"], [{"id": 3, "v": 1.0}], frozenset())
+        done, _ = await asyncio.wait({held, free}, timeout=0.5)
+        assert not done
+        running = False
+        eng.release()
+        async with asyncio.timeout(30):
+            await asyncio.gather(held, free)
     # A group larger than the queue may hold: a full queue goes at once too (staging waits).
     async with table_engine(
         "delta-rs", warehouse, min_commit_interval=60.0, max_group_rows=10, max_queued_rows=2

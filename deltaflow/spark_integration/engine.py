@@ -374,11 +374,16 @@ class _TableCommitter:
                 await self.full.wait()
 
     def _holds_a_group(self) -> bool:
-        """Whether the queue holds a whole group, or all it may hold (staging then waits)."""
+        """Whether the queue holds a whole group, or all it may hold (staging then waits), in
+        writes that can be taken (not those of receivers still running)."""
         engine = self.engine
+        max_rows = min(engine.max_group_rows, engine.max_queued_rows)
+        if self.queued_rows < max_rows and self.queued_bytes < engine.max_group_bytes:
+            return False
+        takeable = [staged for staged in self.queue if staged.takeable()]
         return (
-            self.queued_rows >= min(engine.max_group_rows, engine.max_queued_rows)
-            or self.queued_bytes >= engine.max_group_bytes
+            sum(staged.rows for staged in takeable) >= max_rows
+            or sum(staged.nbytes for staged in takeable) >= engine.max_group_bytes
         )
 
     async def _run(self) -> None:
@@ -1421,6 +1426,8 @@ class TableEngine:
         for committer in self._tables.values():
             if committer.queue:
                 committer.ready.set()
+                if committer.engine.min_commit_interval and committer._holds_a_group():
+                    committer.full.set()
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -1495,6 +1502,6 @@ class TableEngine:
         committer.queued_bytes += staged.nbytes
         self.stats.queued_rows += staged.rows
         committer.ready.set()
-        if committer._holds_a_group():
+        if self.min_commit_interval and committer._holds_a_group():
             committer.full.set()
         return fut
