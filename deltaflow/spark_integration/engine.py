@@ -237,6 +237,8 @@ class _Prepared:
         written: for merge-on-read, the group's new rows already written as data files, one
             per bucket (file, rows); None when the engine writes them in the commit.
         seconds: how long the preparation took (part of the commit time).
+        footprint: where the group's keys can be (:meth:`.Footprint.of`, ranges cut from
+            ``data``), checked against the live files under the lock.
     """
 
     batches: int
@@ -245,6 +247,7 @@ class _Prepared:
     schema: Any
     written: list[tuple[DataFile, Any]] | None
     seconds: float
+    footprint: Footprint
 
 
 class _TableCommitter:
@@ -599,7 +602,10 @@ class _TableCommitter:
             and self.engine.merges_on_read(settings)
         ):
             written = write_group(self.path, data, schema, self.key[0])
-        return _Prepared(len(group), data, settings, schema, written, time.monotonic() - started)
+        footprint = Footprint.of(data, self.key, bucketed=bool(settings.buckets))
+        return _Prepared(
+            len(group), data, settings, schema, written, time.monotonic() - started, footprint
+        )
 
     def _group_rows(self, group: list[_Staged]) -> Any:
         """The group's rows in staging order, the last per key kept."""
@@ -636,7 +642,7 @@ class _TableCommitter:
     def _commit_rows(self, group: list[_Staged], metadata: str, prepared: _Prepared | None) -> int:
         key = self.key or []
         if prepared is not None:
-            return self._write(key, prepared.data, metadata, prepared.written)
+            return self._write(key, prepared.data, metadata, prepared.written, prepared.footprint)
         data = self._group_rows(group)
         if self.settings is None:
             if all(data.column(DELETE_COLUMN).to_pylist()):
@@ -654,13 +660,19 @@ class _TableCommitter:
         return self._write(key, data, metadata, None)
 
     def _write(
-        self, key: list[str], data: Any, metadata: str, written: list[tuple[DataFile, Any]] | None
+        self,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        written: list[tuple[DataFile, Any]] | None,
+        footprint: Footprint | None = None,
     ) -> int:
-        """Blocking, under the lock: apply the conformed group ``data`` in one commit."""
+        """Blocking, under the lock: apply the conformed group ``data`` in one commit
+        (``footprint``: its :meth:`.Footprint.of`, if prepared outside the lock)."""
         assert self.settings is not None
-        footprint = None
         if key:
-            footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
+            if footprint is None:
+                footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
             fault_point("before_listing")
             listed = self.engine.live_files(self.path) if footprint.ranges else None
             if listed is not None:
