@@ -11,7 +11,8 @@ and before the commit that adds them (another writer committing there is the rac
 must detect); ``before_listing`` before a group lists the live files it may touch, after the
 lane marks (and the files' deletion vectors) were read; ``prepared`` once a group is prepared
 and before it waits for the table's lock (another node committing there may change what the
-group must apply).
+group must apply); ``taken`` once a group is taken off the table's queue, before
+it is prepared (an error raised there stands for a bug in the committer).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from deltalake import DeltaTable, QueryBuilder
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
-from deltaflow.errors import SchemaError, UsageError
+from deltaflow.errors import SchemaError, ServerError, UsageError
 from deltaflow.partitioning import partition_of
 from deltaflow.server import Node, NodeConfig
 from deltaflow.spark_integration import (
@@ -1108,6 +1108,27 @@ async def test_min_commit_interval_spaces_commits_but_a_whole_group_goes_at_once
     assert [r["id"] for r in read_all(warehouse / "capped")] == [0, 1, 2, 3]
     with pytest.raises(UsageError, match="min_commit_interval must be between 0 and 600"):
         NodeConfig(node_id="n", warehouse=warehouse, min_commit_interval=-1)
+
+
+async def test_a_committer_that_fails_fails_its_group_and_goes_on(warehouse: Path) -> None:
+    """An error nothing else handles (standing for a bug) fails the group it took, with the
+    table named, instead of leaving its batches waiting for ever; the next group commits."""
+    failures = iter([RuntimeError("injected committer bug")])
+
+    def once() -> None:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+
+    async with table_engine("delta-rs", warehouse) as eng:
+        with at_fault_point("taken", once):
+            async with asyncio.timeout(30):
+                doomed = await eng.stage("bug", ["id"], [{"id": 1, "v": 1.0}], frozenset())
+                with pytest.raises(ServerError, match="committer of table 'bug' failed"):
+                    await doomed
+                await upsert(eng, "bug", [{"id": 2, "v": 2.0}])
+        assert eng.stats.batches_failed == 1
+    assert [r["id"] for r in read_all(warehouse / "bug")] == [2]
 
 
 async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(

@@ -103,6 +103,8 @@ _COMMIT_ATTEMPTS: Final = 5
 #: How long a committer woken from idle waits at most for writes being converted to join its
 #: group (see ``_TableCommitter._gather``).
 GATHER_SECONDS: Final = 0.02
+#: A committer that failed before taking a group (a bug) tries again after this pause.
+COMMITTER_RETRY_SECONDS: Final = 1.0
 _INTERNAL_COLUMNS: Final = (DELETE_COLUMN, BUCKET_COLUMN)
 #: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
 COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -267,6 +269,7 @@ class _TableCommitter:
         self.ready = asyncio.Event()
         self.full = asyncio.Event()  # set once the queue holds a whole group (see _pace)
         self.last_commit_at: float | None = None  # when the last group was taken
+        self.taken: list[_Staged] | None = None  # the group being committed, until settled
         self.room = asyncio.Event()
         self.room.set()
         self.loaded = False
@@ -390,7 +393,26 @@ class _TableCommitter:
         )
 
     async def _run(self) -> None:
+        """Commit group after group for as long as the node runs. An error nothing else
+        handles (a bug) fails the group taken, if any, and the committer goes on: batches are
+        never left waiting for a commit that will not come."""
         while True:
+            try:
+                await self._commit_next()
+            except Exception as exc:  # reported to the batches, then go on
+                log.exception("table %s: the committer failed", self.name)
+                taken, self.taken = self.taken, None
+                if taken:
+                    self._fail(
+                        taken, f"the committer of table {self.name!r} failed: {exc}", count=True
+                    )
+                else:  # nothing was taken: try again, after a pause rather than in a spin
+                    await asyncio.sleep(COMMITTER_RETRY_SECONDS)
+
+    async def _commit_next(self) -> None:
+        """Wait for writes, take the next group, prepare and commit it; again and again."""
+        while True:
+            self.taken = None  # the last group was settled (committed or failed)
             idle = not self.ready.is_set()
             await self.ready.wait()
             if idle and self.converting:
@@ -403,7 +425,8 @@ class _TableCommitter:
             # merge-on-read its new files written) before the table lock is taken, so the lock
             # is held only for the part that reads and writes the log: two nodes writing one
             # table mostly prepare at the same time instead of waiting for each other.
-            group = self._take_group()
+            group = self.taken = self._take_group()
+            fault_point("taken")
             preparing = asyncio.ensure_future(self.engine._in_thread(self._prepare, group))
             try:
                 prepared = await asyncio.shield(preparing)
@@ -470,6 +493,8 @@ class _TableCommitter:
         """Settle a group taken off the queue that will not be committed (``count``: as
         failed batches, not as batches of a stopping node)."""
         for staged in group:
+            if staged.future.done():
+                continue  # settled already (a failure after part of the group was)
             if count:
                 self.engine.stats.batches_failed += 1
             _settle(staged.future, ServerError(message, node=self.engine.node_id))
