@@ -248,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         "--min-commit-interval",
         type=float,
         default=0.0,
-        help="seconds between two commits of a table on this node, at least, unless a whole "
-        "group is queued (default 0: commit as soon as the previous commit ends)",
+        help="seconds between taking two groups of a table for commit on this node, at "
+        "least, unless a whole group is queued (default 0: as soon as the previous commit ends)",
     )
     serve.add_argument(
         "--table-buckets",

@@ -9,6 +9,7 @@ engine, which commits in a fraction of a second, and every table is read back wi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -212,6 +213,16 @@ async def test_a_replay_under_the_same_client_stream_id_appends_nothing_twice(
         for bad in ("", "a b", "x" * 129, "s/1"):
             with pytest.raises(UsageError, match="stream_id="):
                 await client.stream_data(rows, key="id", stream_id=bad, **append)
+        # Staggered pages are cut by the items and their order alone: a replay cuts the same
+        # batches, so its marks still match and nothing is appended twice.
+        staggered = dataclasses.replace(options, stagger_pages=True)
+        for _ in range(2):
+            await client.stream_data(
+                rows, key="id", options=staggered, stream_id="replay-3", **append
+            )
+        assert Counter(r["id"] for r in _rows_appended(warehouse, "log")) == Counter(
+            {i: 3 for i in range(500)}
+        )
 
 
 def test_columns_the_wire_cannot_carry_are_rejected_before_any_job(

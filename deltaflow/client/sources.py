@@ -32,7 +32,6 @@ _CHUNK = 256
 # How often a stream waiting on a blocking source looks for items its worker has read.
 _POLL = 0.005
 _second = operator.itemgetter(1)
-_END = object()
 
 
 class SourceOverflowError(UsageError):

@@ -24,9 +24,9 @@ from ..receivers.table import TableUpsert
 from ..spark_integration.deltars_engine import DeltaRsTableEngine
 from ..spark_integration.engine import (
     DEFAULT_MAX_GROUP_BYTES,
-    MAX_COMMIT_INTERVAL,
     EngineStatistics,
     TableEngine,
+    checked_commit_interval,
 )
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SPARK_WRITERS, SparkTableEngine
@@ -159,11 +159,7 @@ class NodeConfig:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
         if self.max_group_rows < 1 or self.max_group_bytes < 1:
             raise UsageError("max_group_rows and max_group_bytes must be at least 1")
-        if not 0 <= self.min_commit_interval <= MAX_COMMIT_INTERVAL:
-            raise UsageError(
-                f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds, "
-                f"got {self.min_commit_interval!r}"
-            )
+        checked_commit_interval(self.min_commit_interval)
         if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
         if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):

@@ -89,6 +89,7 @@ __all__ = [
     "Histogram",
     "TableDescription",
     "TableEngine",
+    "checked_commit_interval",
     "to_arrow_rows",
 ]
 
@@ -378,6 +379,12 @@ class _TableCommitter:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(delay):
                 await self.full.wait()
+
+    def wake_if_whole(self) -> None:
+        """Wake a committer waiting out ``min_commit_interval`` once the queue holds a whole
+        group (a write was queued, or a receiver returned and its writes can be taken)."""
+        if self.engine.min_commit_interval and self._holds_a_group():
+            self.full.set()
 
     def _holds_a_group(self) -> bool:
         """Whether the queue holds a whole group, or all it may hold (staging then waits), in
@@ -1148,6 +1155,20 @@ def _locate_bad_row(
     return SchemaError(f"rows do not fit table {table!r}: {exc}", node=node)
 
 
+def checked_commit_interval(seconds: float) -> float:
+    """``min_commit_interval``, checked (a node's config and its engine share the check).
+
+    Raises:
+        UsageError: it is not between 0 and ``MAX_COMMIT_INTERVAL``.
+    """
+    if not 0 <= seconds <= MAX_COMMIT_INTERVAL:
+        raise UsageError(
+            f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds, "
+            f"got {seconds!r}"
+        )
+    return seconds
+
+
 class TableEngine:
     """Applies staged rows to Delta tables under ``warehouse``; the seam between the node and a
     Delta implementation (Spark: :class:`~.spark_engine.SparkTableEngine`; delta-rs:
@@ -1218,11 +1239,7 @@ class TableEngine:
         self.max_group_rows = max_group_rows
         self.max_group_bytes = max_group_bytes
         self.max_queued_rows = max_queued_rows
-        if not 0 <= min_commit_interval <= MAX_COMMIT_INTERVAL:
-            raise UsageError(
-                f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds"
-            )
-        self.min_commit_interval = min_commit_interval
+        self.min_commit_interval = checked_commit_interval(min_commit_interval)
         if not 0 <= table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
         self.table_buckets = table_buckets
@@ -1463,8 +1480,7 @@ class TableEngine:
         for committer in self._tables.values():
             if committer.queue:
                 committer.ready.set()
-                if committer.engine.min_commit_interval and committer._holds_a_group():
-                    committer.full.set()
+                committer.wake_if_whole()
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -1539,6 +1555,5 @@ class TableEngine:
         committer.queued_bytes += staged.nbytes
         self.stats.queued_rows += staged.rows
         committer.ready.set()
-        if self.min_commit_interval and committer._holds_a_group():
-            committer.full.set()
+        committer.wake_if_whole()
         return fut

@@ -62,14 +62,14 @@ __all__ = [
 #: written with them (else it gets a file of its own): each carried row is then copied at
 #: most a few times before its file is large enough to stand alone.
 SMALL_REMAINDER: Final = 0.25
-#: Writer protocol versions whose every feature this writer honours (1: none; 2: invariants
-#: and append-only, both checked below). Version 7 lists its features by name.
 #: Files of fewer rows are written plain: no dictionary, no compression. Encoding them is 3-5x
 #: cheaper (a 1,200-row file: 0.31 ms against 1.03 ms; measured 7% more rows/s for a node),
 #: and they are short-lived: a group's rows of one bucket, merged with 7 others of their size
 #: tier into a file of the next tier (see merge_on_read), which is written compressed once it
 #: reaches this size. A bucket keeps at most 7 plain files per tier below it.
 PLAIN_FILE_ROWS: Final = 4096
+#: Writer protocol versions whose every feature this writer honours (1: none; 2: invariants
+#: and append-only, both checked below). Version 7 lists its features by name.
 _SIMPLE_WRITER_VERSIONS: Final = (1, 2)
 _SIMPLE_FEATURES: Final = frozenset({"appendOnly", "invariants"})
 #: ... and with deletion vectors, which files that are only added (or, by merge-on-read,
