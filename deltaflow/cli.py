@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "--table-buckets",
         type=int,
         default=None,
-        help="buckets of keyed tables created on first write (default: the partition count "
-        "up to 64; 0: no bucket layout)",
+        help="buckets of keyed tables created on first write (default: the partition count if "
+        "at most 64, else its largest divisor up to 64; 0: no bucket layout)",
     )
     serve.add_argument(
         "--schema-evolution",

@@ -269,7 +269,8 @@ def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     is about to list the table's live files it may touch; the lane marks are read),
     ``before_commit`` (a group's data files are written, its commit not yet made; the Spark
     engine's direct writer and the delta-rs engine's copy-on-write and merge-on-read),
-    ``after_commit`` (the commit landed, its batches not yet acknowledged), ``prepared``
+    ``after_commit`` (the commit landed, its batches not yet acknowledged), ``taken`` (a
+    group was taken off the table's queue, not yet prepared), ``prepared``
     (a group was prepared outside the table's lock and is about to wait for it),
     ``converting`` (a write's rows are about to be checked and converted for the queue) and
     ``checkpointing`` (a checkpoint a commit made due is about to be written, on its own
