@@ -1549,8 +1549,8 @@ class TableEngine:
             committer.room.clear()
             await committer.room.wait()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committer.queue.append(_Staged(converted, fut, abandoned, mark, settings.buckets, held))
-        staged = committer.queue[-1]
+        staged = _Staged(converted, fut, abandoned, mark, settings.buckets, held)
+        committer.queue.append(staged)
         committer.queued_rows += staged.rows
         committer.queued_bytes += staged.nbytes
         self.stats.queued_rows += staged.rows
