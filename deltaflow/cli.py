@@ -35,6 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_frame_bytes=args.max_frame_bytes,
         heartbeat_interval=args.heartbeat_interval,
         failure_timeout=args.failure_timeout,
+        peer_expiry=args.peer_expiry,
         max_group_rows=args.max_group_rows,
         max_group_bytes=args.max_group_bytes,
         min_commit_interval=args.min_commit_interval,
@@ -84,17 +85,35 @@ def _cluster_status(args: argparse.Namespace) -> int:
         f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
         f"map v{body['map']['version']}"
     )
+    identity = body.get("identity")
+    if identity:
+        print(
+            f"identity: cluster {identity['cluster_id']}, warehouse {identity['warehouse']}, "
+            f"engine {identity['engine']}, {identity['partitions']} partitions"
+        )
+    if body.get("refused"):
+        print(f"REFUSED: {body['refused']}")
+        print("  this node owns no partition; the map below is the cluster's")
     print("members:")
     owners = body["map"]["owners"]
     for m in body["members"]:
         owned = sum(1 for o in owners if o == m["node"])
-        state = "live" if m["live"] else "DEAD"
-        print(f"  {m['node'] or '?':<16} {m['address']:<22} {state:<5} partitions={owned}")
+        print(
+            f"  {m['node'] or '?':<16} {m['address']:<22} {_state_label(m):<7} partitions={owned}"
+        )
+        if m.get("refused") and not m.get("self"):  # its own reason is printed above
+            print(f"      {m['refused']}")
     print("partition map:")
     for node_id in sorted(set(owners)):
         parts = [str(i) for i, o in enumerate(owners) if o == node_id]
         print(f"  {node_id}: {' '.join(parts)}")
     return 0
+
+
+def _state_label(member: dict[str, object]) -> str:
+    """``live`` in lower case, trouble in upper case (``DEAD``, ``LEFT``, ``REFUSED``)."""
+    state = member.get("state") or ("live" if member["live"] else "dead")  # older nodes
+    return "live" if state == "live" else str(state).upper()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -237,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
     serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     serve.add_argument("--failure-timeout", type=float, default=3.0, help="seconds")
+    serve.add_argument(
+        "--peer-expiry",
+        type=float,
+        default=60.0,
+        help="seconds without an answer after which a peer has left the cluster (default 60; "
+        "more than --failure-timeout)",
+    )
     serve.add_argument("--max-group-rows", type=int, default=500_000)
     serve.add_argument(
         "--max-group-bytes",

@@ -354,6 +354,9 @@ async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[st
             if resp.status != 200:
                 raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
             body = await resp.json()
+            if body.get("refused"):
+                # Its map is the cluster's (it owns no partition in it), so it is still usable.
+                log.warning("node at %s is refused by its cluster: %s", address, body["refused"])
             return body["map"]  # type: ignore[no-any-return]
 
 

@@ -33,6 +33,7 @@ from ..spark_integration.spark_engine import SPARK_WRITERS, SparkTableEngine
 from ..spark_integration.tables import MAX_BUCKETS, default_buckets
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
+from .identity import NodeIdentity, load_identity
 from .metrics import NodeCollector
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,
@@ -42,7 +43,7 @@ from .side_inputs import (
     SideInputStore,
     load_side_inputs,
 )
-from .topology import Membership
+from .topology import DEFAULT_PEER_EXPIRY, Membership
 
 __all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
 
@@ -74,6 +75,9 @@ class NodeConfig:
         max_frame_bytes: largest frame accepted. Default 16 MiB.
         heartbeat_interval: seconds between peer liveness polls. Default 0.5.
         failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
+        peer_expiry: seconds of silence after which a peer has left the cluster (shown as
+            ``left``; one that is not in ``peers`` is no longer polled). Must exceed
+            ``failure_timeout``. Default 60.
         engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
             ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
         spark: Spark settings for the Spark engine (``local[*]`` by default).
@@ -118,6 +122,7 @@ class NodeConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     heartbeat_interval: float = 0.5
     failure_timeout: float = 3.0
+    peer_expiry: float = DEFAULT_PEER_EXPIRY
     engine: str = "spark"
     spark: SparkConfig = field(default_factory=SparkConfig)
     spark_writer: str = "direct"
@@ -157,6 +162,8 @@ class NodeConfig:
                 )
         if self.failure_timeout <= self.heartbeat_interval:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
+        if self.peer_expiry <= self.failure_timeout:
+            raise UsageError("peer_expiry must exceed failure_timeout")
         if self.max_group_rows < 1 or self.max_group_bytes < 1:
             raise UsageError("max_group_rows and max_group_bytes must be at least 1")
         checked_commit_interval(self.min_commit_interval)
@@ -191,9 +198,11 @@ class NodeStatistics:
 class Node:
     """An embeddable deltaflow node.
 
-    ``await node.start()`` starts Spark (seconds on first use), waits until every side input
-    has a value, listens and joins the peers; ``await node.stop()`` closes connections, stops
-    committing and gives up its side-input leases. Also an async context manager.
+    ``await node.start()`` reads (or creates) the warehouse's cluster identity, starts Spark
+    (seconds on first use), waits until every side input has a value, listens and joins the
+    peers (or is refused by them: see ``docs/cluster.md``, "Cluster identity");
+    ``await node.stop()`` closes connections, stops committing and gives up its side-input
+    leases. Also an async context manager.
 
     ``node.metrics`` is the node's own Prometheus registry, served at ``GET /metrics``.
     """
@@ -242,6 +251,7 @@ class Node:
                 lease=config.side_input_lease,
                 poll_interval=config.side_input_poll_interval,
             )
+        self.identity: NodeIdentity | None = None  # read by start()
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()
@@ -275,7 +285,8 @@ class Node:
         return self._membership.map
 
     async def wait_for_members(self, count: int, *, timeout: float = 30.0) -> PartitionMap:
-        """Wait until this node sees ``count`` live nodes (itself included) in its map.
+        """Wait until this node is admitted to its cluster and sees ``count`` live nodes
+        (itself included) in its map.
 
         Raises:
             TimeoutError: not within ``timeout`` seconds.
@@ -286,7 +297,8 @@ class Node:
             return await self._membership.wait_for_members(count)
 
     def _owns(self, partition: int) -> bool:
-        return self.partition_map.owners[partition] == self.node_id
+        # A refused node owns nothing: its map is the cluster's, in which it has no share.
+        return self._membership is not None and self._membership.owns(partition)
 
     def check_token(self, given: str | None) -> bool:
         return token_matches(self.config.token, given)
@@ -298,7 +310,7 @@ class Node:
             state=self.state.value,
             connections=len(self._connections),
             map_version=pmap.version,
-            owned_partitions=sum(1 for o in pmap.owners if o == self.node_id),
+            owned_partitions=sum(1 for p in range(pmap.partitions) if self._owns(p)),
             dispatcher=dataclasses.replace(self.dispatcher.stats),
             engine=dataclasses.replace(self.engine.stats),
             side_inputs=self.side_inputs.statistics() if self.side_inputs is not None else (),
@@ -308,6 +320,15 @@ class Node:
         if self.state is not NodeState.CREATED:
             raise UsageError(f"node {self.node_id} was already started")
         try:
+            identity = await asyncio.to_thread(
+                load_identity,
+                self.config.warehouse,
+                node_id=self.node_id,
+                engine=self.config.engine,
+                partitions=self.config.partitions,
+            )
+            self.identity = identity
+            log.info("node %s: %s", self.node_id, identity.describe())
             # Side inputs are retrieved while the engine starts; the node listens only once
             # every side input has a value.
             if self.side_inputs is not None:
@@ -337,9 +358,10 @@ class Node:
             node_id=self.node_id,
             address=self.address,
             peers=list(self.config.peers),
-            partitions=self.config.partitions,
+            identity=identity,
             heartbeat_interval=self.config.heartbeat_interval,
             failure_timeout=self.config.failure_timeout,
+            peer_expiry=self.config.peer_expiry,
             headers=headers,
         )
         await self._membership.start()
@@ -384,18 +406,22 @@ class Node:
     async def _cluster_handler(self, request: web.Request) -> web.Response:
         if not self._authorised(request):
             return web.json_response({"error": "wrong or missing token"}, status=401)
+        membership = self._membership
         peer = request.headers.get("X-Deltaflow-Peer")
-        if peer and self._membership is not None:
+        if peer and membership is not None:
             peer_id, _, peer_address = peer.partition("@")
-            self._membership.observe(peer_id, peer_address)
+            membership.observe(peer_id, peer_address)
         return web.json_response(
             {
                 "node": self.node_id,
                 "address": self.address,
                 "protocol": PROTOCOL_VERSION,
                 "partitions": self.config.partitions,
+                "identity": self.identity.to_wire() if self.identity else None,
+                "serving": membership is not None and membership.serving,
+                "refused": membership.refusal if membership else None,
                 "map": self.partition_map.to_wire(),
-                "members": self._membership.members() if self._membership else [],
+                "members": membership.members() if membership else [],
                 "receivers": self.registry.names(),
                 "side_inputs": {
                     s.name: {"version": s.version, "leader": s.leader}

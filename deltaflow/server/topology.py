@@ -1,47 +1,88 @@
 """Cluster membership and the partition map, seen from one node.
 
-Each node polls its peers' ``/v1/cluster`` endpoint every ``heartbeat_interval`` seconds. A peer
-that answered within ``failure_timeout`` seconds is live. The partition map is computed from the
-live set (self included) by rendezvous hashing, so every node with the same view computes the
-same map; its version is the time (ms) the view last changed, so a newer view wins.
+Each node polls its peers' ``/v1/cluster`` endpoint every ``heartbeat_interval`` seconds, and at
+once when a peer it does not count as live contacts it. A peer is live when it answered within
+``failure_timeout`` seconds with the cluster identity that wins (see :mod:`.identity`); one
+whose identity loses is refused. The partition map is computed from the live set (self
+included) by rendezvous hashing, so every node with the same view computes the same map; its
+version is the time (ms) the view last changed, so a newer view wins. A node whose own identity
+loses owns no partition and hands out the winners' map instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
 from ..partitioning import PartitionMap
+from .identity import Candidate, NodeIdentity, decide, refusal_message
 
-__all__ = ["Member", "Membership"]
+__all__ = ["DEFAULT_PEER_EXPIRY", "Member", "Membership", "PeerState"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a peer may stay unanswered before it counts as having left the cluster.
+DEFAULT_PEER_EXPIRY: Final = 60.0
+
+
+class PeerState(enum.StrEnum):
+    LIVE = "live"
+    DEAD = "dead"  # no answer for failure_timeout
+    LEFT = "left"  # no answer for peer_expiry
+    REFUSED = "refused"  # answers, but its identity lost (or it says it was refused)
+
+
+class _Status(enum.Enum):
+    JOINING = "joining"  # before the first round of polls
+    ADMITTED = "admitted"
+    REFUSED = "refused"
 
 
 @dataclass(slots=True)
 class Member:
+    """A peer as this node knows it (updated after each round of polls)."""
+
     address: str
+    configured: bool = True  # given in ``peers``, rather than learned from its own polls
     node_id: str | None = None
-    last_seen: float = 0.0  # monotonic seconds; 0 = never
+    identity: NodeIdentity | None = None
+    serving: bool = False
+    own_refusal: str | None = None  # the peer's own ``refused`` message
+    conflict: str | None = None  # why this node does not count it, when it answers
+    map_wire: Any = None
+    last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
+    since: float = 0.0  # monotonic seconds this node began (or began again) polling it
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    node_id: str
+    identity: NodeIdentity | None
+    serving: bool
+    refused: str | None
+    map_wire: Any
 
 
 class Membership:
-    """Tracks which peers are live and derives the partition map.
+    """Tracks which peers are live, decides whether this node may serve, derives the map.
 
     Args:
         node_id: this node's id.
         address: this node's ``host:port`` as peers and clients reach it.
         peers: other nodes' ``host:port``.
-        partitions: the fixed partition count (must match on every node).
+        identity: this node's cluster identity (its partition count is the map's).
         heartbeat_interval: seconds between polls of each peer.
         failure_timeout: seconds without an answer after which a peer is considered dead.
+        peer_expiry: seconds without an answer after which a peer has left; one that was not
+            in ``peers`` is then no longer polled.
         headers: sent with every poll (the cluster token).
     """
 
@@ -51,20 +92,29 @@ class Membership:
         node_id: str,
         address: str,
         peers: Sequence[str],
-        partitions: int,
+        identity: NodeIdentity,
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
+        peer_expiry: float = DEFAULT_PEER_EXPIRY,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
-        self.partitions = partitions
+        self.identity = identity
+        self.partitions = identity.partitions
         self.heartbeat_interval = heartbeat_interval
         self.failure_timeout = failure_timeout
+        self.peer_expiry = peer_expiry
         self._headers = headers or {}
-        self._peers = {a: Member(a) for a in peers if a != address}
-        self._map = PartitionMap.build(_now_ms(), {node_id: address}, partitions)
+        now = time.monotonic()
+        self._peers = {a: Member(a, since=now) for a in peers if a != address}
+        self._map = PartitionMap.build(_now_ms(), {node_id: address}, self.partitions)
+        self._own_map = True  # False while the map is the winners' (this node refused)
+        self._status = _Status.JOINING
+        self._refused_by: NodeIdentity | None = None
+        self._refusal: str | None = None
         self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -72,35 +122,73 @@ class Membership:
     def map(self) -> PartitionMap:
         return self._map
 
+    @property
+    def admitted(self) -> bool:
+        return self._status is _Status.ADMITTED
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this node is refused (it then owns no partition), or None."""
+        return self._refusal
+
+    @property
+    def serving(self) -> bool:
+        """Admitted, and has heard from every configured peer (or given up on it): only then
+        does this node outrank newcomers in a conflict (see :func:`.identity.decide`)."""
+        now = time.monotonic()
+        settled = all(
+            m.last_seen or now - m.since > self.peer_expiry
+            for m in self._peers.values()
+            if m.configured
+        )
+        return self.admitted and settled
+
+    def owns(self, partition: int) -> bool:
+        return self.admitted and self._map.owners[partition] == self.node_id
+
     def members(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        rows = [{"node": self.node_id, "address": self.address, "live": True, "self": True}]
-        rows.extend(
+        me = PeerState.REFUSED if self._refusal else PeerState.LIVE
+        rows: list[dict[str, Any]] = [
             {
-                "node": m.node_id,
-                "address": m.address,
-                "live": self._is_live(m, now),
-                "self": False,
-                "last_seen_ago": round(now - m.last_seen, 3) if m.last_seen else None,
+                "node": self.node_id,
+                "address": self.address,
+                "live": me is PeerState.LIVE,
+                "state": me.value,
+                "self": True,
+                "refused": self._refusal,
             }
-            for m in self._peers.values()
-        )
+        ]
+        for m in self._peers.values():
+            state = self._state(m, now)
+            why = (m.conflict or m.own_refusal) if state is PeerState.REFUSED else None
+            rows.append(
+                {
+                    "node": m.node_id,
+                    "address": m.address,
+                    "live": state is PeerState.LIVE,
+                    "state": state.value,
+                    "self": False,
+                    "last_seen_ago": round(now - m.last_seen, 3) if m.last_seen else None,
+                    "refused": why,
+                }
+            )
         return rows
 
     async def wait_for_members(self, count: int) -> PartitionMap:
-        """Wait until the map holds at least ``count`` live nodes (self included)."""
-        while len(self._map.addresses) < count:
+        """Wait until this node is admitted and its map holds at least ``count`` nodes (self
+        included)."""
+        while not (self.admitted and len(self._map.addresses) >= count):
             await self._changed.wait()
         return self._map
 
     async def start(self) -> None:
-        """Poll peers once (so a node starting beside live peers begins with the full map)."""
+        """Poll peers once and decide (so a node starting beside live peers begins with the
+        full map, and a refused one never owns a partition), then keep polling."""
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=max(self.heartbeat_interval * 2, 1.0))
         )
-        if self._peers:
-            await self._poll_all()
-        # Always poll: a peer that announces itself later (``observe``) is polled from then on.
+        await self._poll_all()
         self._task = asyncio.create_task(self._loop(), name="deltaflow-membership")
 
     async def stop(self) -> None:
@@ -112,62 +200,175 @@ class Membership:
             await self._session.close()
 
     def observe(self, node_id: str, address: str) -> None:
-        """A peer contacted us: count it as seen (speeds up rejoin detection)."""
-        if address == self.address:
+        """A peer polled us. Only a poll of it can make it live: an unknown, dead or renamed
+        peer is polled at once; a live one with the same id counts as seen."""
+        if not address or address == self.address:
             return
-        member = self._peers.setdefault(address, Member(address))
-        member.node_id = node_id
-        member.last_seen = time.monotonic()
-        self._recompute()
+        now = time.monotonic()
+        member = self._peers.get(address)
+        if member is None:
+            self._peers[address] = Member(address, configured=False, since=now)
+            self._wake.set()
+            return
+        state = self._state(member, now)
+        if member.node_id == node_id and state is PeerState.LIVE:
+            member.last_seen = now
+        elif member.node_id != node_id or state in (PeerState.DEAD, PeerState.LEFT):
+            if not member.configured:
+                member.since = now  # polled again from now on, even if it had left
+            self._wake.set()
+
+    # -- polling ---------------------------------------------------------------------------
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.heartbeat_interval):
+                    await self._wake.wait()
+            self._wake.clear()
             await self._poll_all()
 
     async def _poll_all(self) -> None:
-        await asyncio.gather(*(self._poll(m) for m in list(self._peers.values())))
-        self._recompute()
+        now = time.monotonic()
+        targets = [m for m in self._peers.values() if self._polled(m, now)]
+        answers = await asyncio.gather(*(self._poll(m.address) for m in targets))
+        now = time.monotonic()
+        for member, answer in zip(targets, answers, strict=True):
+            if answer is not None:
+                _record(member, answer, now)
+        self._decide(now)
 
-    async def _poll(self, member: Member) -> None:
+    async def _poll(self, address: str) -> _Answer | None:
         assert self._session is not None
         try:
             async with self._session.get(
-                f"http://{member.address}/v1/cluster",
+                f"http://{address}/v1/cluster",
                 headers={**self._headers, "X-Deltaflow-Peer": f"{self.node_id}@{self.address}"},
             ) as resp:
                 if resp.status != 200:
-                    return
+                    return None
                 body = await resp.json()
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return
-        if body.get("partitions") != self.partitions:
-            log.error(
-                "peer %s has %s partitions, this node %s: ignoring it (start every node with the "
-                "same --partitions)",
-                member.address,
-                body.get("partitions"),
-                self.partitions,
-            )
-            return
-        member.node_id = str(body.get("node"))
-        member.last_seen = time.monotonic()
+            node_id = str(body["node"])
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
+            return None
+        try:
+            identity: NodeIdentity | None = NodeIdentity.from_wire(body.get("identity"))
+        except ValueError:
+            identity = None
+        refused = body.get("refused")
+        return _Answer(
+            node_id=node_id,
+            identity=identity,
+            serving=body.get("serving") is True,
+            refused=refused if isinstance(refused, str) else None,
+            map_wire=body.get("map"),
+        )
 
-    def _is_live(self, member: Member, now: float) -> bool:
+    def _polled(self, member: Member, now: float) -> bool:
+        return member.configured or self._state(member, now) is not PeerState.LEFT
+
+    def _answered(self, member: Member, now: float) -> bool:
         return bool(member.last_seen) and now - member.last_seen <= self.failure_timeout
 
-    def _recompute(self) -> None:
-        now = time.monotonic()
+    def _state(self, member: Member, now: float) -> PeerState:
+        if self._answered(member, now):
+            refused = member.conflict or member.own_refusal
+            return PeerState.REFUSED if refused else PeerState.LIVE
+        silent_since = max(member.last_seen, member.since)
+        return PeerState.LEFT if now - silent_since > self.peer_expiry else PeerState.DEAD
+
+    # -- deciding (synchronous: one step on the event loop) ------------------------------------
+
+    def _decide(self, now: float) -> None:
+        before = (self._status, self._map)
+        answered = [m for m in self._peers.values() if self._answered(m, now)]
+        comparable = [
+            m for m in answered if m.identity is not None and m.node_id not in (None, self.node_id)
+        ]
+        verdict = decide(
+            Candidate(self.node_id, self.identity, self.serving),
+            [Candidate(str(m.node_id), m.identity, m.serving) for m in comparable if m.identity],
+            refused=self._status is _Status.REFUSED,
+        )
+        self._judge(answered, verdict.winner)
+        if verdict.admitted:
+            self._admit(answered)
+        elif verdict.winner != self.identity:
+            self._refuse(verdict.winner, comparable)
+        # else: refused before, with no serving peer of its own identity to rejoin: stays so.
+        if (self._status, self._map) != before:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
+    def _judge(self, answered: list[Member], winner: NodeIdentity) -> None:
+        """Set each answering peer's ``conflict``; log it once if this node wins."""
+        winners = sorted(str(m.node_id) for m in answered if m.identity == winner)
+        witness = self.node_id if winner == self.identity else (winners or ["?"])[0]
+        for m in answered:
+            if m.identity is None:
+                conflict: str | None = (
+                    f"node {m.node_id} at {m.address} answered without a valid cluster identity; "
+                    "run the same deltaflow version on every node"
+                )
+            elif m.node_id == self.node_id:
+                conflict = (
+                    f"node id {self.node_id} answers at {self.address} and at {m.address}; "
+                    "unless both are addresses of this node, give each node its own --node-id"
+                )
+            elif m.identity != winner:
+                conflict = refusal_message(str(m.node_id), m.identity, witness, winner)
+            else:
+                conflict = None
+            if conflict and conflict != m.conflict and winner == self.identity:
+                log.error("%s", conflict)
+            m.conflict = conflict
+
+    def _admit(self, answered: list[Member]) -> None:
+        if self._status is _Status.REFUSED:
+            log.info("node %s admitted again: %s", self.node_id, self.identity.describe())
+        self._status, self._refusal, self._refused_by = _Status.ADMITTED, None, None
         live = {self.node_id: self.address}
-        for m in self._peers.values():
-            if m.node_id and self._is_live(m, now):
+        for m in answered:
+            if m.node_id and not (m.conflict or m.own_refusal):
                 live[m.node_id] = m.address
-        if dict(self._map.addresses) == live:
+        if self._own_map and dict(self._map.addresses) == live:
             return
-        self._map = PartitionMap.build(max(_now_ms(), self._map.version + 1), live, self.partitions)
-        log.info("partition map v%d: members %s", self._map.version, sorted(live))
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        self._own_map = True
+        version = max(_now_ms(), self._map.version + 1)
+        self._map = PartitionMap.build(version, live, self.partitions)
+        log.info("partition map v%d: members %s", version, sorted(live))
+
+    def _refuse(self, winner: NodeIdentity, comparable: list[Member]) -> None:
+        # Winners that serve their own map first: theirs is the map to hand out.
+        winners = sorted(
+            (m for m in comparable if m.identity == winner),
+            key=lambda m: (m.own_refusal is not None, str(m.node_id)),
+        )
+        if self._refused_by != winner:
+            self._refusal = refusal_message(
+                self.node_id, self.identity, str(winners[0].node_id), winner
+            )
+            log.error("%s", self._refusal)
+        self._status, self._refused_by = _Status.REFUSED, winner
+        # Hand out the winners' map, so a client that reached this node finds the owners.
+        maps: list[PartitionMap] = []
+        for m in winners:
+            if m.own_refusal is None and isinstance(m.map_wire, dict):
+                with contextlib.suppress(ValueError):
+                    maps.append(PartitionMap.from_wire(m.map_wire))
+        newest = max(maps, key=lambda p: p.version, default=None)
+        if newest is not None and (self._own_map or newest.version != self._map.version):
+            self._own_map = False
+            self._map = newest
+
+
+def _record(member: Member, answer: _Answer, now: float) -> None:
+    member.node_id = answer.node_id
+    member.identity = answer.identity
+    member.serving = answer.serving
+    member.own_refusal = answer.refused
+    member.map_wire = answer.map_wire
+    member.last_seen = now
 
 
 def _now_ms() -> int:

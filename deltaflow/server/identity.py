@@ -1,0 +1,330 @@
+"""Cluster identity: what nodes compare before they share partitions.
+
+The warehouse holds ``.deltaflow/cluster.json``, written once by the first node that starts on
+it and read by every other. A node's :class:`NodeIdentity` is that record plus the node's
+warehouse location, engine and partition count; two nodes share partitions only if their
+identities are equal. When nodes that see each other disagree, :func:`decide` picks the identity
+that goes on serving, the same way on every node, and the others are refused.
+
+The record is behind :class:`IdentityStore` so that a warehouse on an object store can keep it
+with a conditional PUT instead of a hard link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+from ..errors import UsageError
+
+__all__ = [
+    "CLUSTER_FILE",
+    "Candidate",
+    "ClusterRecord",
+    "FileIdentityStore",
+    "IdentityStore",
+    "NodeIdentity",
+    "Verdict",
+    "decide",
+    "identity_store",
+    "load_identity",
+    "refusal_message",
+    "winning_identity",
+]
+
+#: Where the cluster record lives, relative to the warehouse.
+CLUSTER_FILE: Final = ".deltaflow/cluster.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterRecord:
+    """The content of ``cluster.json``: created once per warehouse, never changed."""
+
+    cluster_id: str
+    created_at_ms: int
+    created_by: str
+
+
+class IdentityStore(Protocol):
+    """Keeps a warehouse's :class:`ClusterRecord`. Blocking: call it from a worker thread."""
+
+    @property
+    def location(self) -> str:
+        """The warehouse as one normalised string (a URI), equal on nodes that share it."""
+        ...
+
+    def load_or_create(self, node_id: str) -> ClusterRecord:
+        """The record; if there is none, create it (only one creator wins a race).
+
+        Raises:
+            UsageError: the record exists but is malformed, or cannot be created.
+        """
+        ...
+
+
+class FileIdentityStore:
+    """The record as a file in a local or mounted warehouse directory."""
+
+    def __init__(self, warehouse: Path | str) -> None:
+        self.root = Path(warehouse).expanduser().resolve()
+        self.path = self.root / CLUSTER_FILE
+
+    @property
+    def location(self) -> str:
+        return self.root.as_uri()
+
+    def load_or_create(self, node_id: str) -> ClusterRecord:
+        if not self.path.exists():
+            self._create(node_id)
+        return self._read()
+
+    def _create(self, node_id: str) -> None:
+        record = ClusterRecord(
+            cluster_id=uuid.uuid4().hex,
+            created_at_ms=time.time_ns() // 1_000_000,
+            created_by=node_id,
+        )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            with tmp.open("x") as out:
+                json.dump(dataclasses.asdict(record), out)
+                out.flush()
+                os.fsync(out.fileno())
+            # A hard link never replaces a file: of several nodes racing, exactly one creates it,
+            # and readers never see it half written.
+            os.link(tmp, self.path)
+        except FileExistsError:
+            pass  # another node was first; its record is the cluster's
+        except OSError as exc:
+            raise UsageError(
+                f"cannot create the cluster identity file {self.path}: {exc} (the warehouse "
+                "must be writable, on a filesystem with hard links)"
+            ) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _read(self) -> ClusterRecord:
+        try:
+            text = self.path.read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read the cluster identity file {self.path}: {exc}") from exc
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise _malformed(self.path, f"not JSON: {exc}") from exc
+        fields = ("cluster_id", "created_at_ms", "created_by")
+        if not isinstance(data, dict) or any(f not in data for f in fields):
+            raise _malformed(self.path, f"it does not hold all of {', '.join(fields)}")
+        record = ClusterRecord(**{f: data[f] for f in fields})
+        if not (
+            isinstance(record.cluster_id, str)
+            and record.cluster_id
+            and _is_int(record.created_at_ms)
+            and isinstance(record.created_by, str)
+        ):
+            raise _malformed(self.path, "a field has the wrong type")
+        return record
+
+
+def _malformed(path: Path, why: object) -> UsageError:
+    return UsageError(
+        f"the cluster identity file {path} is malformed ({why}); write it again from the "
+        "'identity' in a running node's /v1/cluster answer, or delete it and restart every node "
+        "of this warehouse (they then form a new cluster)"
+    )
+
+
+def identity_store(warehouse: Path | str) -> IdentityStore:
+    """The store for a warehouse location (a directory today)."""
+    return FileIdentityStore(warehouse)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeIdentity:
+    """What must be equal on two nodes for them to share partitions.
+
+    Attributes:
+        cluster_id: the warehouse's cluster record id (uuid4 hex).
+        created_at_ms: when that record was created (wall clock, ms).
+        warehouse: the warehouse location, normalised (``file:///...`` for a directory).
+        engine: ``"spark"`` or ``"delta-rs"``.
+        partitions: the partition count.
+    """
+
+    cluster_id: str
+    created_at_ms: int
+    warehouse: str
+    engine: str
+    partitions: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> NodeIdentity:
+        """Raises ValueError unless ``data`` is a well-formed identity object."""
+        if not isinstance(data, dict):
+            raise ValueError("no cluster identity")  # noqa: TRY004  (a wire value, not an argument)
+        try:
+            identity = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        except KeyError as exc:
+            raise ValueError(f"cluster identity without {exc}") from exc
+        texts = (identity.cluster_id, identity.warehouse, identity.engine)
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("cluster identity with a non-string field")
+        if not (_is_int(identity.created_at_ms) and _is_int(identity.partitions)):
+            raise ValueError("cluster identity with a non-integer field")
+        return identity
+
+    def sort_key(self) -> tuple[str, int, str, str, int]:
+        return (self.cluster_id, self.created_at_ms, self.warehouse, self.engine, self.partitions)
+
+    def describe(self) -> str:
+        return (
+            f"cluster {self.cluster_id}, warehouse {self.warehouse}, engine {self.engine}, "
+            f"{self.partitions} partitions"
+        )
+
+
+def load_identity(
+    warehouse: Path | str,
+    *,
+    node_id: str,
+    engine: str,
+    partitions: int,
+    store: IdentityStore | None = None,
+) -> NodeIdentity:
+    """Read (or create) the warehouse's cluster record and return this node's identity.
+
+    Blocking: call it from a worker thread.
+
+    Raises:
+        UsageError: the record is malformed or cannot be created.
+    """
+    store = store or identity_store(warehouse)
+    record = store.load_or_create(node_id)
+    return NodeIdentity(
+        cluster_id=record.cluster_id,
+        created_at_ms=record.created_at_ms,
+        warehouse=store.location,
+        engine=engine,
+        partitions=partitions,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- Deciding between identities ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One node as a decision sees it: itself, or a peer that answered in time."""
+
+    node_id: str
+    identity: NodeIdentity
+    serving: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admitted: bool
+    winner: NodeIdentity
+
+
+def winning_identity(candidates: Iterable[Candidate]) -> NodeIdentity:
+    """The identity with the most serving nodes, then the most nodes, then the oldest cluster
+    record, then the smallest :meth:`NodeIdentity.sort_key`: every node that sees the same
+    candidates picks the same one, and a running cluster outranks nodes that are joining it.
+    """
+    groups: dict[NodeIdentity, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(candidate.identity, []).append(candidate)
+    if not groups:
+        raise ValueError("no candidates")
+
+    def rank(identity: NodeIdentity) -> tuple[int, int, int, tuple[str, int, str, str, int]]:
+        nodes = groups[identity]
+        serving = sum(1 for c in nodes if c.serving)
+        return (-serving, -len(nodes), identity.created_at_ms, identity.sort_key())
+
+    return min(groups, key=rank)
+
+
+def decide(own: Candidate, peers: Sequence[Candidate], *, refused: bool = False) -> Verdict:
+    """Whether this node may own partitions, given what it sees.
+
+    A node is admitted when its identity wins. One that was refused before is admitted again
+    only beside a serving peer of its own identity: it never serves on its own authority, so a
+    misconfigured node that outlives the cluster that refused it does not take over.
+    """
+    winner = winning_identity([own, *peers])
+    admitted = winner == own.identity and (
+        not refused or any(p.serving and p.identity == own.identity for p in peers)
+    )
+    return Verdict(admitted=admitted, winner=winner)
+
+
+def refusal_message(
+    loser_id: str, loser: NodeIdentity, winner_id: str, winner: NodeIdentity
+) -> str:
+    """Why ``loser_id`` is refused, naming both sides and what to change, one clause per field
+    that differs (the same text on both nodes)."""
+    differences: list[str] = []
+    flags: list[str] = []
+    other_storage = False
+    if loser.warehouse != winner.warehouse:
+        differences.append(
+            f"its warehouse {loser.warehouse} (cluster {_short(loser)}) differs from node "
+            f"{winner_id}'s {winner.warehouse} (cluster {_short(winner)})"
+        )
+        flags.append(f"--warehouse {_location_arg(winner.warehouse)}")
+    elif (loser.cluster_id, loser.created_at_ms) != (winner.cluster_id, winner.created_at_ms):
+        other_storage = True
+        differences.append(
+            f"its warehouse {loser.warehouse} holds cluster {_short(loser)} and node "
+            f"{winner_id}'s holds cluster {_short(winner)} (different storage at one path, or "
+            f"a replaced {CLUSTER_FILE})"
+        )
+    if loser.engine != winner.engine:
+        differences.append(
+            f"its engine {loser.engine} differs from node {winner_id}'s {winner.engine}"
+        )
+        flags.append(f"--engine {winner.engine}")
+    if loser.partitions != winner.partitions:
+        differences.append(
+            f"its partition count {loser.partitions} differs from node {winner_id}'s "
+            f"{winner.partitions}"
+        )
+        flags.append(f"--partitions {winner.partitions}")
+    fixes = [f"start {loser_id} with {' '.join(flags)}"] if flags else []
+    if other_storage:
+        fixes.append(
+            f"mount the warehouse of node {winner_id} at {_location_arg(winner.warehouse)} on "
+            f"{loser_id}'s machine and restart {loser_id}"
+        )
+    return f"node {loser_id} refused by the cluster: {' and '.join(differences)}; " + "; ".join(
+        fixes
+    )
+
+
+def _short(identity: NodeIdentity) -> str:
+    return identity.cluster_id[:8]
+
+
+def _location_arg(location: str) -> str:
+    """A location as ``--warehouse`` takes it: a path for ``file:`` URIs."""
+    parsed = urlparse(location)
+    return url2pathname(parsed.path) if parsed.scheme == "file" else location
