@@ -16,7 +16,7 @@ from .client import (
     stream_data,
 )
 from .columnar import DELETE_COLUMN, ArrowRows
-from .errors import DataStreamerError, DeltaflowError
+from .errors import DataStreamerError, DeltaflowError, FailedItem
 
 __all__ = [
     "DELETE_COLUMN",
@@ -26,6 +26,7 @@ __all__ = [
     "DataStreamerError",
     "Delete",
     "DeltaflowError",
+    "FailedItem",
     "StreamSummary",
     "StreamerOptions",
     "connect",

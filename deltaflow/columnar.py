@@ -116,7 +116,11 @@ class ArrowRows(Sequence[Any]):
 
         if len(parts) == 1:
             return parts[0]
-        table = pa.concat_tables([p.table for p in parts])
+        tables = [p.table for p in parts]
+        # Rows of one page may differ only where joining changes no value: a column missing
+        # or all null in some (the client cuts pages where types differ).
+        same = all(t.schema.equals(tables[0].schema) for t in tables)
+        table = pa.concat_tables(tables, promote_options="none" if same else "default")
         if all(p.flags is None for p in parts):
             return cls(table)
         chunks = [c for p in parts for c in _chunks(p._flags_or_false())]

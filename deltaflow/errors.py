@@ -18,7 +18,8 @@ Every error deltaflow raises derives from :class:`DeltaflowError`::
     │   ├── SchemaError            rows do not fit the table schema
     │   ├── ReceiverError          a receiver raised while applying a batch
     │   └── LaneFailedError        an earlier batch of the same partition failed
-    └── DataStreamerError          a stream ended with items not applied (``failed_items``)
+    └── DataStreamerError          a stream ended with items not applied (``failed_items``,
+                                   and ``failures``: each with its source position and reason)
 
 Whether an error is retried is decided in one place: the class attribute ``retriable``
 (:func:`is_retriable`). Server errors carry a stable ``code`` (see ``docs/protocol.md``) and
@@ -28,6 +29,7 @@ Whether an error is retried is decided in one place: the class attribute ``retri
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "DataStreamerError",
     "DeltaflowError",
     "ErrorCode",
+    "FailedItem",
     "FrameTooLargeError",
     "ItemFailedError",
     "LaneFailedError",
@@ -219,17 +222,42 @@ class _UnknownStreamError(ServerError):
     code = ErrorCode.UNKNOWN_STREAM
 
 
+@dataclass(frozen=True, slots=True)
+class FailedItem:
+    """A source item that was not applied, and why.
+
+    Attributes:
+        position: the item's index in the source (from 0).
+        item: the item as the source gave it.
+        reason: what became of it: the error that refused it (naming its column and value
+            for a row a table could not take), or why it was never sent.
+    """
+
+    position: int
+    item: Any
+    reason: str
+
+
 class DataStreamerError(DeltaflowError):
     """A stream ended with items that were not applied.
 
     Attributes:
         failed_items: exactly the source items that were not applied, in source order.
+        failures: the same items as :class:`FailedItem` (source position and reason each), in
+            the same order.
         cause: the error that stopped the stream (also chained as ``__cause__``).
     """
 
-    def __init__(self, message: str, failed_items: Sequence[Any], cause: BaseException | None):
+    def __init__(
+        self,
+        message: str,
+        failed_items: Sequence[Any],
+        cause: BaseException | None,
+        failures: Sequence[FailedItem] | None = None,
+    ):
         super().__init__(message)
         self.failed_items = list(failed_items)
+        self.failures = list(failures) if failures is not None else []
         self.cause = cause
 
 

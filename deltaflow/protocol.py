@@ -5,15 +5,22 @@ frame type. Items inside a batch are msgpack values packed one after another int
 ``bin`` field, so the client packs each item exactly once (which also gives its exact size for
 byte-bounded batching) and the server unpacks them lazily.
 
+Besides msgpack's own types, items may hold the value types of table columns a Python
+application has: aware datetimes (msgpack's standard timestamp), and as deltaflow's extension
+types ``decimal.Decimal``, ``datetime.date`` and naive ``datetime.datetime`` (:data:`EXT_TYPES`).
+
 The decoder never imports or executes anything from the wire: it uses plain msgpack types,
-rejects every extension type except msgpack's standard timestamp, checks each frame against a
-fixed field table, and refuses frames larger than the agreed limit. See ``docs/protocol.md``.
+decodes those extension types only into those plain values (from fixed-size integers or a
+checked decimal literal) and rejects every other one, checks each frame against a fixed field
+table, and refuses frames larger than the agreed limit. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import datetime
+import decimal
 import itertools
 import re
 import threading
@@ -28,6 +35,7 @@ __all__ = [
     "CAPABILITIES",
     "COALESCE_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
+    "EXT_TYPES",
     "PROTOCOL_VERSION",
     "QUEUE_HIGH_WATER",
     "SUPPORTED_VERSIONS",
@@ -108,15 +116,61 @@ _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
 }
 
 
+#: deltaflow's msgpack extension types: code -> the value type it carries. A decimal is its
+#: literal (``str(value)``, ASCII); a date is its days since 1970-01-01 (4 bytes, signed, big
+#: endian); a naive datetime its microseconds since 1970-01-01T00:00:00 (8 bytes, likewise).
+EXT_TYPES: Final = {1: decimal.Decimal, 2: datetime.date, 3: datetime.datetime}
+_EXT_DECIMAL, _EXT_DATE, _EXT_NAIVE = 1, 2, 3
+_EPOCH: Final = datetime.datetime(1970, 1, 1)
+_EPOCH_DAY: Final = _EPOCH.date().toordinal()
+_MICROSECOND: Final = datetime.timedelta(microseconds=1)
+#: A decimal literal as ``str(Decimal)`` writes finite values, with a bounded exponent.
+_DECIMAL_LITERAL: Final = re.compile(r"-?(\d{1,76}(\.\d{0,76})?|\.\d{1,76})(E[+-]?\d{1,4})?")
+
+
+def _pack_default(value: Any) -> Any:
+    """msgpack's hook for the types it does not pack itself (see :data:`EXT_TYPES`)."""
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise TypeError(f"Decimal {value} cannot be sent: table decimals hold finite values")
+        return msgpack.ExtType(_EXT_DECIMAL, str(value).encode("ascii"))
+    if isinstance(value, datetime.datetime):
+        if getattr(value, "nanosecond", 0):
+            raise TypeError(f"{value!r} has nanoseconds; deltaflow carries microseconds")
+        if value.tzinfo is not None and value.utcoffset() is not None:
+            return msgpack.Timestamp.from_datetime(value)  # a subclass msgpack did not take
+        micros = (value.replace(tzinfo=None) - _EPOCH) // _MICROSECOND
+        return msgpack.ExtType(_EXT_NAIVE, micros.to_bytes(8, "big", signed=True))
+    if isinstance(value, datetime.date):
+        days = value.toordinal() - _EPOCH_DAY
+        return msgpack.ExtType(_EXT_DATE, days.to_bytes(4, "big", signed=True))
+    raise TypeError(f"can not serialize {type(value).__name__!r} object")
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
-    # Only msgpack's own timestamp (-1) is decoded, by msgpack itself before this hook runs;
-    # anything else would be an attempt to make us interpret opaque payloads.
-    raise ProtocolError(f"msgpack extension type {code} is not allowed on the wire")
+    """Decodes deltaflow's extension types into plain values; anything else would be an
+    attempt to make us interpret opaque payloads. (msgpack decodes its own timestamp, -1.)"""
+    if code not in EXT_TYPES:
+        raise ProtocolError(f"msgpack extension type {code} is not allowed on the wire")
+    try:
+        if code == _EXT_DECIMAL:
+            text = data.decode("ascii")
+            if _DECIMAL_LITERAL.fullmatch(text):
+                return decimal.Decimal(text)
+        elif code == _EXT_DATE and len(data) == 4:
+            return datetime.date.fromordinal(_EPOCH_DAY + int.from_bytes(data, "big", signed=True))
+        elif code == _EXT_NAIVE and len(data) == 8:
+            return _EPOCH + int.from_bytes(data, "big", signed=True) * _MICROSECOND
+    except (ValueError, OverflowError, UnicodeDecodeError):
+        pass
+    raise ProtocolError(f"msgpack extension type {code} holds no valid {EXT_TYPES[code].__name__}")
 
 
 def encode_frame(frame: Mapping[str, Any]) -> bytes:
     """Pack a frame; ``frame["t"]`` must be a known type."""
-    return msgpack.packb(frame, use_bin_type=True, datetime=True)  # type: ignore[no-any-return]
+    return msgpack.packb(  # type: ignore[no-any-return]
+        frame, use_bin_type=True, datetime=True, default=_pack_default
+    )
 
 
 def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
@@ -343,7 +397,9 @@ class _Packer(threading.local):
     from several threads of one process)."""
 
     def __init__(self) -> None:
-        self.pack = msgpack.Packer(use_bin_type=True, datetime=True, autoreset=True).pack
+        self.pack = msgpack.Packer(
+            use_bin_type=True, datetime=True, autoreset=True, default=_pack_default
+        ).pack
 
 
 _packer = _Packer()

@@ -133,9 +133,12 @@ async def test_a_null_key_fails_its_page_and_names_the_row(
         with pytest.raises(DataStreamerError) as caught:
             await client.stream_data([good, bad], table="nullkey", key="id", options=OPTIONS)
     err = caught.value
-    assert "item #0 of the batch has no value for key column 'id'" in str(err)
-    # The failed row is reported as the row it was.
+    # Named by its place in the source (the 101st row), not in its batch.
+    assert "source item #100 (key None) has no value for key column 'id'" in str(err)
+    # The failed row is reported as the row it was, with its own reason.
     assert err.failed_items == [{"id": None, "v": 2.0}]
+    assert [(f.position, f.item) for f in err.failures] == [(100, {"id": None, "v": 2.0})]
+    assert "source item #100 (key None) has no value" in err.failures[0].reason
     assert set(read_delta(warehouse / "nullkey")) == set(range(100))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import decimal
 from collections import Counter
 from typing import Any
 
@@ -67,6 +68,48 @@ def test_extension_types_are_never_interpreted() -> None:
         decode_frame(data)
     with pytest.raises(ProtocolError, match="extension type 7"):
         unpack_items(msgpack.packb(msgpack.ExtType(7, b"x")), 1)
+
+
+def test_table_value_types_cross_the_wire_as_themselves() -> None:
+    values = [
+        decimal.Decimal("12.30"),
+        decimal.Decimal("-1E+3"),
+        decimal.Decimal("0.000000000000000001"),
+        dt.date(1, 1, 1),
+        dt.date(9999, 12, 31),
+        dt.datetime(1969, 12, 31, 23, 59, 59, 999999),
+        dt.datetime(9999, 12, 31, 23, 59, 59, 999999),
+        dt.datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone(dt.timedelta(hours=-5))),
+        {"nested": [decimal.Decimal("1.5"), dt.date(2026, 1, 2)]},
+    ]
+    got = unpack_items(join_items(pack_item(v) for v in values), len(values))
+    assert got == values
+    # Each arrives as the same type (a date is not a datetime, a decimal not a float), and an
+    # aware datetime as the same instant in UTC.
+    assert [type(v) for v in got] == [type(v) for v in values]
+    assert [str(v) for v in got[:2]] == ["12.30", "-1E+3"]
+    assert got[7].tzinfo is not None and got[7].utcoffset() == dt.timedelta(0)
+    for bad in (decimal.Decimal("NaN"), decimal.Decimal("-Infinity")):
+        with pytest.raises(TypeError, match="finite"):
+            pack_item(bad)
+
+
+@pytest.mark.parametrize(
+    ("code", "payload"),
+    [
+        (1, b"__import__('os')"),  # not a decimal literal: never evaluated
+        (1, b"1E+99999"),  # exponent beyond 4 digits
+        (1, b"NaN"),
+        (1, b"\xff"),
+        (2, b"\x00\x00\x01"),  # a date is 4 bytes
+        (2, b"\x7f\xff\xff\xff"),  # beyond the calendar
+        (3, b"\x00" * 7),  # a datetime is 8 bytes
+        (3, b"\x7f" + b"\xff" * 7),
+    ],
+)
+def test_value_extension_types_with_bad_payloads_are_refused(code: int, payload: bytes) -> None:
+    with pytest.raises(ProtocolError, match=f"extension type {code} holds no valid"):
+        unpack_items(msgpack.packb(msgpack.ExtType(code, payload)), 1)
 
 
 def test_oversize_frames_and_lying_counts_are_rejected() -> None:

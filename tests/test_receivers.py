@@ -219,6 +219,29 @@ async def test_items_marked_failed_stop_the_stream_under_fail(cluster: list[Node
     assert failed_ids | applied_ids == {item["id"] for item in ITEMS_SOME_NOT_OK}
     assert any(item in err.failed_items for item in NOT_OK)
     assert not any(item in results for item in NOT_OK)
+    # Each item is reported with its reason: its own rejection, or never sent.
+    for f in err.failures:
+        own = f"item {f.item['id']!r} is not ok"
+        assert f.reason == own or "stopped before it was sent" in f.reason, f
+
+
+async def test_each_rejected_item_keeps_its_own_reason(cluster: list[Node]) -> None:
+    items = [{"id": i, "ok": i not in (3, 7)} for i in range(10)]
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(
+                items,
+                key=lambda r: 0,  # one partition, one batch
+                receiver="deltaflow.testing.Validate",
+                options=StreamerOptions(page_size=10),
+            )
+    err = info.value
+    assert [(f.position, f.item, f.reason) for f in err.failures] == [
+        (3, items[3], "item 3 is not ok"),
+        (7, items[7], "item 7 is not ok"),
+    ]
+    assert err.failed_items == [items[3], items[7]]
+    assert [f.item for f in err.failures] == err.failed_items
 
 
 async def test_items_marked_failed_reach_the_dead_letter_table_with_their_reason(

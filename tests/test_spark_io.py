@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import decimal
 import json
 import os
 from collections import Counter
@@ -149,6 +150,8 @@ async def test_rows_become_wire_values_and_timestamps_keep_their_instant(
         F.array(F.lit("a"), F.col("id").cast("string")).alias("tags"),
         F.concat(F.lit("note-"), F.col("id").cast("string")).alias("note"),
         F.col("id").cast("string").cast("binary").alias("blob"),
+        (F.col("id") * 100 + 5).cast("decimal(10,2)").alias("amount"),
+        F.date_add(F.lit("1500-02-28").cast("date"), F.col("id").cast("int")).alias("day"),
     )
 
     summary = await asyncio.to_thread(
@@ -182,11 +185,13 @@ async def test_rows_become_wire_values_and_timestamps_keep_their_instant(
         assert table[i] == {
             "id": i,
             "at": expected_at,
-            "wall": datetime.datetime(2024, 3, 10, 2, 30, tzinfo=UTC),
+            "wall": datetime.datetime(2024, 3, 10, 2, 30),  # wall-clock time: timestamp_ntz
             "point": {"x": i * 1.5, "seen": datetime.datetime.fromtimestamp(first, UTC)},
             "tags": ["a", str(i)],
             "note": f"note-{i}" if i > 0 else None,
             "blob": str(i).encode(),
+            "amount": decimal.Decimal(f"{i * 100 + 5}.00"),
+            "day": datetime.date(1500, 2, 28) + datetime.timedelta(days=i),
         }
 
 
@@ -232,14 +237,14 @@ def test_columns_the_wire_cannot_carry_are_rejected_before_any_job(
 
     df = spark.range(3).select(
         F.col("id"),
-        F.col("id").cast("decimal(10,2)").alias("amount"),
-        F.struct(F.current_date().alias("day")).alias("meta"),
+        F.lit(None).alias("nothing"),
+        F.struct(F.expr("INTERVAL 3 DAYS").alias("wait")).alias("meta"),
     )
     with pytest.raises(UsageError) as err:
         stream_dataframe(df, nodes=["127.0.0.1:1"], table="t", key="id")
     message = str(err.value)
-    assert "'amount' is decimal(10,2)" in message and "'double'" in message
-    assert "'meta.day' is date" in message
+    assert "'nothing' is void" in message and "cast to the intended type" in message
+    assert "'meta.wait' is interval" in message
     assert not warehouse.exists()
 
     twice = spark.range(3).select(F.col("id"), F.col("id").alias("x"), F.col("id").alias("x"))

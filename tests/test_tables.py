@@ -356,7 +356,8 @@ async def test_rows_that_do_not_fit_name_item_and_column(
         ]:
             with pytest.raises(SchemaError, match=text) as info:
                 await eng.stage("fit", ["id"], rows, frozenset())
-            assert info.value.details == {"item": item, "column": column}
+            details = info.value.details
+            assert (details["item"], details["column"]) == (item, column)
             assert f"item #{item}" in str(info.value)
         # Rows staged before the table existed are checked against it at commit: here another
         # node creates it (without the column) while this node waits for the lock.
@@ -391,9 +392,9 @@ async def test_schema_evolution_only_on_tables_that_allow_it(
     async with table_engine(engine, warehouse) as eng:
         await upsert(eng, "evolving", [{"id": 1, "name": "a"}, {"id": 2, "name": "b"}])
         await upsert(eng, "evolving", [{"id": 2, "name": "b2", "size": 7}, {"id": 3, "size": 9}])
-        with pytest.raises(SchemaError, match=r"item #0.*'size'.*int64") as info:
+        with pytest.raises(SchemaError, match=r"item #0.*'size'.* is long; 'big'") as info:
             await eng.stage("evolving", ["id"], [{"id": 4, "size": "big"}], frozenset())
-        assert info.value.details == {"item": 0, "column": "size"}
+        assert (info.value.details["item"], info.value.details["column"]) == (0, "size")
         # A table created on first write takes the node's default: no evolution.
         await upsert(eng, "fixed", [{"id": 1, "name": "a"}])
         with pytest.raises(SchemaError, match="does not allow schema evolution"):

@@ -115,13 +115,14 @@ class SizeBatchCreator:
 
 
 class _Buffer:
-    __slots__ = ("batch", "limit", "pages", "rows", "timer")
+    __slots__ = ("batch", "limit", "pages", "rows", "schema", "timer")
 
     def __init__(self, batch: Batch, limit: int = 0) -> None:
         self.batch = batch
         self.limit = limit  # rows at which the default creator cuts it
         self.timer: asyncio.TimerHandle | None = None
         self.pages: list[tuple[ArrowRows, Any]] | None = None  # Arrow rows, their positions
+        self.schema: Any = None  # the schema the pages join into
         self.rows = 0
 
 
@@ -189,10 +190,20 @@ class Accumulator:
         if offsets is None:
             offsets = byte_offsets(rows.table)
         max_bytes = self._limits[1]
+        buf = self._buffers.get(partition)
+        if buf is not None and buf.pages:
+            joined = _joined(buf.schema, rows.table.schema)
+            if joined is None:
+                # A page holds rows of one schema: the node converts each page to the table's.
+                self._on_cut(self._cut(partition))
+            else:
+                buf.schema = joined
         offset, left = 0, len(rows)
         while left:
             buf = self._buffers.get(partition) or self._open(partition, pages=True)
             assert buf.pages is not None
+            if buf.schema is None:
+                buf.schema = rows.table.schema
             take = min(left, buf.limit - buf.rows)
             nbytes = int(offsets[offset + take] - offsets[offset])
             if buf.batch.nbytes + nbytes > max_bytes:
@@ -273,9 +284,19 @@ class Accumulator:
         """Cut every non-empty buffer (end of stream or explicit flush)."""
         return [self._cut(p) for p in list(self._buffers)]
 
-    def discard(self) -> list[Batch]:
-        """Drop every buffer; returns what they held (never sent)."""
-        return self.drain()
+    def discard(self) -> list[tuple[Sequence[int], Sequence[Any]]]:
+        """Drop every buffer; returns what they held (never sent), as (source positions,
+        items) pairs: the Arrow rows of a page as they were buffered, never joined."""
+        held: list[tuple[Sequence[int], Sequence[Any]]] = []
+        for buf in self._buffers.values():
+            if buf.timer is not None:
+                buf.timer.cancel()
+            if buf.pages is None:
+                held.append((buf.batch.positions, buf.batch.items))
+            else:
+                held.extend((positions.to_pylist(), rows) for rows, positions in buf.pages)
+        self._buffers.clear()
+        return held
 
     def _open(self, partition: int, *, pages: bool = False) -> _Buffer:
         """A new, empty buffer for ``partition`` (its flush timer started)."""
@@ -305,6 +326,20 @@ class Accumulator:
         if buf.pages is not None:
             _fill_page(buf.batch, buf.pages)
         return buf.batch
+
+
+def _joined(page: Any, rows: Any) -> Any:
+    """The schema of a page of schema ``page`` joined by rows of schema ``rows``: the same
+    columns and types, or differing only where joining changes no value (a column missing, or
+    all null, on one side); None if they differ otherwise."""
+    import pyarrow as pa
+
+    if page.equals(rows):
+        return page
+    try:
+        return pa.unify_schemas([page, rows], promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
 
 
 def _fill_page(batch: Batch, pages: list[tuple[ArrowRows, Any]]) -> None:

@@ -19,7 +19,7 @@ import collections
 import itertools
 import operator
 import threading
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator
 from concurrent.futures import CancelledError as FutureCancelledError
 from typing import Any
 
@@ -163,12 +163,15 @@ class _ChunkedIterator:
 
     async def leftovers(self) -> list[Any]:
         """Items taken from the source and not handed out: the worker, if reading, stops after
-        the item it is waiting for (a thread cannot be interrupted inside the iterator)."""
+        the item it is waiting for (a thread cannot be interrupted inside the iterator). A
+        generator not read to its end is then closed, so its ``finally`` runs now."""
         if self._pending is not None:
             self._stop.append(None)
             # Not cancelled with us; a source error was (or will be) raised by anext.
             await asyncio.wait((self._pending,))
             self._pending = None
+        if not self._exhausted and isinstance(self._it, Generator):
+            self._it.close()
         return self.take_buffered()
 
 

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import operator
+import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..columnar import ArrowRows, byte_offsets, is_arrow
-from ..errors import DataStreamerError, FrameTooLargeError, ItemFailedError, UsageError
+from ..errors import (
+    DataStreamerError,
+    FailedItem,
+    FrameTooLargeError,
+    ItemFailedError,
+    ServerError,
+    UsageError,
+)
 from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator, Batch, SizeBatchCreator
@@ -90,6 +99,9 @@ class StreamSummary:
 
 
 KeyFn = Callable[[Any], Any]
+
+#: How a node names an item of a batch in an error; the client names its source position.
+_ITEM_OF_BATCH = re.compile(r"item #\d+ of the batch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +214,9 @@ class StreamRun:
             if on_result is not None
             else None
         )
-        self.failed: list[tuple[int, Any]] = []
+        # (source position, item, reason); a None reason is filled in at the end: the item was
+        # never sent, or was in a batch that could not be, when the stream stopped.
+        self.failed: list[tuple[int, Any, str | None]] = []
         self.in_doubt: list[tuple[int, Any]] = []
         self.errors: list[BaseException] = []
         self.pulled = 0
@@ -298,8 +312,8 @@ class StreamRun:
         first = indexes[0]
         err = ItemFailedError(
             f"receiver rejected {len(indexes)} item(s) of partition {batch.partition} batch "
-            f"{batch.seq}; first: item at source position {batch.positions[first]}: "
-            f"{rejected[first]}",
+            f"{batch.seq}; first: source item #{batch.positions[first]} "
+            f"(key {self._key_of(batch.items[first])!r}): {rejected[first]}",
             node=batch.node,
             details={"items": [[batch.positions[i], rejected[i]] for i in indexes]},
         )
@@ -320,9 +334,13 @@ class StreamRun:
     def _failed(self, batch: Batch, exc: BaseException, reasons: list[str] | None = None) -> None:
         policy = self.options.on_failure
         stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
+        if not stopping and reasons is None:
+            exc, reasons = self._located(batch, exc)
         if stopping or policy == "fail":
-            pairs = list(zip(batch.positions, batch.items, strict=True))
-            (self.in_doubt if batch.attempts and stopping else self.failed).extend(pairs)
+            if batch.attempts and stopping:
+                self.in_doubt.extend(zip(batch.positions, batch.items, strict=True))
+            else:
+                self._fail_items(batch.positions, batch.items, reasons)
             if not stopping:
                 self._stop(exc)
             return
@@ -388,9 +406,47 @@ class StreamRun:
         self._settle(batch)
 
     def _dead_letter_failed(self, batch: Batch, exc: BaseException) -> None:
-        self.failed.extend(zip(batch.positions, batch.items, strict=True))
-        if not isinstance(exc, (asyncio.CancelledError, StreamStoppedError)):
+        stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
+        reason = None if stopping else f"its write to the dead-letter table failed: {exc}"
+        self._fail_items(batch.positions, batch.items, [reason] * len(batch.items))
+        if not stopping:
             self._stop(exc)
+
+    def _fail_items(
+        self, positions: Sequence[int], items: Sequence[Any], reasons: Sequence[str | None] | None
+    ) -> None:
+        if reasons is None:
+            self.failed.extend((p, item, None) for p, item in zip(positions, items, strict=True))
+        else:
+            self.failed.extend(zip(positions, items, reasons, strict=True))
+
+    def _key_of(self, item: Any) -> Any:
+        """The routing key of a batch item, for messages (None if it has none)."""
+        try:
+            return self.key(item.item if isinstance(item, Delete) else item)
+        except Exception:  # noqa: BLE001 - a message must not fail on a keyless item
+            return None
+
+    def _located(self, batch: Batch, exc: BaseException) -> tuple[BaseException, list[str]]:
+        """``exc`` with the item a node named by its index in the batch ("item #3 of the
+        batch") named by its source position and key instead, and each item's reason: its own
+        error for that item, the batch's refusal for the others."""
+        item = exc.details.get("item") if isinstance(exc, ServerError) else None
+        if not (isinstance(item, int) and 0 <= item < len(batch.items)):
+            return exc, [str(exc)] * len(batch.items)
+        assert isinstance(exc, ServerError)
+        position = batch.positions[item]
+        where = f"source item #{position} (key {self._key_of(batch.items[item])!r})"
+        text, n = _ITEM_OF_BATCH.subn(where, str(exc.args[0]), count=1)
+        located = type(exc)(
+            text if n else f"{where}: {text}",
+            node=exc.node,
+            details={**exc.details, "position": position},
+        )
+        others = f"not applied: its batch (partition {batch.partition}) was refused: {located}"
+        reasons = [others] * len(batch.items)
+        reasons[item] = str(located)
+        return located, reasons
 
     # -- the pump -----------------------------------------------------------------------
 
@@ -440,20 +496,23 @@ class StreamRun:
         self.pulled += good
         if bad is None:
             return
-        self.failed.append((self.pulled, taken[bad]))
-        self.pulled += 1
         if chunked is not None:
             chunked.put_back(taken[bad + 1 :])  # never sent: accounted as leftovers
         if cause is None:
-            raise FrameTooLargeError(
+            error: Exception = FrameTooLargeError(
                 f"source item #{position + bad} packs to {len(packed[bad])} bytes, more than "
                 f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
             )
-        raise UsageError(
-            f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
-            "msgpack values (dict, list, str, int, float, bool, None, bytes, "
-            "datetime) and carry the key; a stream of row items cannot also carry Arrow batches"
-        ) from cause
+        else:
+            error = UsageError(
+                f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
+                "msgpack values (dict, list, str, int, float, bool, None, bytes, datetime, "
+                "date, Decimal) and carry the key; a stream of row items cannot also carry "
+                "Arrow batches"
+            )
+        self.failed.append((self.pulled, taken[bad], str(error)))
+        self.pulled += 1
+        raise error from cause
 
     def _admit_arrow(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
         """Route the rows of Arrow items taken from the source by their key columns and buffer
@@ -484,11 +543,12 @@ class StreamRun:
                     raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
                 parts = partition_table(rows.table, self.key_columns, self.partitions)
             except Exception as exc:
-                self.failed.append((self.pulled, item))
+                error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
+                self.failed.append((self.pulled, item, str(error)))
                 self.pulled += 1
                 if chunked is not None:
                     chunked.put_back(taken[j + 1 :])
-                raise UsageError(f"source item #{self.pulled - 1} cannot be sent: {exc}") from exc
+                raise error from exc
             if not len(rows):
                 continue
             # One stable sort by partition, then a zero-copy slice per partition.
@@ -589,42 +649,63 @@ class StreamRun:
         finally:
             if lingering is not None:
                 lingering.cancel()
-            for batch in acc.discard():
-                self.failed.extend(zip(batch.positions, batch.items, strict=True))
-            if isinstance(items, _ChunkedIterator):
-                for item in await items.leftovers():  # taken from the source, never sent
-                    self.failed.append((self.pulled, item))
-                    self.pulled += 1
-            elif hasattr(items, "aclose"):
-                await items.aclose()
-            if self._closing is not None:
-                await self._closing
-            await self.client._close_stream(self.sid)
-            if self._dead_letters is not None:
-                await self.client._close_stream(self._dead_letter_sid)
+            # Each step runs whatever the one before raised: the items are accounted for, the
+            # source closed and the nodes told, always.
+            async with self._cleanup_step():
+                for positions, buffered in acc.discard():
+                    self._fail_items(positions, buffered, None)
+            async with self._cleanup_step():
+                if isinstance(items, _ChunkedIterator):
+                    for item in await items.leftovers():  # taken from the source, never sent
+                        self.failed.append((self.pulled, item, None))
+                        self.pulled += 1
+                elif hasattr(items, "aclose"):
+                    await items.aclose()
+            async with self._cleanup_step():
+                if self._closing is not None:
+                    await self._closing
+            async with self._cleanup_step():
+                await self.client._close_stream(self.sid)
+                if self._dead_letters is not None:
+                    await self.client._close_stream(self._dead_letter_sid)
         if self.results is not None:
-            await self.results.finish(self.errors[0] if self.errors else None)
+            async with self._cleanup_step():
+                await self.results.finish(self.errors[0] if self.errors else None)
             if self.results.error is not None and self.results.error not in self.errors:
                 self.errors.insert(0, self.results.error)
         return self._outcome(time.monotonic() - started)
 
+    @contextlib.asynccontextmanager
+    async def _cleanup_step(self) -> AsyncIterator[None]:
+        """Run one step of the stream's cleanup; what it raises becomes the stream's error
+        (if it has none yet), never an escape past the steps after it."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - reported as the stream's cause, below
+            log.warning("stream %s: cleanup failed: %r", self.sid, exc)
+            if not self.errors:
+                self.errors.append(exc)
+
     def _outcome(self, duration: float) -> StreamSummary:
         counters = self.sender.counters
         if self.errors:
-            self.failed.sort(key=lambda pair: pair[0])
+            self.failed.sort(key=lambda entry: entry[0])
             self.in_doubt.sort(key=lambda pair: pair[0])
             cause = self.errors[0]
             if isinstance(cause, asyncio.CancelledError):
                 # Cancellation stays a CancelledError; it says what became of the items.
-                cause.not_applied = [item for _, item in self.failed]  # type: ignore[attr-defined]
+                cause.not_applied = [item for _, item, _ in self.failed]  # type: ignore[attr-defined]
                 cause.in_doubt = [item for _, item in self.in_doubt]  # type: ignore[attr-defined]
                 cause.applied = counters.acked_items  # type: ignore[attr-defined]
                 raise cause
+            stopped = f"not applied: the stream stopped before it was sent ({cause})"
+            failures = [FailedItem(p, item, why or stopped) for p, item, why in self.failed]
             raise DataStreamerError(
                 f"stream {self.sid} failed: {cause}; {len(self.failed)} item(s) not applied "
                 f"({counters.acked_items} applied)",
-                [item for _, item in self.failed],
+                [f.item for f in failures],
                 cause,
+                failures,
             ) from cause
         return StreamSummary(
             stream_id=self.sid,

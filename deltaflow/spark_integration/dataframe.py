@@ -541,11 +541,7 @@ def _unsupported(dtype: DataType, path: str, problems: list[str]) -> None:
     from pyspark.sql import types as T
 
     hint: str | None = None
-    if isinstance(dtype, T.DecimalType):
-        hint = "cast to 'double', or to 'string' to keep every digit"
-    elif isinstance(dtype, T.DateType):
-        hint = "cast to 'timestamp' (midnight UTC) or to 'string' (ISO date)"
-    elif isinstance(dtype, (T.DayTimeIntervalType, T.YearMonthIntervalType)):
+    if isinstance(dtype, (T.DayTimeIntervalType, T.YearMonthIntervalType)):
         hint = "convert to a number (e.g. seconds or months as 'long')"
     elif isinstance(dtype, T.UserDefinedType):
         hint = "convert it to its underlying SQL type"
@@ -566,10 +562,10 @@ def _unsupported(dtype: DataType, path: str, problems: list[str]) -> None:
 def _row_converter(schema: StructType) -> Converter:
     """A function from a Row of ``schema`` to a dict of msgpack values.
 
-    The same values as ``row.asDict(recursive=True)``, except timestamps: PySpark gives naive
-    datetimes, which msgpack refuses. A ``timestamp`` (an instant, given by PySpark in the
-    worker's local time) becomes the same instant in UTC; a ``timestamp_ntz`` (a wall-clock
-    time) becomes that wall-clock time labelled UTC.
+    The same values as ``row.asDict(recursive=True)`` (decimals, dates and ``timestamp_ntz``
+    wall-clock times as PySpark gives them), except ``timestamp``: PySpark gives an instant as
+    a naive datetime in the worker's local time, which becomes the same instant in UTC (a naive
+    datetime would land in a ``timestamp_ntz`` column, or be refused by a ``timestamp`` one).
     """
     convert = _converter(schema)
     assert convert is not None
@@ -582,8 +578,6 @@ def _converter(dtype: DataType) -> Converter | None:
 
     if isinstance(dtype, T.TimestampType):
         return _instant_to_utc
-    if isinstance(dtype, T.TimestampNTZType):
-        return _wall_clock_as_utc
     if isinstance(dtype, T.StructType):
         names = tuple(f.name for f in dtype.fields)
         fields = tuple(_converter(f.dataType) for f in dtype.fields)
@@ -637,12 +631,6 @@ def _instant_to_utc(value: Any) -> Any:
     # PySpark built it with datetime.fromtimestamp (local time, fold set): astimezone reads it
     # back as the same local time, so the instant is exact, also around DST changes.
     return value.astimezone(datetime.UTC)
-
-
-def _wall_clock_as_utc(value: Any) -> Any:
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=datetime.UTC)
 
 
 # -- readers ---------------------------------------------------------------------------------

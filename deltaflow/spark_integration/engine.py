@@ -54,6 +54,7 @@ from ..errors import (
     UsageError,
 )
 from ..partitioning import partition_table
+from .conversion import column_of, convert_column, infer_column, table_type, transpose
 from .footprint import Footprint
 from .live_files import LiveFiles
 from .lock import table_lock
@@ -774,7 +775,7 @@ class _TableCommitter:
                 continue
             column = data.column(field.name)
             if column.type != field.type:
-                column = _cast_column(column, field, self.name, node)
+                column = convert_column(column, field, table=self.name, node=node)
                 cast_key = cast_key or field.name in settings.key
             columns.append(column)
         out = pa.Table.from_arrays(columns, schema=schema)
@@ -805,35 +806,6 @@ def _no_evolution_text(table: str, columns: Sequence[str]) -> str:
         "evolution; to add columns on write, create the table with allow_schema_evolution=True "
         f"(deltaflow table create --allow-schema-evolution), or set its table property "
         f"{PROP_SCHEMA_EVOLUTION}=true"
-    )
-
-
-def _family(t: Any) -> str:
-    import pyarrow as pa
-
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
-        return "number"
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or str(t) == "string_view":
-        return "string"
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or str(t) == "binary_view":
-        return "binary"
-    if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        return "time"
-    return str(t)
-
-
-def _cast_column(column: Any, field: Any, table: str, node: str) -> Any:
-    import pyarrow as pa
-
-    if pa.types.is_null(column.type) or _family(column.type) == _family(field.type):
-        try:
-            return column.cast(field.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-            pass
-    raise SchemaError(
-        f"column {field.name!r} of table {table!r} is {field.type}; these rows have {column.type}",
-        node=node,
-        details={"column": field.name},
     )
 
 
@@ -900,9 +872,6 @@ def _last_rows_of_one_column(column: Any) -> Any:
         return None
     _, first_from_end = np.unique(codes[::-1], return_index=True)
     return np.sort(len(codes) - 1 - first_from_end)
-
-
-_ARROW_ERRORS: Final = (TypeError, ValueError, OverflowError)
 
 
 def to_arrow_rows(
@@ -984,22 +953,33 @@ def _row_columns(
     )
     if not fast:
         new = _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
-    try:
-        if schema is None:
-            # Infer per column over every row (from_pylist would take the first row's keys).
-            names = list(dict.fromkeys(c for row in rows for c in row))
-            data = pa.table(
-                {c: _infer(c, [row.get(c) for row in rows], table, node) for c in names}
-            )
-        else:
-            data = pa.Table.from_pylist(list(rows), schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
-        raise _locate_bad_row(rows, schema, table, node, exc) from exc
+    if schema is None:
+        # Inferred per column over every row (from_pylist would take the first row's keys).
+        names = list(dict.fromkeys(c for row in rows for c in row))
+        values = transpose(rows, names)
+        data = pa.table(
+            {
+                c: infer_column(v, c, table=table, node=node)
+                for c, v in zip(names, values, strict=True)
+            }
+        )
+    else:
+        present = set().union(*rows)
+        fields = [f for f in schema if f.name in present]
+        values = transpose(rows, [f.name for f in fields])
+        given = {
+            f.name: column_of(v, f, table=table, node=node)
+            for v, f in zip(values, fields, strict=True)
+        }
+        data = pa.Table.from_arrays(
+            [given[f.name] if f.name in given else pa.nulls(len(rows), f.type) for f in schema],
+            schema=schema,
+        )
     if fast and any(data.column(k).null_count for k in key):
         _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
     for c in new:
-        values = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
-        data = data.append_column(c, _infer(c, values, table, node))
+        column = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
+        data = data.append_column(c, infer_column(column, c, table=table, node=node))
     return data, new
 
 
@@ -1027,7 +1007,7 @@ def _page_columns(
                 details={"item": i, "column": k},
             )
     if schema is None:
-        return data, {}
+        return _as_table_types(data, table=table, node=node), {}
     unknown = [c for c in data.column_names if c not in schema.names]
     if unknown and not evolve:
         raise SchemaError(
@@ -1039,8 +1019,27 @@ def _page_columns(
         at = data.schema.get_field_index(field.name)
         if at >= 0 and data.schema.field(at).type != field.type:
             # Converted once here: the commit then finds the table's type (raises if not).
-            data = data.set_column(at, field, _cast_column(data.column(at), field, table, node))
+            column = convert_column(data.column(at), field, table=table, node=node)
+            data = data.set_column(at, field, column)
+    if unknown:
+        data = _as_table_types(data, table=table, node=node, only=unknown)
     return data, dict.fromkeys(unknown)
+
+
+def _as_table_types(data: Any, *, table: str, node: str, only: Sequence[str] | None = None) -> Any:
+    """A page's columns that the table does not have yet (all of them for a new table) in
+    the types the table will hold them as (:func:`.conversion.table_type`)."""
+    import pyarrow as pa
+
+    for at, field in enumerate(data.schema):
+        if only is not None and field.name not in only:
+            continue
+        wanted = pa.field(field.name, table_type(field.type), nullable=True)
+        if wanted.type != field.type:
+            data = data.set_column(
+                at, wanted, convert_column(data.column(at), wanted, table=table, node=node)
+            )
+    return data
 
 
 def _check_rows(
@@ -1095,64 +1094,6 @@ def _check_rows(
                 )
             new.update(dict.fromkeys(unknown))
     return new
-
-
-def _infer(column: str, values: list[Any], table: str, node: str) -> Any:
-    """An Arrow array of ``values`` with an inferred type; a value that does not fit the type of
-    the column's first value is named by item."""
-    import pyarrow as pa
-
-    try:
-        return pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS) as exc:
-        first = next((i for i, v in enumerate(values) if v is not None), None)
-        if first is not None:
-            try:
-                type_ = pa.array([values[first]]).type
-            except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
-                type_ = None
-            for i, value in enumerate(values):
-                if type_ is None and i != first:
-                    continue
-                try:
-                    pa.array([value], type=type_)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
-                    return _raise(
-                        f"item #{i} of the batch: column {column!r} of table {table!r} "
-                        f"cannot hold {type(value).__name__} {value!r:.80}"
-                        + (f" (item #{first} made it {type_})" if type_ is not None else ""),
-                        node,
-                        {"item": i, "column": column},
-                        exc,
-                    )
-        return _raise(f"column {column!r} of table {table!r}: {exc}", node, {"column": column}, exc)
-
-
-def _raise(text: str, node: str, details: dict[str, Any], exc: Exception) -> Any:
-    raise SchemaError(text, node=node, details=details) from exc
-
-
-def _locate_bad_row(
-    rows: Sequence[Any], schema: Any, table: str, node: str, exc: Exception
-) -> SchemaError:
-    import pyarrow as pa
-
-    if schema is not None:
-        for i, row in enumerate(rows):
-            for field in schema:
-                if field.name not in row:
-                    continue
-                try:
-                    pa.array([row[field.name]], type=field.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, *_ARROW_ERRORS):
-                    return SchemaError(
-                        f"item #{i} of the batch: column {field.name!r} of table {table!r} is "
-                        f"{field.type}, got {type(row[field.name]).__name__} "
-                        f"{row[field.name]!r:.80}",
-                        node=node,
-                        details={"item": i, "column": field.name},
-                    )
-    return SchemaError(f"rows do not fit table {table!r}: {exc}", node=node)
 
 
 def checked_commit_interval(seconds: float) -> float:

@@ -127,6 +127,13 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
             "spark.sql.session.timeZone": "UTC",
+            # Data files written by the nodes (pyarrow) and by delta-rs use the proleptic
+            # Gregorian calendar, as Spark 3+ does, but carry no Spark version, so Spark
+            # refuses their dates before 1582 and timestamps before 1900 unless told so.
+            "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
+            "spark.sql.parquet.int96RebaseModeInRead": "CORRECTED",
+            "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+            "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
         }
         if config.master.startswith("sc://"):
             builder = builder.remote(config.master)

@@ -42,6 +42,7 @@ __all__ = [
     "default_buckets",
     "parse_schema",
     "read_table_settings",
+    "type_name",
     "with_layout",
 ]
 
@@ -150,10 +151,10 @@ def default_buckets(partitions: int) -> int:
 _DECIMAL = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
 
 
-def _arrow_type(name: str) -> Any:
+def _simple_types() -> dict[str, Any]:
     import pyarrow as pa
 
-    simple = {
+    return {
         "byte": pa.int8(),
         "tinyint": pa.int8(),
         "short": pa.int16(),
@@ -173,6 +174,12 @@ def _arrow_type(name: str) -> Any:
         "timestamp": pa.timestamp("us", tz="UTC"),
         "timestamp_ntz": pa.timestamp("us"),
     }
+
+
+def _arrow_type(name: str) -> Any:
+    import pyarrow as pa
+
+    simple = _simple_types()
     text = name.strip().lower()
     if text in simple:
         return simple[text]
@@ -181,6 +188,29 @@ def _arrow_type(name: str) -> Any:
     raise UsageError(
         f"unknown column type {name!r}; use one of {', '.join(sorted(simple))} or decimal(p,s)"
     )
+
+
+#: The Delta name of each Arrow type deltaflow creates columns with (the first of its names).
+_NAMES: Final = ("byte", "short", "int", "long", "float", "double", "boolean", "string")
+_MORE_NAMES: Final = ("binary", "date", "timestamp", "timestamp_ntz")
+
+
+def type_name(t: Any) -> str:
+    """The Delta (Spark SQL) name of Arrow type ``t``, as ``deltaflow table create`` takes it:
+    ``long``, ``decimal(10,2)``, ``timestamp_ntz``; Arrow's own name for other types."""
+    import pyarrow as pa
+
+    if t is None:
+        return "this type"
+    if pa.types.is_decimal(t):
+        return f"decimal({t.precision},{t.scale})"
+    if pa.types.is_timestamp(t):
+        return "timestamp" if t.tz is not None else "timestamp_ntz"
+    simple = _simple_types()
+    for name in (*_NAMES, *_MORE_NAMES):
+        if simple[name] == t:
+            return name
+    return str(t)
 
 
 def parse_schema(schema: Any) -> Any:
