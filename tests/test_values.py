@@ -112,6 +112,16 @@ def test_a_value_is_stored_unchanged_or_refused_naming_item_column_type_and_valu
             assert [type(x) for x in got[1:]] == [type(stored)], kind
 
 
+def test_a_delete_is_checked_on_its_key_only() -> None:
+    rows = [{"id": 1, "v": 5000.5}, {"id": 2, "v": 3}]
+    data = to_arrow_rows(rows, frozenset({0}), ["id"], _schema("long"), table="t", node="n1")
+    assert data.column("v").to_pylist() == [None, 3]
+    with pytest.raises(SchemaError, match="item #0"):
+        to_arrow_rows(
+            [{"id": 1.5}], frozenset({0}), ["id"], _schema("long"), table="t", node="n1"
+        )
+
+
 def test_columns_a_first_write_adds_take_types_later_values_fit() -> None:
     rows = [
         {"id": 1, "amount": D("1.5"), "day": datetime.date(2026, 1, 2), "at": NAIVE, "ts": AWARE},

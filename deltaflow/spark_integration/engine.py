@@ -967,6 +967,10 @@ def _row_columns(
         present = set().union(*rows)
         fields = [f for f in schema if f.name in present]
         values = transpose(rows, [f.name for f in fields])
+        for column, field in zip(values, fields, strict=True):
+            if field.name not in key:
+                for i in deletes:  # a delete needs only its key: its other values are ignored
+                    column[i] = None
         given = {
             f.name: column_of(v, f, table=table, node=node)
             for v, f in zip(values, fields, strict=True)
