@@ -117,9 +117,7 @@ def test_a_delete_is_checked_on_its_key_only() -> None:
     data = to_arrow_rows(rows, frozenset({0}), ["id"], _schema("long"), table="t", node="n1")
     assert data.column("v").to_pylist() == [None, 3]
     with pytest.raises(SchemaError, match="item #0"):
-        to_arrow_rows(
-            [{"id": 1.5}], frozenset({0}), ["id"], _schema("long"), table="t", node="n1"
-        )
+        to_arrow_rows([{"id": 1.5}], frozenset({0}), ["id"], _schema("long"), table="t", node="n1")
 
 
 def test_columns_a_first_write_adds_take_types_later_values_fit() -> None:

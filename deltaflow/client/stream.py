@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import operator
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -17,16 +16,15 @@ from typing import TYPE_CHECKING, Any
 from ..columnar import ArrowRows, byte_offsets, is_arrow
 from ..errors import (
     DataStreamerError,
-    FailedItem,
     FrameTooLargeError,
     ItemFailedError,
-    ServerError,
     UsageError,
 )
 from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .latency import AckLatency
+from .ledger import CommitPosition, Ledger, Watermark, locate
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
 from .sender import NodeStatistics, Sender, StreamStoppedError
@@ -100,23 +98,6 @@ class StreamSummary:
 
 KeyFn = Callable[[Any], Any]
 
-#: How a node names an item of a batch in an error; the client names its source position.
-_ITEM_OF_BATCH = re.compile(r"item #\d+ of the batch")
-
-
-@dataclass(frozen=True, slots=True)
-class CommitPosition:
-    """How far an upstream source may be committed: every source item before ``count`` is
-    settled (applied, dead-lettered or dropped), and ``last`` is the item at ``count - 1``.
-
-    Items are acknowledged out of order (partitions progress independently); this position only
-    moves over a contiguous prefix, so committing it (a Kafka offset taken from ``last``) can
-    never skip an item that is not applied yet.
-    """
-
-    count: int
-    last: Any
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamStatistics:
@@ -166,22 +147,6 @@ def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
     return operator.itemgetter(*columns)
 
 
-class _Watermark:
-    """Tracks the contiguous prefix of settled source positions."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._settled: dict[int, Any] = {}
-
-    def settle(self, positions: Sequence[int], items: Sequence[Any]) -> CommitPosition | None:
-        self._settled.update(zip(positions, items, strict=True))
-        before, last = self.count, None
-        while self.count in self._settled:
-            last = self._settled.pop(self.count)
-            self.count += 1
-        return CommitPosition(self.count, last) if self.count > before else None
-
-
 class StreamRun:
     """One call of ``stream_data``: the pump from source to sender, and the accounting."""
 
@@ -214,14 +179,11 @@ class StreamRun:
             if on_result is not None
             else None
         )
-        # (source position, item, reason); a None reason is filled in at the end: the item was
-        # never sent, or was in a batch that could not be, when the stream stopped.
-        self.failed: list[tuple[int, Any, str | None]] = []
-        self.in_doubt: list[tuple[int, Any]] = []
+        self.ledger = Ledger()
         self.errors: list[BaseException] = []
         self.pulled = 0
         self.dead_lettered = 0
-        self.watermark = _Watermark()
+        self.watermark = Watermark()
         self.sender = Sender(
             client,
             sid=self.sid,
@@ -335,12 +297,14 @@ class StreamRun:
         policy = self.options.on_failure
         stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
         if not stopping and reasons is None:
-            exc, reasons = self._located(batch, exc)
+            exc, reasons = locate(
+                exc, batch.items, batch.positions, partition=batch.partition, key_of=self._key_of
+            )
         if stopping or policy == "fail":
             if batch.attempts and stopping:
-                self.in_doubt.extend(zip(batch.positions, batch.items, strict=True))
+                self.ledger.doubt(batch.positions, batch.items)
             else:
-                self._fail_items(batch.positions, batch.items, reasons)
+                self.ledger.fail(batch.positions, batch.items, reasons)
             if not stopping:
                 self._stop(exc)
             return
@@ -408,17 +372,9 @@ class StreamRun:
     def _dead_letter_failed(self, batch: Batch, exc: BaseException) -> None:
         stopping = isinstance(exc, (asyncio.CancelledError, StreamStoppedError))
         reason = None if stopping else f"its write to the dead-letter table failed: {exc}"
-        self._fail_items(batch.positions, batch.items, [reason] * len(batch.items))
+        self.ledger.fail(batch.positions, batch.items, [reason] * len(batch.items))
         if not stopping:
             self._stop(exc)
-
-    def _fail_items(
-        self, positions: Sequence[int], items: Sequence[Any], reasons: Sequence[str | None] | None
-    ) -> None:
-        if reasons is None:
-            self.failed.extend((p, item, None) for p, item in zip(positions, items, strict=True))
-        else:
-            self.failed.extend(zip(positions, items, reasons, strict=True))
 
     def _key_of(self, item: Any) -> Any:
         """The routing key of a batch item, for messages (None if it has none)."""
@@ -426,27 +382,6 @@ class StreamRun:
             return self.key(item.item if isinstance(item, Delete) else item)
         except Exception:  # noqa: BLE001 - a message must not fail on a keyless item
             return None
-
-    def _located(self, batch: Batch, exc: BaseException) -> tuple[BaseException, list[str]]:
-        """``exc`` with the item a node named by its index in the batch ("item #3 of the
-        batch") named by its source position and key instead, and each item's reason: its own
-        error for that item, the batch's refusal for the others."""
-        item = exc.details.get("item") if isinstance(exc, ServerError) else None
-        if not (isinstance(item, int) and 0 <= item < len(batch.items)):
-            return exc, [str(exc)] * len(batch.items)
-        assert isinstance(exc, ServerError)
-        position = batch.positions[item]
-        where = f"source item #{position} (key {self._key_of(batch.items[item])!r})"
-        text, n = _ITEM_OF_BATCH.subn(where, str(exc.args[0]), count=1)
-        located = type(exc)(
-            text if n else f"{where}: {text}",
-            node=exc.node,
-            details={**exc.details, "position": position},
-        )
-        others = f"not applied: its batch (partition {batch.partition}) was refused: {located}"
-        reasons = [others] * len(batch.items)
-        reasons[item] = str(located)
-        return located, reasons
 
     # -- the pump -----------------------------------------------------------------------
 
@@ -510,7 +445,7 @@ class StreamRun:
                 "date, Decimal) and carry the key; a stream of row items cannot also carry "
                 "Arrow batches"
             )
-        self.failed.append((self.pulled, taken[bad], str(error)))
+        self.ledger.fail([self.pulled], [taken[bad]], [str(error)])
         self.pulled += 1
         raise error from cause
 
@@ -544,7 +479,7 @@ class StreamRun:
                 parts = partition_table(rows.table, self.key_columns, self.partitions)
             except Exception as exc:
                 error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
-                self.failed.append((self.pulled, item, str(error)))
+                self.ledger.fail([self.pulled], [item], [str(error)])
                 self.pulled += 1
                 if chunked is not None:
                     chunked.put_back(taken[j + 1 :])
@@ -653,12 +588,12 @@ class StreamRun:
             # source closed and the nodes told, always.
             async with self._cleanup_step():
                 for positions, buffered in acc.discard():
-                    self._fail_items(positions, buffered, None)
+                    self.ledger.fail(positions, buffered)
             async with self._cleanup_step():
                 if isinstance(items, _ChunkedIterator):
-                    for item in await items.leftovers():  # taken from the source, never sent
-                        self.failed.append((self.pulled, item, None))
-                        self.pulled += 1
+                    leftovers = await items.leftovers()  # taken from the source, never sent
+                    self.ledger.fail(range(self.pulled, self.pulled + len(leftovers)), leftovers)
+                    self.pulled += len(leftovers)
                 elif hasattr(items, "aclose"):
                     await items.aclose()
             async with self._cleanup_step():
@@ -689,24 +624,7 @@ class StreamRun:
     def _outcome(self, duration: float) -> StreamSummary:
         counters = self.sender.counters
         if self.errors:
-            self.failed.sort(key=lambda entry: entry[0])
-            self.in_doubt.sort(key=lambda pair: pair[0])
-            cause = self.errors[0]
-            if isinstance(cause, asyncio.CancelledError):
-                # Cancellation stays a CancelledError; it says what became of the items.
-                cause.not_applied = [item for _, item, _ in self.failed]  # type: ignore[attr-defined]
-                cause.in_doubt = [item for _, item in self.in_doubt]  # type: ignore[attr-defined]
-                cause.applied = counters.acked_items  # type: ignore[attr-defined]
-                raise cause
-            stopped = f"not applied: the stream stopped before it was sent ({cause})"
-            failures = [FailedItem(p, item, why or stopped) for p, item, why in self.failed]
-            raise DataStreamerError(
-                f"stream {self.sid} failed: {cause}; {len(self.failed)} item(s) not applied "
-                f"({counters.acked_items} applied)",
-                [f.item for f in failures],
-                cause,
-                failures,
-            ) from cause
+            self.ledger.raise_outcome(self.errors[0], sid=self.sid, applied=counters.acked_items)
         return StreamSummary(
             stream_id=self.sid,
             items_sent=counters.sent_items,
