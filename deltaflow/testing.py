@@ -3,7 +3,8 @@
 - :class:`ConnectionDropper`: a ``connection_factory`` for :func:`deltaflow.connect` that cuts
   real connections after a number of batch frames, as a network failure would.
 - :class:`Echo`, :class:`EchoStream`, :class:`FailOn`, :class:`AppendRows`, :class:`Validate`,
-  :class:`Flaky`, :class:`Concurrency`, :class:`Gated`: receivers to register on a node
+  :class:`Flaky`, :class:`Concurrency`, :class:`Gated`, :class:`RecordOrder`,
+  :class:`TwoTables`, :class:`Unconstructible`: receivers to register on a node
   (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
 - ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` in a node's environment: the node SIGKILLs itself
   right after its N-th table commit, before acknowledging it (crash between commit and ack).
@@ -54,8 +55,11 @@ __all__ = [
     "Gated",
     "KillOnKey",
     "NodeProcess",
+    "RecordOrder",
     "RequestDropper",
     "SideInputEcho",
+    "TwoTables",
+    "Unconstructible",
     "Validate",
     "at_fault_point",
     "check_stamped",
@@ -199,6 +203,37 @@ class AppendRows(Receiver):
 
     async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
         await ctx.table(ctx.args["table"]).append(items)
+
+
+class RecordOrder(Receiver):
+    """Echoes items and records each item it applies in ``RecordOrder.applied``, in the order
+    this process's nodes applied them: what per-key order is checked against."""
+
+    applied: list[Any] = []  # noqa: RUF012 - one record per process, on purpose
+
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
+        RecordOrder.applied.extend(items)
+        return list(items)
+
+
+class TwoTables(Receiver):
+    """Upserts every row (keyed by ``id``) into both tables named in ``args["tables"]``: one
+    batch, two table commits, one ack."""
+
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
+        for table in ctx.args["tables"]:
+            await ctx.table(table, key=["id"]).upsert(items)
+
+
+class Unconstructible(Receiver):
+    """A receiver whose constructor raises: a stream naming it fails to open with
+    ``RECEIVER_FAILED``, and other streams go on (a deployment's broken receiver)."""
+
+    def __init__(self) -> None:
+        raise RuntimeError("this receiver cannot be constructed (deltaflow.testing)")
+
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> None:
+        raise AssertionError("never constructed")
 
 
 class Validate(Receiver):

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from deltaflow.server import Node, NodeConfig, start_local_nodes
 from deltaflow.spark_integration import SparkConfig, get_spark
+
+T = TypeVar("T")
 
 TEST_SPARK = SparkConfig(master="local[2]", shuffle_partitions=2, driver_memory="2g")
 TEST_RECEIVERS = (
@@ -21,7 +25,44 @@ TEST_RECEIVERS = (
     "deltaflow.testing.Flaky",
     "deltaflow.testing.Concurrency",
     "deltaflow.testing.Gated",
+    "deltaflow.testing.RecordOrder",
+    "deltaflow.testing.TwoTables",
+    "deltaflow.testing.Unconstructible",
 )
+
+
+Within = Callable[[Awaitable[T], float, str], Awaitable[T]]
+Eventually = Callable[[Callable[[], bool], str], Awaitable[None]]
+
+
+@pytest.fixture
+def within() -> Within[Any]:
+    """``await within(awaitable, seconds, what)``: the awaitable's result, or a test failure
+    naming ``what`` if it takes longer than ``seconds`` (never the suite's global timeout)."""
+
+    async def within(awaitable: Awaitable[T], seconds: float, what: str) -> T:
+        try:
+            async with asyncio.timeout(seconds):
+                return await awaitable
+        except TimeoutError:
+            pytest.fail(f"not within {seconds} s: {what}")
+
+    return within
+
+
+@pytest.fixture
+def eventually() -> Eventually:
+    """``await eventually(condition, what)``: until ``condition()`` holds (checked every 10
+    ms, for state that sets no event), or a test failure naming ``what`` after 10 s."""
+
+    async def eventually(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                pytest.fail(f"not within {seconds} s: {what}")
+            await asyncio.sleep(0.01)
+
+    return eventually
 
 
 @pytest.fixture(scope="session")

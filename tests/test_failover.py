@@ -185,7 +185,8 @@ async def test_a_crash_between_commit_and_ack_is_not_applied_twice(cluster: Clus
             options=OPTIONS,
         )
     assert summary.items_acked == n
-    assert await crashing.wait() == -9  # it did crash, right after its commit
+    # It did crash, right after its commit (it must have exited by now).
+    assert await asyncio.wait_for(crashing.wait(), 30) == -9
     table = DeltaTable(str(cluster.warehouse / "crash"))
     writers = {
         json.loads(h["userMetadata"])["deltaflow"]["node"]

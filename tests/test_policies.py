@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,20 +114,33 @@ async def test_a_raising_subscriber_fails_the_stream_with_its_error(cluster: lis
             raise RuntimeError("subscriber gave up")
         seen.append(value)
 
+    taken = 0
+    acked: list[int] = []
+
+    def numbers() -> Iterator[int]:
+        nonlocal taken
+        for i in range(100_000):
+            taken += 1
+            yield i
+
     async with deltaflow.connect([cluster[0].address]) as client:
         with pytest.raises(DataStreamerError) as info:
             await client.stream_data(
-                range(100_000),
+                numbers(),
                 key=lambda x: x,
                 receiver="deltaflow.testing.Echo",
                 on_result=on_result,
+                on_ack=acked.extend,
                 options=StreamerOptions(page_size=100, max_in_flight=4),
             )
     assert isinstance(info.value.cause, RuntimeError)
     assert "subscriber gave up" in str(info.value)
     assert len(seen) == 50
-    # It stopped pulling early: the source was not drained into failed_items.
-    assert 0 < len(info.value.failed_items) < 50_000
+    # It stopped pulling early, and every item it took is applied or reported, not both.
+    assert taken < 50_000
+    failed = info.value.failed_items
+    assert sorted(acked + failed) == list(range(taken))
+    assert not set(acked) & set(failed)
 
 
 async def test_the_queue_example_commits_only_the_safe_offset(

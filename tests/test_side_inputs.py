@@ -96,7 +96,8 @@ async def test_items_after_a_change_see_the_new_value_and_none_sees_a_torn_one(
                 wanted = item
                 arrived.clear()
                 if len(results) < wanted:
-                    await arrived.wait()
+                    async with asyncio.timeout(60):  # a lost result fails the stream, not hangs
+                        await arrived.wait()
                 if stamp == rounds:
                     return
                 # Changing: the stream keeps running while the new value spreads.

@@ -6,8 +6,7 @@ are."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from deltaflow.errors import SchemaError, UsageError
 from deltaflow.server import Node
 from deltaflow.spark_integration import create_table
 
-from .conftest import read_delta, start_cluster
+from .conftest import Eventually, read_delta, start_cluster
 
 ROWS = 300
 AT = 150  # where the failure is, in source rows
@@ -108,14 +107,6 @@ def source_rows(item: Any) -> list[dict[str, Any]]:
     return item.to_pylist() if isinstance(item, pa.RecordBatch) else [item]
 
 
-async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Until ``condition()`` holds; fails naming ``what`` if it does not within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.02)
-
-
 def failure_case(kind: str, failure: str) -> tuple[Source, type[BaseException]]:
     """The source of ``kind`` failing by ``failure`` at row AT, and the cause expected."""
     if failure == "source_raises":
@@ -141,7 +132,7 @@ def failure_case(kind: str, failure: str) -> tuple[Source, type[BaseException]]:
 @pytest.mark.parametrize("failure", ["source_raises", "unsendable_item", "refused_by_table"])
 @pytest.mark.parametrize("kind", ["async_iterable", "iterable", "observable", "arrow"])
 async def test_a_failing_stream_reports_exactly_what_it_did_not_apply_and_cleans_up(
-    nodes: list[Node], warehouse: Path, kind: str, failure: str
+    nodes: list[Node], warehouse: Path, kind: str, failure: str, eventually: Eventually
 ) -> None:
     source, cause = failure_case(kind, failure)
     async with deltaflow.connect([nodes[0].address]) as client:
@@ -151,10 +142,10 @@ async def test_a_failing_stream_reports_exactly_what_it_did_not_apply_and_cleans
         assert type(err) is DataStreamerError, f"{type(err).__name__} escaped: {err!r}"
         assert isinstance(err.cause, cause), repr(err.cause)
         # The nodes were told the stream ended (they hold no state for it).
-        await wait_for(
+        await eventually(
             lambda: all(n.dispatcher.stats.streams == 0 for n in nodes), "streams closed"
         )
-    await wait_for(lambda: source.closed, f"the {kind} source closed")
+    await eventually(lambda: source.closed, f"the {kind} source closed")
     table = read_delta(warehouse / "t")
     # Exactly the items taken from the source and not in the table are reported, each once.
     # (A generator's items are those it handed out; an Observable's, those emitted before the
