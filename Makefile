@@ -6,7 +6,7 @@ export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-transport lint clean
+.PHONY: setup demo test bench bench-transport mutation breaks lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,20 @@ bench: setup
 bench-transport: setup
 	$(PY) bench/transport.py
 
+# Mutation testing of the modules that carry the guarantees, against their fast unit tests
+# (docs/mutation.md). Not part of `make test`; about 10 minutes on 2 cores.
+mutation: setup
+	$(PY) tools/mutation.py
+
+# Whole mechanisms broken on purpose (ack before commit, arrival order, ...), each against the
+# guarantee tests that must catch it (docs/mutation.md). A few minutes; not part of `make test`.
+breaks: setup
+	$(PY) tools/breaks.py
+
 lint: setup
-	$(VENV)/bin/ruff check deltaflow tests examples bench
-	$(VENV)/bin/ruff format --check deltaflow tests examples bench
+	$(VENV)/bin/ruff check deltaflow tests examples bench tools
+	$(VENV)/bin/ruff format --check deltaflow tests examples bench tools
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants

@@ -465,5 +465,6 @@ def unpack_items(blob: bytes, count: int, *, max_bytes: int = DEFAULT_MAX_FRAME_
     except Exception as exc:
         raise ProtocolError(f"batch items are not valid msgpack: {exc}") from exc
     if len(items) != count:
-        raise ProtocolError(f"batch declares {count} items but carries {len(items)}")
+        more = "more" if len(items) > count else str(len(items))  # read no further
+        raise ProtocolError(f"batch declares {count} items but carries {more}")
     return items

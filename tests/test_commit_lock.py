@@ -9,17 +9,21 @@ minutes here) and 2 x 150 merges through delta-rs.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import StreamerOptions
+from deltaflow.spark_integration import lock
 from deltaflow.spark_integration.lock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
 
@@ -153,3 +157,172 @@ def test_a_waiter_killed_while_waiting_stops_counting_as_waiting(tmp_path: Path)
             waiter.wait()
         assert not others_waiting(lock_path)
     assert not any(lock_path.parent.glob("*.waiting/*"))
+
+
+class FakeClock:
+    """The lock module's clock: ``sleep`` advances it (and runs ``on_sleep``), no time passes."""
+
+    def __init__(self, on_sleep: Any = None) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        self.on_sleep = on_sleep
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep(len(self.sleeps))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(lock, "time", fake)
+    return fake
+
+
+def hold(path: Path) -> int:
+    """Take the lock at ``path`` the way another process would: its own open file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def waiting_markers(path: Path) -> list[str]:
+    waiting = path.parent / f"{path.name}.waiting"
+    return sorted(p.name for p in waiting.iterdir()) if waiting.exists() else []
+
+
+def test_a_free_lock_is_taken_at_once_and_excludes_every_other_holder(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = table_lock_path(tmp_path / "warehouse", "orders")
+    assert path == tmp_path / "warehouse" / ".deltaflow" / "locks" / "orders.lock"
+    with table_lock(tmp_path / "warehouse", "orders") as waited:
+        assert waited == 0.0 and clock.sleeps == []
+        # Held: another open file of it (another process, or thread) cannot lock it.
+        fd = os.open(path, os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+    fd = hold(path)  # released on leaving the block
+    os.close(fd)
+
+
+def test_a_waiter_polls_until_the_holder_releases_and_reports_its_wait(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = table_lock_path(tmp_path, "t")
+    path.parent.mkdir(parents=True)
+    holder = hold(path)
+    seen: list[bool] = []
+
+    def release_on_third_poll(polls: int) -> None:
+        seen.append(others_waiting(path))
+        if polls == 3:
+            os.close(holder)
+
+    clock.on_sleep = release_on_third_poll
+    with table_lock(tmp_path, "t", timeout=1.0) as waited:
+        assert waited == pytest.approx(3 * lock.POLL_SECONDS)
+        assert clock.sleeps == [lock.POLL_SECONDS] * 3
+        assert seen == [True, True, True], "the waiter left no marker while it waited"
+        assert waiting_markers(path) == [], "the marker outlived the wait"
+
+
+def test_a_lock_held_past_the_timeout_raises_and_leaves_no_marker(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = table_lock_path(tmp_path, "t")
+    path.parent.mkdir(parents=True)
+    holder = hold(path)
+    try:
+        with (
+            pytest.raises(TimeoutError) as info,
+            table_lock(tmp_path, "t", timeout=0.1),
+        ):
+            pytest.fail("the lock was taken while another holder had it")
+    finally:
+        os.close(holder)
+    assert str(info.value) == (
+        f"commit lock of table 't' held by another process for more than 0.1s ({path})"
+    )
+    # It gave up as soon as the timeout had passed, not before, and not much later.
+    assert 0.1 < sum(clock.sleeps) <= 0.1 + 2 * lock.POLL_SECONDS
+    assert waiting_markers(path) == []
+    assert not others_waiting(path)
+
+
+def test_a_holder_that_just_released_lets_the_waiters_go_first(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    path = table_lock_path(tmp_path, "t")
+    path.parent.mkdir(parents=True)
+    with table_lock(tmp_path, "t", released_at=clock.now) as waited:
+        assert waited == 0.0, "it stepped aside while no one was waiting"
+    # A live waiter (this process) left its marker: the holder steps aside for YIELD_SECONDS
+    # after its release, then takes the lock (the waiter did not take it meanwhile).
+    waiting = path.parent / f"{path.name}.waiting"
+    waiting.mkdir()
+    (waiting / f"{lock._HOST}-{os.getpid()}-1").touch()
+    released = clock.now
+    with table_lock(tmp_path, "t", released_at=released) as waited:
+        assert waited == pytest.approx(lock.YIELD_SECONDS)
+        assert set(clock.sleeps) == {lock.POLL_SECONDS}
+    clock.sleeps.clear()
+    # Long after its release, it does not step aside.
+    with table_lock(tmp_path, "t", released_at=clock.now - lock.YIELD_SECONDS) as waited:
+        assert waited == 0.0 and clock.sleeps == []
+
+
+def test_waiting_markers_of_dead_local_processes_are_removed_others_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = table_lock_path(tmp_path, "t")
+    assert not others_waiting(path), "no marker directory: no one waits"
+    waiting = path.parent / f"{path.name}.waiting"
+    waiting.mkdir(parents=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(dead.stdout)
+    (waiting / f"{lock._HOST}-{dead_pid}-1").touch()
+    assert others_waiting(path) is False
+    assert waiting_markers(path) == [], "a dead waiter's marker was kept"
+    # A process of another host cannot be checked from here; nor can a marker of another form.
+    for name in (f"other_host-{dead_pid}-1", f"{lock._HOST}-x1-1", f"{lock._HOST}"):
+        (waiting / name).touch()
+        assert others_waiting(path), name
+        assert waiting_markers(path) == [name]
+        (waiting / name).unlink()
+    # A process that exists as another user (kill says EPERM) is alive.
+    (waiting / f"{lock._HOST}-1-1").touch()
+
+    def not_permitted(pid: int, signal: int) -> None:
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(lock.os, "kill", not_permitted)
+    assert others_waiting(path)
+    assert waiting_markers(path) == [f"{lock._HOST}-1-1"]
+
+
+def test_two_holders_removing_one_dead_marker_at_once_both_carry_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = table_lock_path(tmp_path, "t")
+    waiting = path.parent / f"{path.name}.waiting"
+    waiting.mkdir(parents=True)
+    (waiting / f"{lock._HOST}-1-1").touch()
+
+    def removed_by_the_other_holder(name: str) -> bool:
+        (waiting / name).unlink()  # the other holder got there first
+        return True
+
+    monkeypatch.setattr(lock, "_died_waiting", removed_by_the_other_holder)
+    assert others_waiting(path) is False

@@ -114,6 +114,12 @@ class Hold:
         self.reached.release()
         assert self.released.wait(30), "a held commit was never released"
 
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.released.set()  # a failed test must not leave a commit thread held
+
     async def wait_reached(self) -> None:
         got = await asyncio.to_thread(self.reached.acquire, True, 10)
         assert got, "no commit reached the fault point within 10 s"
@@ -125,7 +131,7 @@ async def test_no_ack_leaves_while_its_commit_is_held(cluster: list[Node], wareh
     )
     acked_at: list[float] = []
     hold = Hold()  # every commit, on both nodes
-    with at_fault_point("prepared", hold):
+    with hold, at_fault_point("prepared", hold):
         async with deltaflow.connect([cluster[0].address]) as client:
             stream = asyncio.create_task(
                 client.stream_data(
@@ -159,7 +165,7 @@ async def test_a_batch_writing_two_tables_is_acked_only_once_both_commits_are_du
         )
     hold = Hold(count=1)  # the first of the two commits
     acked_at: list[float] = []
-    with at_fault_point("prepared", hold):
+    with hold, at_fault_point("prepared", hold):
         async with deltaflow.connect([cluster[0].address]) as client:
             stream = asyncio.create_task(
                 client.stream_data(

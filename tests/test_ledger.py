@@ -52,6 +52,24 @@ def test_items_and_reasons_must_pair_up() -> None:
         Ledger().fail([1, 2], ["a"])
     with pytest.raises(ValueError, match="zip"):
         Ledger().fail([1], ["a"], ["x", "y"])
+    with pytest.raises(ValueError, match="zip"):
+        Ledger().doubt([1, 2], ["a"])
+    with pytest.raises(ValueError, match="zip"):
+        Watermark().settle([0, 1], ["a"])
+
+
+def test_items_are_reported_in_source_order_not_in_the_order_of_the_items() -> None:
+    ledger = Ledger()
+    ledger.fail([2, 0], [{"id": "a"}, {"id": "z"}], ["bad a", "bad z"])
+    ledger.doubt([5, 3], ["b", "y"])
+    cancelled = asyncio.CancelledError()
+    with pytest.raises(asyncio.CancelledError):
+        ledger.raise_outcome(cancelled, sid="s", applied=0)
+    assert cancelled.not_applied == [{"id": "z"}, {"id": "a"}]  # type: ignore[attr-defined]
+    assert cancelled.in_doubt == ["y", "b"]  # type: ignore[attr-defined]
+    with pytest.raises(DataStreamerError) as info:
+        ledger.raise_outcome(ValueError("x"), sid="s", applied=0)
+    assert [f.position for f in info.value.failures] == [0, 2]
 
 
 def test_the_watermark_moves_only_over_a_contiguous_settled_prefix() -> None:
@@ -81,6 +99,13 @@ def test_an_item_a_node_names_by_its_index_is_named_by_source_position_and_key()
     )
     refused = f"not applied: its batch (partition 3) was refused: {located}"
     assert reasons == [refused, str(located), refused]
+
+
+def test_only_the_item_the_node_named_first_is_renamed_in_its_message() -> None:
+    # "item #1 of the batch: same key as item #0 of the batch": the second is another item.
+    exc = SchemaError("item #1 of the batch: same key as item #0 of the batch", details={"item": 1})
+    located, _ = locate(exc, ["a", "b"], [8, 9], partition=0, key_of=str)
+    assert located.args[0] == "source item #9 (key 'b'): same key as item #0 of the batch"
 
 
 def test_a_message_without_the_batch_index_gets_the_source_position_in_front() -> None:

@@ -1,18 +1,18 @@
-"""The wire format and the partition function: stable, strict, and safe to decode."""
+"""The wire format: stable, strict, and safe to decode (the partition function:
+tests/test_partitioning.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
 import decimal
-from collections import Counter
-from typing import Any
+import threading
 
 import msgpack
 import pytest
 
+from deltaflow import protocol
 from deltaflow.errors import FrameTooLargeError, ProtocolError
-from deltaflow.partitioning import PartitionMap, assign_partitions, partition_of
 from deltaflow.protocol import (
     COALESCE_BYTES,
     QUEUE_HIGH_WATER,
@@ -22,6 +22,7 @@ from deltaflow.protocol import (
     encode_frame,
     join_items,
     pack_item,
+    pack_items,
     unpack_items,
 )
 
@@ -54,6 +55,12 @@ def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
         ({"t": "batch", "sid": "s", "p": True, "seq": 0, "n": 0, "items": b""}, "field 'p'"),
         ({"t": "open", "sid": "s", "receiver": "r", "extra": 1}, "unexpected fields"),
         ({"t": "ack", "sid": "s", "p": 0, "seq": 0}, "lacks field 'n'"),
+        # Optional fields left out do not end the check of the fields after them.
+        ({"t": "error", "code": "X", "msg": "m"}, "^'error' frame lacks field 'retriable'$"),
+        (
+            {"t": "batch", "sid": "s", "p": 0, "seq": 0, "n": 0, "arrow": b"", "base": "1"},
+            "^'batch' frame field 'base' has type str$",
+        ),
         ({"t": "__import__", "name": "os"}, "unknown frame type"),
     ],
 )
@@ -117,69 +124,10 @@ def test_oversize_frames_and_lying_counts_are_rejected() -> None:
     with pytest.raises(FrameTooLargeError, match="exceeds the limit of 1000 bytes"):
         decode_frame(frame, max_bytes=1000)
     blob = join_items(pack_item(i) for i in range(3))
-    with pytest.raises(ProtocolError, match="declares 2 items but carries 3"):
+    with pytest.raises(ProtocolError, match="declares 2 items but carries more"):
         unpack_items(blob, 2)
     with pytest.raises(ProtocolError, match="declares 5 items but carries 3"):
         unpack_items(blob, 5)
-
-
-def test_partition_of_is_stable_across_processes_and_releases() -> None:
-    # Pinned values: changing the hash would silently re-route every existing stream.
-    assert partition_of((1, "a"), 64) == partition_of([1, "a"], 64)  # composite keys
-    assert partition_of("abc", 64) == 39
-    assert partition_of(12345, 64) == 58
-
-
-@pytest.mark.parametrize(
-    "keys",
-    [range(64_000), [f"k{i}" for i in range(64_000)], [(i, "x") for i in range(64_000)]],
-    ids=["ints", "strings", "composite"],
-)
-def test_keys_spread_over_partitions(keys: Any) -> None:
-    counts = Counter(partition_of(k, 64) for k in keys)
-    assert len(counts) == 64
-    assert max(counts.values()) < 1.2 * 1000 and min(counts.values()) > 0.8 * 1000
-
-
-@pytest.mark.parametrize(
-    ("before_ids", "after_ids"),
-    [
-        (["a", "b", "c"], ["a", "b"]),
-        (["node-1", "node-2", "node-3"], ["node-1", "node-2"]),
-        (["a", "b", "c", "d"], ["a", "c", "d"]),
-    ],
-)
-@pytest.mark.parametrize("partitions", [64, 256])
-def test_a_leaving_node_moves_its_partitions_and_few_others(
-    before_ids: list[str], after_ids: list[str], partitions: int
-) -> None:
-    before = assign_partitions(before_ids, partitions)
-    after = assign_partitions(after_ids, partitions)
-    (gone,) = set(before_ids) - set(after_ids)
-    moved = {p for p in range(partitions) if before[p] != after[p]}
-    held = {p for p in range(partitions) if before[p] == gone}
-    assert held <= moved
-    assert len(moved - held) <= partitions // 16  # plain rendezvous hashing moves none
-    assert assign_partitions(before_ids, partitions) == before  # the same on every node
-
-
-@pytest.mark.parametrize("ids", [["node-1", "node-2"], ["n1", "n2", "n3"], list("abcde")])
-def test_nodes_own_equal_shares_of_the_partitions(ids: list[str]) -> None:
-    # Plain rendezvous hashing gave node-1 and node-2 25 and 39 of 64 partitions: node-2 then
-    # applied 56% more rows than node-1, and set the pace of every stream.
-    owned = Counter(assign_partitions(ids, 64))
-    assert set(owned) == set(ids)
-    assert max(owned.values()) - min(owned.values()) <= len(ids) - 1
-    assert max(owned.values()) == -(-64 // len(ids))
-
-
-def test_partition_map_round_trips_and_rejects_owners_without_address() -> None:
-    pmap = PartitionMap.build(5, {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}, 16)
-    assert PartitionMap.from_wire(pmap.to_wire()) == pmap
-    wire = pmap.to_wire()
-    wire["nodes"].pop("n1")
-    with pytest.raises(ValueError, match="owner has no address"):
-        PartitionMap.from_wire(wire)
 
 
 def test_a_message_may_carry_several_frames_each_checked() -> None:
@@ -306,3 +254,239 @@ async def test_outbox_reports_a_failed_write_and_drops_what_was_queued() -> None
     await outbox.send(encode_frame({"t": "opened", "sid": "later"}))
     await asyncio.wait_for(outbox.drain(), 5)
     assert calls == 3
+
+
+def test_a_frame_is_a_map_with_string_keys_in_valid_msgpack() -> None:
+    with pytest.raises(ProtocolError, match=r"^frame must be a msgpack map, got list$"):
+        decode_frame(msgpack.packb([1, 2]))
+    with pytest.raises(ProtocolError, match=r"^frame is not valid msgpack: "):
+        decode_frame(b"\xc1")  # a byte msgpack never uses
+    open_frame = {"t": "open", "sid": "s", "receiver": "r", "args": {1: "x"}}
+    with pytest.raises(ProtocolError, match=r"^frame is not valid msgpack: int is not allowed"):
+        decode_frame(encode_frame(open_frame))
+    # Items are not frames: their maps may have keys of any type.
+    assert unpack_items(pack_item({1: "x", b"k": None}), 1) == [{1: "x", b"k": None}]
+
+
+def test_a_frame_of_exactly_the_size_limit_is_taken() -> None:
+    data = encode_frame({"t": "opened", "sid": "x" * 100})
+    assert decode_frame(data, max_bytes=len(data)) == {"t": "opened", "sid": "x" * 100}
+    assert decode_frames(data, max_bytes=len(data)) == [{"t": "opened", "sid": "x" * 100}]
+
+
+def test_every_frame_of_a_message_is_decoded_as_strictly_as_the_first() -> None:
+    first = encode_frame({"t": "opened", "sid": "s"})
+    smuggled = msgpack.packb(
+        {"t": "open", "sid": "s", "receiver": "r", "args": msgpack.ExtType(42, b"x")}
+    )
+    with pytest.raises(ProtocolError, match="extension type 42 is not allowed"):
+        decode_frames(first + smuggled)
+    int_keys = msgpack.packb({"t": "open", "sid": "s", "receiver": "r", "args": {1: "x"}})
+    with pytest.raises(ProtocolError, match="int is not allowed for map key"):
+        decode_frames(first + int_keys)
+    when = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
+    result = {"t": "result", "sid": "s", "p": 0, "seq": 0, "values": [when]}
+    assert decode_frames(first + encode_frame(result))[1]["values"] == [when]
+    for tail in (b"\xc4", b"\x92\x01"):  # a frame cut after its first byte(s)
+        with pytest.raises(ProtocolError, match=r"^a message ends inside a frame$"):
+            decode_frames(first + tail)
+
+
+def test_the_field_table_notation_marks_optional_fields_and_where_bools_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A field type list says what a field takes; a trailing "?" makes it optional; True and
+    # False go only where the list has bool (or any object), never where it has int.
+    spec = {"n": (int,), "flag?": (bool,), "any?": (object,), "when?": (int, type(None))}
+    monkeypatch.setitem(protocol._COMPILED, "probe", protocol._compile(spec))
+    for frame in (
+        {"t": "probe", "n": 1},
+        {"t": "probe", "n": 1, "flag": True, "any": False, "when": None},
+    ):
+        assert decode_frame(encode_frame(frame)) == frame
+    for frame, message in (
+        ({"t": "probe"}, "^'probe' frame lacks field 'n'$"),
+        ({"t": "probe", "n": True}, "^'probe' frame field 'n' has type bool$"),
+        ({"t": "probe", "n": 1, "when": False}, "^'probe' frame field 'when' has type bool$"),
+        (
+            {"t": "probe", "n": 1, "flag?": True},
+            r"^'probe' frame has unexpected fields \['flag\?'\]$",
+        ),
+        ({"t": "probe", "n": 1, "T": 1}, r"^'probe' frame has unexpected fields \['T'\]$"),
+    ):
+        with pytest.raises(ProtocolError, match=message):
+            decode_frame(encode_frame(frame))
+
+
+def test_result_frames_carry_the_table_value_types() -> None:
+    values = [decimal.Decimal("-0.50"), dt.date(2026, 3, 4), dt.datetime(2026, 3, 4, 5, 6, 7, 8)]
+    result = {"t": "result", "sid": "s", "p": 0, "seq": 1, "values": values}
+    decoded = decode_frame(encode_frame(result))
+    assert decoded["values"] == values
+    assert [type(v) for v in decoded["values"]] == [type(v) for v in values]
+
+
+def test_items_packed_on_another_thread_are_the_same_bytes() -> None:
+    # Blocking clients may stream from several threads of one process.
+    items = [b"\x00\xff", "é", dt.datetime(2026, 1, 2, tzinfo=dt.UTC), decimal.Decimal("1.5")]
+    packed: list[list[bytes]] = []
+    thread = threading.Thread(target=lambda: packed.append([pack_item(i) for i in items]))
+    thread.start()
+    thread.join()
+    assert packed == [[pack_item(i) for i in items]]
+    assert unpack_items(join_items(packed[0]), len(items)) == items
+    assert pack_items(items) == packed[0]
+
+
+class _WallClock(dt.tzinfo):
+    """A zone without an offset: a datetime holding it is naive."""
+
+    def utcoffset(self, when: dt.datetime | None) -> dt.timedelta | None:
+        return None
+
+    def dst(self, when: dt.datetime | None) -> dt.timedelta | None:
+        return None
+
+    def tzname(self, when: dt.datetime | None) -> str | None:
+        return None
+
+
+class _Timestamp(dt.datetime):
+    """A datetime subclass like pandas' Timestamp, with nanoseconds."""
+
+    nanosecond = 0
+
+
+def test_datetime_subclasses_cross_as_the_instant_or_wall_time_they_hold() -> None:
+    aware = _Timestamp(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone(dt.timedelta(hours=2)))
+    naive = _Timestamp(2026, 1, 2, 3, 4, 5, 6)
+    wall = _Timestamp(2026, 1, 2, 3, 4, 5, 6, tzinfo=_WallClock())
+    got = unpack_items(join_items(pack_item(v) for v in (aware, naive, wall)), 3)
+    assert got == [aware, naive.replace(), wall.replace(tzinfo=None)]
+    assert got[0].utcoffset() == dt.timedelta(0) and got[1].tzinfo is None
+    assert got[2].tzinfo is None and got[2].hour == 3
+    fine = _Timestamp(2026, 1, 2)
+    fine.nanosecond = 7  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"has nanoseconds; deltaflow carries microseconds$"):
+        pack_item(fine)
+
+
+def test_a_value_msgpack_cannot_carry_is_refused_naming_its_type() -> None:
+    with pytest.raises(TypeError, match=r"^can not serialize 'object' object$"):
+        pack_item({"v": object()})
+    with pytest.raises(TypeError, match=r"^Decimal NaN cannot be sent: table decimals hold finite"):
+        pack_item(decimal.Decimal("NaN"))
+
+
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 65535, 65536])
+def test_a_well_formed_batch_is_read_in_one_pass(
+    count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The node reads a batch's items as one msgpack array (one C call); the item-by-item
+    # reader, several times slower, only runs to say what is wrong with a batch.
+    kinds = [{1: "int key"}, dt.datetime(2026, 1, 2, tzinfo=dt.UTC), decimal.Decimal("1.5"), "s"]
+    items = [kinds[i] if i < len(kinds) else i for i in range(count)]
+    blob = join_items(pack_items(items))
+
+    def item_by_item(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a well-formed batch of {count} items was read item by item")
+
+    monkeypatch.setattr(protocol.msgpack, "Unpacker", item_by_item)
+    assert unpack_items(blob, count) == items
+
+
+def test_a_batch_count_is_checked_without_reading_past_it() -> None:
+    assert unpack_items(b"", 0) == []
+    three = join_items(pack_item(i) for i in range(3))
+    garbage = b"\xc1" * 3  # bytes msgpack never uses: reading them would fail differently
+    with pytest.raises(ProtocolError, match=r"^batch declares 2 items but carries more$"):
+        unpack_items(three + garbage, 2)
+    with pytest.raises(ProtocolError, match=r"^batch declares 0 items but carries more$"):
+        unpack_items(pack_item(1) + garbage, 0)
+    maps = join_items(pack_item({i: "x"}) for i in range(3))  # keys items may have
+    with pytest.raises(ProtocolError, match=r"^batch declares 5 items but carries 3$"):
+        unpack_items(maps, 5)
+    with pytest.raises(ProtocolError, match=r"^batch items are not valid msgpack: "):
+        unpack_items(pack_item(1) + garbage, 3)
+    with pytest.raises(ProtocolError, match=r"^batch declares -1 items but carries more$"):
+        unpack_items(pack_item(1), -1)
+
+
+class _StalledSocket:
+    """A socket whose writes wait until the test lets one through."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(data)
+        self.started.set()
+        await self.release.wait()
+        self.release.clear()
+
+    async def wrote(self, count: int) -> None:
+        """Wait until ``count`` writes started."""
+        async with asyncio.timeout(5):
+            while len(self.written) < count:
+                self.started.clear()
+                await self.started.wait()
+
+
+async def test_outbox_room_is_exactly_the_high_water_mark() -> None:
+    socket = _StalledSocket()
+    outbox = Outbox(socket.write, multi=False, on_error=lambda exc: None)
+    written = 0
+    for _ in range(2):  # a new outbox, then one whose queue went out: the count starts at 0
+        outbox.send_nowait(b"a" * (QUEUE_HIGH_WATER - 1))
+        outbox.send_nowait(b"b")
+        assert outbox.has_room, "at the high-water mark there is still room"
+        outbox.send_nowait(b"c")
+        assert not outbox.has_room, "past the high-water mark there is none"
+        for _ in range(3):
+            written += 1
+            await socket.wrote(written)
+            socket.release.set()
+        await outbox.drain()
+    assert socket.written == [b"a" * (QUEUE_HIGH_WATER - 1), b"b", b"c"] * 2
+
+
+async def test_outbox_room_returns_as_soon_as_at_most_the_mark_is_queued() -> None:
+    socket = _StalledSocket()
+    outbox = Outbox(socket.write, multi=False, on_error=lambda exc: None)
+    third = QUEUE_HIGH_WATER // 2 + 1
+    for part in (b"1", b"2", b"3"):
+        outbox.send_nowait(part * third)
+    assert not outbox.has_room
+    rooms = []
+    for count in (1, 2, 3):  # each write starts once the previous one went through
+        await socket.wrote(count)
+        rooms.append(outbox.has_room)
+        socket.release.set()
+    assert rooms == [False, True, True]
+    await outbox.drain()
+    assert socket.written == [b"1" * third, b"2" * third, b"3" * third]
+    outbox.send_nowait(b"4")
+    outbox.send_nowait(b"5" * QUEUE_HIGH_WATER)
+    assert not outbox.has_room
+    await socket.wrote(4)
+    assert outbox.has_room, "exactly the mark is queued behind the write: room"
+    socket.release.set()
+    await socket.wrote(5)
+    socket.release.set()
+    await outbox.drain()
+
+
+async def test_outbox_writes_the_first_frame_of_every_turn_at_once() -> None:
+    written: list[bytes] = []
+
+    async def write(data: bytes) -> None:
+        written.append(data)
+
+    outbox = Outbox(write, multi=True, on_error=lambda exc: None)
+    for turn in range(3):
+        await outbox.send(b"%d" % turn)
+        assert written[-1] == b"%d" % turn, "a lone frame waited for the outbox's task"
+        await asyncio.sleep(0)  # the next turn of the event loop
+    assert written == [b"0", b"1", b"2"]

@@ -311,7 +311,15 @@ class Dispatcher:
             self.stats.duplicates += 1
             self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
-        if seq not in lane.pending and len(lane.pending) >= MAX_LANE_PENDING:
+        # The bound never refuses the batch the waiting ones need (the lane could not move),
+        # and a lane that ``base`` moved onto a waiting batch runs even if this one is refused.
+        if (
+            seq not in lane.pending
+            and seq != lane.next_seq
+            and len(lane.pending) >= MAX_LANE_PENDING
+        ):
+            if lane.task is None and lane.next_seq in lane.pending:
+                lane.task = self._spawn(self._run_lane(stream, p, lane))
             return self._reply_error(
                 peer,
                 OverloadedError(
