@@ -4,19 +4,43 @@ Usage::
 
     async with deltaflow.connect(nodes) as client:
         await client.stream_data(rows, table="t", key="id")
+
+The names below are imported on first use, so a node process (``deltaflow.server``) does not
+import the client.
 """
 
-from .client import (
-    Client,
-    CommitPosition,
-    Delete,
-    StreamerOptions,
-    StreamSummary,
-    connect,
-    stream_data,
-)
-from .columnar import DELETE_COLUMN, ArrowRows
-from .errors import DataStreamerError, DeltaflowError, FailedItem
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .client import (
+        Client,
+        CommitPosition,
+        Delete,
+        StreamerOptions,
+        StreamSummary,
+        connect,
+        stream_data,
+    )
+    from .columnar import DELETE_COLUMN, ArrowRows
+    from .errors import DataStreamerError, DeltaflowError, FailedItem
+
+_HOMES = {
+    "Client": "client",
+    "CommitPosition": "client",
+    "Delete": "client",
+    "StreamerOptions": "client",
+    "StreamSummary": "client",
+    "connect": "client",
+    "stream_data": "client",
+    "DELETE_COLUMN": "columnar",
+    "ArrowRows": "columnar",
+    "DataStreamerError": "errors",
+    "DeltaflowError": "errors",
+    "FailedItem": "errors",
+}
 
 __all__ = [
     "DELETE_COLUMN",
@@ -34,3 +58,10 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

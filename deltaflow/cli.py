@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
+
 __all__ = ["main"]
 
 
@@ -123,9 +125,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _table_create(args: argparse.Namespace) -> int:
+    from .engines import create_table
     from .errors import UsageError
     from .spark_integration.session import SparkConfig
-    from .spark_integration.tables import create_table
 
     name = args.name or args.table
     if not name or (args.name and args.table and args.name != args.table):
@@ -149,8 +151,8 @@ def _table_create(args: argparse.Namespace) -> int:
 
 
 def _table(args: argparse.Namespace) -> int:
-    from .spark_integration import maintenance
-    from .spark_integration.tables import read_table_settings
+    from .tables import maintenance
+    from .tables.settings import read_table_settings
 
     warehouse = Path(args.warehouse)
     if args.table_command == "create":
@@ -234,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument(
         "--engine",
-        choices=["spark", "delta-rs"],
-        default="spark",
-        help="table engine (default: spark)",
+        choices=ENGINE_NAMES,
+        default=DEFAULT_ENGINE,
+        help=f"table engine (default: {DEFAULT_ENGINE})",
     )
     serve.add_argument(
         "--spark-writer",
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
     demo.add_argument("--rows", type=int, default=200_000)
     demo.add_argument("--warehouse", default=None, help="default: a temporary directory")
-    demo.add_argument("--engine", choices=["spark", "delta-rs"], default="spark")
+    demo.add_argument("--engine", choices=ENGINE_NAMES, default=DEFAULT_ENGINE)
     demo.set_defaults(func=_demo)
 
     table = sub.add_parser("table", help="inspect and maintain a deltaflow table")
@@ -386,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     create.add_argument(
         "--engine",
-        choices=["delta-rs", "spark"],
-        default="delta-rs",
+        choices=ENGINE_NAMES,
+        default=DELTA_RS,
         help="what creates the table (default delta-rs: no JVM)",
     )
     create.add_argument("--spark-master", default="local[*]")

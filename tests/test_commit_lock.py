@@ -23,8 +23,8 @@ from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import StreamerOptions
-from deltaflow.spark_integration import lock
-from deltaflow.spark_integration.lock import others_waiting, table_lock, table_lock_path
+from deltaflow.tables import flock as lock
+from deltaflow.tables.flock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
 
 from .conftest import read_delta
@@ -142,7 +142,7 @@ def test_a_waiter_killed_while_waiting_stops_counting_as_waiting(tmp_path: Path)
     lock_path = table_lock_path(tmp_path, "t")
     script = (
         "import sys; from pathlib import Path; "
-        "from deltaflow.spark_integration.lock import table_lock; "
+        "from deltaflow.tables.flock import table_lock; "
         "table_lock(Path(sys.argv[1]), 't').__enter__()"
     )
     with table_lock(tmp_path, "t"):

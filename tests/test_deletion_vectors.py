@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pyroaring import BitMap64
 
-from deltaflow.spark_integration.deletion_vectors import (
+from deltaflow.tables.deletion_vectors import (
     DeletionVectorError,
     DvWriter,
     encode,

@@ -19,11 +19,11 @@ import pytest
 import deltaflow
 from deltaflow import DataStreamerError, Delete, StreamerOptions
 from deltaflow.client.results import ResultDispatcher
+from deltaflow.engines import create_table
 from deltaflow.errors import FrameTooLargeError, OverloadedError, UsageError
 from deltaflow.protocol import WS_PATH, decode_frames, encode_frame, join_items, pack_item
 from deltaflow.server import Node
 from deltaflow.server.dispatcher import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES
-from deltaflow.spark_integration import create_table
 from deltaflow.testing import RecordOrder, RequestDropper, at_fault_point
 
 from .conftest import Eventually, read_delta, start_cluster
@@ -487,9 +487,9 @@ async def test_a_full_result_buffer_makes_its_reader_wait() -> None:
 
 async def test_a_group_whose_commit_fails_is_committed_write_by_write(warehouse: Path) -> None:
     from deltaflow.errors import SchemaError
-    from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
-    from deltaflow.spark_integration.lock import table_lock
-    from deltaflow.spark_integration.tables import TableSettings
+    from deltaflow.tables.deltars_engine import DeltaRsTableEngine
+    from deltaflow.tables.flock import table_lock
+    from deltaflow.tables.settings import TableSettings
 
     engine = DeltaRsTableEngine(warehouse, node_id="t1")
     await engine.start()

@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 
-from deltaflow.spark_integration.live_files import LiveFiles
+from deltaflow.tables.live_files import LiveFiles
 
 
 def _table(tmp_path: Path) -> Path:

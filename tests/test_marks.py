@@ -1,5 +1,5 @@
 """Lane marks: which batches a table already holds, read from its Delta log as a node reads it
-before each commit (``spark_integration/marks.py``). The logs here are written by hand, one
+before each commit (``tables/marks.py``). The logs here are written by hand, one
 action per line as Delta writes them, so every case is exact and no engine runs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from deltaflow.spark_integration.marks import (
+from deltaflow.tables.marks import (
     LaneMarks,
     Mark,
     checkpoint_vectors,
@@ -179,7 +179,7 @@ def test_an_unreadable_commit_is_logged_and_holds_no_marks(
     broken.write_text('{"commitInfo": {"userMetadata": "{\\"deltaflow\\"\n')
     commit(tmp_path, 1, lanes={"s/0": (1, 0)})
     marks = LaneMarks(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="deltaflow.spark_integration.marks"):
+    with caplog.at_level(logging.WARNING, logger="deltaflow.tables.marks"):
         marks.refresh()
     assert marks.scanned == 1
     assert marks.applied("s/0", (1, 0))

@@ -25,13 +25,13 @@ from deltaflow import StreamerOptions
 from deltaflow.errors import UsageError
 from deltaflow.server import Node
 from deltaflow.spark_integration import (
-    BUCKET_COLUMN,
     DataFrameStreamError,
     foreach_batch,
     read_dead_letters,
     read_table,
     stream_dataframe,
 )
+from deltaflow.tables import BUCKET_COLUMN
 from deltaflow.testing import KillOnKey
 
 from .conftest import read_delta, start_cluster

@@ -17,9 +17,9 @@ from reactivex.disposable import Disposable
 
 import deltaflow
 from deltaflow import DataStreamerError, StreamerOptions
+from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError, UsageError
 from deltaflow.server import Node
-from deltaflow.spark_integration import create_table
 
 from .conftest import Eventually, read_delta, start_cluster
 

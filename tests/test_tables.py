@@ -23,23 +23,19 @@ from deltalake import DeltaTable, QueryBuilder
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
+from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError, ServerError, UsageError
 from deltaflow.partitioning import partition_of
 from deltaflow.server import Node, NodeConfig
-from deltaflow.spark_integration import (
-    BUCKET_COLUMN,
-    create_table,
-    maintenance,
-    read_table_settings,
-)
-from deltaflow.spark_integration import engine as engine_module
-from deltaflow.spark_integration.deltars_engine import DeltaRsTableEngine
-from deltaflow.spark_integration.engine import TableEngine
-from deltaflow.spark_integration.footprint import Footprint
-from deltaflow.spark_integration.lock import table_lock
-from deltaflow.spark_integration.merge_on_read import MERGE_FILES_AT
 from deltaflow.spark_integration.spark_engine import SparkTableEngine
-from deltaflow.spark_integration.tables import TableSettings
+from deltaflow.tables import BUCKET_COLUMN, maintenance, read_table_settings, staging
+from deltaflow.tables.deltars_engine import DeltaRsTableEngine
+from deltaflow.tables.engine import TableEngine
+from deltaflow.tables.flock import table_lock
+from deltaflow.tables.footprint import Footprint
+from deltaflow.tables.grouping import last_per_key
+from deltaflow.tables.merge_on_read import MERGE_FILES_AT
+from deltaflow.tables.settings import TableSettings
 from deltaflow.testing import at_fault_point
 
 from .conftest import TEST_SPARK, engine_options, read_delta, read_spark, start_cluster
@@ -624,7 +620,7 @@ async def test_the_live_files_kept_from_new_commits_are_those_delta_rs_lists(
             await upsert(eng, "listed", rows, frozenset(range(0, 40, 9)))
             if n % 4 == 3:
                 same_as_delta_rs(eng)
-        assert path in first._live and path in second._live  # kept, not listed afresh
+        assert first.log.keeps(path) and second.log.keeps(path)  # not listed afresh
         await upsert(first, "listed", [{"id": 7, "name": "x", "ts": moment, "extra": 1.5}])
         same_as_delta_rs(second)
         await asyncio.to_thread(DeltaTable(str(path)).optimize.compact)
@@ -970,7 +966,7 @@ def test_a_group_keeps_the_last_row_of_each_key_in_order(key: list[str], values:
     last: dict[Any, int] = {}
     for i, row in enumerate(rows):
         last[repr([row[k] for k in key])] = i
-    kept = engine_module._last_per_key(group, key)
+    kept = last_per_key(group, key)
     assert kept.column("seq").to_pylist() == sorted(last.values())
 
 
@@ -1028,7 +1024,7 @@ async def test_a_burst_of_writes_to_an_idle_table_commits_as_one_group(
     committer, which waits for the writes still being converted rather than committing a
     fragment of the burst while the rest waits a whole commit. delta-rs only: the base class
     forms groups."""
-    monkeypatch.setattr(engine_module, "GATHER_SECONDS", 60.0)  # the bound is not under test
+    monkeypatch.setattr(staging, "GATHER_SECONDS", 60.0)  # the bound is not under test
     async with table_engine("delta-rs", warehouse) as eng:
         await upsert(eng, "burst", [{"id": 0, "v": 0.0}])  # the table exists: groups prepare
         commits = eng.stats.commits
@@ -1102,9 +1098,9 @@ async def test_min_commit_interval_spaces_commits_but_a_whole_group_goes_at_once
             await asyncio.gather(*futures)
     async with table_engine("delta-rs", warehouse, min_commit_interval=0.3) as eng:
         await upsert(eng, "spaced", [{"id": 0, "v": 0.0}])
-        first = eng._tables["spaced"].last_commit_at
+        first = eng._tables["spaced"].queue.last_taken_at
         await upsert(eng, "spaced", [{"id": 1, "v": 1.0}])  # the interval had not passed
-        second = eng._tables["spaced"].last_commit_at
+        second = eng._tables["spaced"].queue.last_taken_at
         assert first is not None and second is not None and second - first >= 0.3
     assert [r["id"] for r in read_all(warehouse / "capped")] == [0, 1, 2, 3]
     with pytest.raises(UsageError, match="min_commit_interval must be between 0 and 600"):

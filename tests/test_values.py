@@ -16,10 +16,10 @@ from deltalake import DeltaTable
 import deltaflow
 from deltaflow import DataStreamerError, StreamerOptions
 from deltaflow.columnar import ArrowRows
+from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError
 from deltaflow.server import Node
-from deltaflow.spark_integration import create_table
-from deltaflow.spark_integration.engine import to_arrow_rows
+from deltaflow.tables.rows import to_arrow_rows
 
 from .conftest import read_delta, start_cluster
 
@@ -73,7 +73,7 @@ CASES: list[tuple[str, Any, Any]] = [
 
 
 def _schema(type_: str) -> Any:
-    from deltaflow.spark_integration.tables import parse_schema
+    from deltaflow.tables.settings import parse_schema
 
     return parse_schema(f"id:long,v:{type_}")
 

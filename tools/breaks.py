@@ -145,7 +145,7 @@ BREAKS: dict[str, Break] = {
         ("tests/test_guarantees.py::test_a_full_result_buffer_makes_its_reader_wait",),
     ),
     "no_one_by_one": Break(
-        "deltaflow/spark_integration/engine.py",
+        "deltaflow/tables/engine.py",
         "            for staged in group:\n                await self._commit_group([staged])\n            return\n",
         "            for staged in group:\n                _settle(staged.future, exc)\n            return\n",
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),

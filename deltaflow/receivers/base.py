@@ -41,7 +41,7 @@ class SideInputReader(Protocol):
 
 
 class TableWriter(Protocol):
-    """What the node's table engine offers receivers (see ``spark_integration.engine``)."""
+    """What the node's table engine offers receivers (see ``tables.engine``)."""
 
     async def stage(
         self,
@@ -96,7 +96,7 @@ class ReceiverContext:
     _writes: dict[str, int] = field(default_factory=dict)
 
     def _next_mark(self, table: str) -> tuple[str, tuple[int, int]]:
-        """The lane mark of this batch's next write to ``table`` (see spark_integration.marks)."""
+        """The lane mark of this batch's next write to ``table`` (see tables.marks)."""
         k = self._writes.get(table, 0)
         self._writes[table] = k + 1
         return f"{self.stream_id}/{self.partition}", (self.seq, k)

@@ -21,7 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
-from ..spark_integration.engine import Histogram
+from ..tables.statistics import Histogram
 
 if TYPE_CHECKING:
     from .node import NodeStatistics

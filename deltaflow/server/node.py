@@ -9,11 +9,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ..engines import DEFAULT_ENGINE, check_engine, new_engine
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
@@ -21,16 +22,16 @@ from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
-from ..spark_integration.deltars_engine import DeltaRsTableEngine
-from ..spark_integration.engine import (
-    DEFAULT_MAX_GROUP_BYTES,
-    EngineStatistics,
-    TableEngine,
-    checked_commit_interval,
-)
 from ..spark_integration.session import SparkConfig
-from ..spark_integration.spark_engine import SPARK_WRITERS, SparkTableEngine
-from ..spark_integration.tables import MAX_BUCKETS, default_buckets
+from ..spark_integration.spark_engine import SPARK_WRITERS
+from ..tables.engine import TableEngine
+from ..tables.engine_settings import (
+    DEFAULT_MAX_GROUP_BYTES,
+    DEFAULT_MAX_GROUP_ROWS,
+    EngineSettings,
+)
+from ..tables.settings import default_buckets
+from ..tables.statistics import EngineStatistics
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher, DispatcherStatistics
 from .identity import NodeIdentity, load_identity
@@ -123,10 +124,10 @@ class NodeConfig:
     heartbeat_interval: float = 0.5
     failure_timeout: float = 3.0
     peer_expiry: float = DEFAULT_PEER_EXPIRY
-    engine: str = "spark"
+    engine: str = DEFAULT_ENGINE
     spark: SparkConfig = field(default_factory=SparkConfig)
-    spark_writer: str = "direct"
-    max_group_rows: int = 500_000
+    spark_writer: str = SPARK_WRITERS[0]
+    max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     min_commit_interval: float = 0.0
     table_buckets: int | None = None
@@ -149,8 +150,7 @@ class NodeConfig:
                 f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
                 "advertise='host:port' (--advertise) so clients and peers can reach it"
             )
-        if self.engine not in ("spark", "delta-rs"):
-            raise UsageError(f"engine must be 'spark' or 'delta-rs', got {self.engine!r}")
+        check_engine(self.engine)
         if self.spark_writer not in SPARK_WRITERS:
             raise UsageError(
                 f"spark_writer must be one of {', '.join(SPARK_WRITERS)}, got {self.spark_writer!r}"
@@ -164,15 +164,28 @@ class NodeConfig:
             raise UsageError("failure_timeout must exceed heartbeat_interval")
         if self.peer_expiry <= self.failure_timeout:
             raise UsageError("peer_expiry must exceed failure_timeout")
-        if self.max_group_rows < 1 or self.max_group_bytes < 1:
-            raise UsageError("max_group_rows and max_group_bytes must be at least 1")
-        checked_commit_interval(self.min_commit_interval)
-        if self.table_buckets is not None and not 0 <= self.table_buckets <= MAX_BUCKETS:
-            raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+        self.engine_settings()  # checks them
         if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
             raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
         if not self.side_input_lease >= 0.3:
             raise UsageError("side_input_lease must be at least 0.3 seconds")
+
+    def engine_settings(self) -> EngineSettings:
+        """The node's table engine settings (its bucket count follows ``partitions`` unless
+        ``table_buckets`` is given).
+
+        Raises:
+            UsageError: one is out of range.
+        """
+        buckets = self.table_buckets
+        return EngineSettings(
+            max_group_rows=self.max_group_rows,
+            max_group_bytes=self.max_group_bytes,
+            min_commit_interval=self.min_commit_interval,
+            table_buckets=default_buckets(self.partitions) if buckets is None else buckets,
+            schema_evolution=self.schema_evolution,
+            deletion_vectors=self.deletion_vectors,
+        )
 
 
 class NodeState(enum.Enum):
@@ -222,24 +235,14 @@ class Node:
         self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
         self.registry.register_names(config.receivers)
         self.engine: TableEngine
-        buckets = config.table_buckets
-        if buckets is None:
-            buckets = default_buckets(config.partitions)
-        common: dict[str, Any] = {
-            "node_id": config.node_id,
-            "max_group_rows": config.max_group_rows,
-            "max_group_bytes": config.max_group_bytes,
-            "min_commit_interval": config.min_commit_interval,
-            "table_buckets": buckets,
-            "schema_evolution": config.schema_evolution,
-            "deletion_vectors": config.deletion_vectors,
-        }
-        if config.engine == "spark":
-            self.engine = SparkTableEngine(
-                Path(config.warehouse), spark=config.spark, writer=config.spark_writer, **common
-            )
-        else:
-            self.engine = DeltaRsTableEngine(Path(config.warehouse), **common)
+        self.engine = new_engine(
+            config.engine,
+            Path(config.warehouse),
+            spark=config.spark,
+            spark_writer=config.spark_writer,
+            node_id=config.node_id,
+            settings=config.engine_settings(),
+        )
         # Side inputs, like receivers, are imported here from the operator's list only.
         classes = load_side_inputs([*config.side_inputs, *side_inputs])
         self.side_inputs: SideInputStore | None = None

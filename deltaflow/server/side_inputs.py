@@ -60,7 +60,7 @@ from croniter import croniter
 
 from ..errors import SideInputError, UsageError
 from ..receivers.side_input import MAX_SIDE_INPUT_BYTES, SideInput
-from ..spark_integration.lock import file_lock
+from ..tables.flock import file_lock
 
 __all__ = [
     "DEFAULT_SIDE_INPUT_LEASE",

@@ -1,52 +1,65 @@
-"""Delta tables: the table engine seam and its Spark and delta-rs engines, the process's
-SparkSession and Delta jars; Spark as a source (``stream_dataframe``, ``foreach_batch``) and as
-a reader (``read_table``, ``read_dead_letters``).
+"""Everything that needs Spark: the process's SparkSession and Delta jars, the Spark table
+engine, Spark as a source (``stream_dataframe``, ``foreach_batch``) and as a reader
+(``read_table``, ``read_dead_letters``).
 
-Importing this package does not import PySpark; :func:`get_spark` does, with a clear
-ImportError naming the extra to install.
+Names are imported on first use, so a node that imports the session or the engine does not
+import the client's DataFrame source, and importing this package does not import PySpark:
+:func:`get_spark` does, with a clear ImportError naming the extra to install.
 """
 
-from .dataframe import (
-    DataFrameStreamError,
-    DataFrameSummary,
-    ForeachBatchWriter,
-    PartitionFailure,
-    foreach_batch,
-    read_dead_letters,
-    read_table,
-    stream_dataframe,
-)
-from .deltars_engine import DeltaRsTableEngine
-from .engine import TableEngine
-from .jars import ensure_jars
-from .session import SparkConfig, get_spark
-from .spark_engine import SparkTableEngine
-from .tables import BUCKET_COLUMN, TableSettings, create_table, read_table_settings
+from __future__ import annotations
 
-#: Engines a node can be started with (``NodeConfig.engine`` / ``deltaflow serve --engine``).
-ENGINES: dict[str, type[TableEngine]] = {
-    SparkTableEngine.name: SparkTableEngine,
-    DeltaRsTableEngine.name: DeltaRsTableEngine,
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .dataframe import (
+        DataFrameStreamError,
+        DataFrameSummary,
+        ForeachBatchWriter,
+        PartitionFailure,
+        foreach_batch,
+        read_dead_letters,
+        read_table,
+        stream_dataframe,
+    )
+    from .jars import ensure_jars
+    from .session import SparkConfig, get_spark
+    from .spark_engine import SparkTableEngine
+
+_HOMES = {
+    "DataFrameStreamError": "dataframe",
+    "DataFrameSummary": "dataframe",
+    "ForeachBatchWriter": "dataframe",
+    "PartitionFailure": "dataframe",
+    "foreach_batch": "dataframe",
+    "read_dead_letters": "dataframe",
+    "read_table": "dataframe",
+    "stream_dataframe": "dataframe",
+    "ensure_jars": "jars",
+    "SparkConfig": "session",
+    "get_spark": "session",
+    "SparkTableEngine": "spark_engine",
 }
 
 __all__ = [
-    "BUCKET_COLUMN",
-    "ENGINES",
     "DataFrameStreamError",
     "DataFrameSummary",
-    "DeltaRsTableEngine",
     "ForeachBatchWriter",
     "PartitionFailure",
     "SparkConfig",
     "SparkTableEngine",
-    "TableEngine",
-    "TableSettings",
-    "create_table",
     "ensure_jars",
     "foreach_batch",
     "get_spark",
     "read_dead_letters",
     "read_table",
-    "read_table_settings",
     "stream_dataframe",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

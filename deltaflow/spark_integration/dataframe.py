@@ -8,7 +8,7 @@
 - :func:`read_table` and :func:`read_dead_letters` read a deltaflow table (and the dead-letter
   table) back as DataFrames.
 
-Exactly-once per micro-batch rests on the nodes' lane marks (``spark_integration/marks.py``):
+Exactly-once per micro-batch rests on the nodes' lane marks (``tables/marks.py``):
 every table write records its ``(stream id, partition) -> (seq, k)`` in the Delta commit, and a
 write whose mark the table already holds is skipped. A replayed micro-batch is therefore
 skipped where it already landed if it is streamed under the *same stream ids* and cut into the
@@ -691,7 +691,7 @@ def read_dead_letters(
 
 
 def _load(spark: SparkSession, path: Path, *, all_columns: bool) -> DataFrame:
-    from .tables import BUCKET_COLUMN
+    from ..tables.settings import BUCKET_COLUMN
 
     df = spark.read.format("delta").load(str(path))
     if not all_columns and BUCKET_COLUMN in df.columns:

@@ -38,17 +38,17 @@ from typing import Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
-from .engine import DELETE_COLUMN, TableDescription, TableEngine
-from .footprint import Footprint
-from .merge_on_read import MergeOnRead, has_deletion_vectors
-from .rewrite import DataFile, Rewrite, RewriteUnsupported, write_files
-from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
-from .tables import (
+from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
+from ..tables.footprint import Footprint
+from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
+from ..tables.rewrite import Rewrite, RewriteUnsupported, write_files
+from ..tables.settings import (
     BUCKET_COLUMN,
     PROP_CHECKPOINT_INTERVAL,
     TableSettings,
     with_layout,
 )
+from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
 
 __all__ = ["SPARK_WRITERS", "SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
@@ -234,39 +234,22 @@ class SparkTableEngine(TableEngine):
                 f"ALTER TABLE delta.{_quote(str(path))} ADD COLUMNS ({columns})"
             )
 
-    def write(
-        self,
-        table: str,
-        path: Path,
-        key: list[str],
-        data: Any,
-        metadata: str,
-        footprint: Footprint | None,
-        written: list[tuple[DataFile, Any]] | None = None,
-    ) -> None:
+    def write(self, group: GroupWrite) -> None:
         if self.writer == "direct":
             try:
-                self._write_direct(table, path, key, data, metadata, footprint, written)
+                self._write_direct(group)
                 return
             except RewriteUnsupported as exc:
-                log.debug("table %s: applying this group by Spark SQL (%s)", table, exc)
-        self._write_sql(table, path, key, data, metadata, footprint)
+                log.debug("table %s: applying this group by Spark SQL (%s)", group.table, exc)
+        self._write_sql(group)
 
-    def _write_direct(
-        self,
-        table: str,
-        path: Path,
-        key: list[str],
-        data: Any,
-        metadata: str,
-        footprint: Footprint | None,
-        written: list[tuple[DataFile, Any]] | None = None,
-    ) -> None:
+    def _write_direct(self, group: GroupWrite) -> None:
         """Apply the group by the node's own files, committed through the driver's Delta.
 
         Raises:
             RewriteUnsupported: nothing was written; the group needs the SQL writer.
         """
+        table, path, key, footprint = group.table, group.path, group.key, group.footprint
         session = self._session(table)
         if getattr(session, "_jsparkSession", None) is None:
             raise RewriteUnsupported("a Spark Connect session has no driver JVM to commit in")
@@ -277,19 +260,21 @@ class SparkTableEngine(TableEngine):
         else:
             column, candidates = footprint.column, footprint.files
         try:
-            target = self._latest(path)  # delta-rs: the version the files are planned on
+            target = self.log.latest(path)  # delta-rs: the version the files are planned on
         except Exception as exc:
-            self._open.pop(path, None)
+            self.log.forget(path)
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
         with map_spark_errors(table, self.node_id):
             done: MergeOnRead | Rewrite
-            merge_on_read = written is not None or candidates is not None
+            merge_on_read = group.written is not None or candidates is not None
             if merge_on_read and column is not None and has_deletion_vectors(target):
-                done = self._merge_on_read(table, path, target, data, column, footprint, written)
+                done = self._merge_on_read(group, target, column=column)
             else:
-                done = write_files(target, path, data, column, candidates)
+                done = write_files(target, path, group.data, column, candidates)
             fault_point("before_commit")
-            self._commit_files(session, table, path, done.actions(), metadata, target.version())
+            self._commit_files(
+                session, table, path, done.actions(), group.metadata, target.version()
+            )
             if isinstance(done, MergeOnRead):
                 self._landed(path, done)
 
@@ -365,15 +350,8 @@ class SparkTableEngine(TableEngine):
         with map_spark_errors(table, self.node_id):
             delta_log.checkpoint(delta_log.getSnapshotAt(version, none, none), none)
 
-    def _write_sql(
-        self,
-        table: str,
-        path: Path,
-        key: list[str],
-        data: Any,
-        metadata: str,
-        footprint: Footprint | None,
-    ) -> None:
+    def _write_sql(self, group: GroupWrite) -> None:
+        table, path, data = group.table, group.path, group.data
         import pyarrow.parquet as pq
 
         staging = self.staging_dir / f"{uuid.uuid4().hex}.parquet"
@@ -383,11 +361,13 @@ class SparkTableEngine(TableEngine):
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
         try:
             with map_spark_errors(table, self.node_id):
-                session.conf.set(_USER_METADATA_CONF, metadata)
+                session.conf.set(_USER_METADATA_CONF, group.metadata)
                 try:
                     source = f"parquet.{_quote(str(staging))}"
-                    if footprint is not None:
-                        session.sql(_merge_sql(path, key, source, data.column_names, footprint))
+                    if group.footprint is not None:
+                        session.sql(
+                            _merge_sql(path, group.key, source, data.column_names, group.footprint)
+                        )
                     else:
                         cols = ", ".join(_quote(c) for c in columns)
                         session.sql(

@@ -55,7 +55,7 @@ from .rewrite import (
     remove_action,
     write_buckets,
 )
-from .tables import BUCKET_COLUMN, PROP_DELETION_VECTORS
+from .settings import BUCKET_COLUMN, PROP_DELETION_VECTORS
 
 __all__ = [
     "KEY_MEMORY_BYTES",

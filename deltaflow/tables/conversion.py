@@ -36,7 +36,7 @@ from operator import itemgetter
 from typing import Any, Final
 
 from ..errors import SchemaError
-from .tables import type_name
+from .settings import type_name
 
 __all__ = [
     "Refused",

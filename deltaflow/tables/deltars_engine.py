@@ -30,11 +30,12 @@ from typing import Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
-from .engine import DELETE_COLUMN, TableDescription, TableEngine
+from .engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from .footprint import Footprint
+from .log import log_dir as delta_log_dir
 from .merge_on_read import MergeOnRead, has_deletion_vectors
-from .rewrite import DataFile, RewriteUnsupported, rewrite
-from .tables import (
+from .rewrite import RewriteUnsupported, rewrite
+from .settings import (
     BUCKET_COLUMN,
     CHECKPOINT_INTERVAL,
     PROP_CHECKPOINT_INTERVAL,
@@ -153,7 +154,7 @@ def _create_with_deletion_vectors(
         "operationParameters": {"partitionBy": json.dumps(partition_by)},
         "engineInfo": "deltaflow",
     }
-    (path / "_delta_log").mkdir(parents=True, exist_ok=True)
+    delta_log_dir(path).mkdir(parents=True, exist_ok=True)
     commit_log_entry(
         path, 0, [{"commitInfo": info}, {"protocol": protocol}, {"metaData": metadata}]
     )
@@ -204,72 +205,53 @@ class DeltaRsTableEngine(TableEngine):
                 [Field.from_arrow(f.with_nullable(True)) for f in fields]
             )
 
-    def write(
-        self,
-        table: str,
-        path: Path,
-        key: list[str],
-        data: Any,
-        metadata: str,
-        footprint: Footprint | None,
-        written: list[tuple[DataFile, Any]] | None = None,
-    ) -> None:
+    def write(self, group: GroupWrite) -> None:
         try:
-            version = self._write(path, key, data, metadata, footprint, written, table)
+            version = self._write(group)
         except BaseException:
-            self._forget(path)  # read afresh next time, whatever state it is in
+            self.log.forget(group.path)  # read afresh next time, whatever state it is in
             raise
-        self._note_checkpoint(path, version)
+        self._note_checkpoint(group.path, version)
 
-    def _write(
-        self,
-        path: Path,
-        key: list[str],
-        data: Any,
-        metadata: str,
-        footprint: Footprint | None,
-        written: list[tuple[DataFile, Any]] | None,
-        table: str,
-    ) -> int | None:
+    def _write(self, group: GroupWrite) -> int | None:
         """Apply the group in one commit; the commit's version when it is known without reading
         the log again (merge-on-read writes the log entry itself), else None."""
         import pyarrow.compute as pc
         from deltalake import CommitProperties, PostCommitHookProperties, write_deltalake
 
-        props = CommitProperties(custom_metadata={"userMetadata": metadata})
+        path, key, data, footprint = group.path, group.key, group.data, group.footprint
+        props = CommitProperties(custom_metadata={"userMetadata": group.metadata})
         # The checkpoint is written after the lock is released (see TableEngine.checkpoint).
         hooks = PostCommitHookProperties(create_checkpoint=False)
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
-        with map_deltars_errors(table, self.node_id):
+        with map_deltars_errors(group.table, self.node_id):
             listed = footprint is not None and footprint.files is not None
-            merge_on_read = written is not None or listed
+            merge_on_read = group.written is not None or listed
             if merge_on_read and len(key) == 1:
-                target, planned = self._planned(path)
+                target, planned = self.log.planned(path)
                 if has_deletion_vectors(target):
                     try:
-                        done = self._merge_on_read(
-                            table, path, target, data, key[0], footprint, written, planned
-                        )
-                        return self._commit_merge_on_read(path, done, metadata, planned)
+                        done = self._merge_on_read(group, target, planned)
+                        return self._commit_merge_on_read(path, done, group.metadata, planned)
                     except RewriteUnsupported as exc:
-                        log.debug("table %s: merging this group (%s)", table, exc)
+                        log.debug("table %s: merging this group (%s)", group.table, exc)
             if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(
-                    self._latest(path),
+                    self.log.latest(path),
                     rows,
                     mode="append",
                     commit_properties=props,
                     post_commithook_properties=hooks,
                 )
                 return None
-            target = self._latest(path)
+            target = self.log.latest(path)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props, hooks)
                     return None
                 except RewriteUnsupported as exc:
-                    log.debug("table %s: merging this group (%s)", table, exc)
+                    log.debug("table %s: merging this group (%s)", group.table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
@@ -296,9 +278,9 @@ class DeltaRsTableEngine(TableEngine):
         lock, see ``checkpoint``). A known version spares reading the table's state again, 15 ms
         under the lock for a table of a few thousand files; the interval is the table's, as of
         the commit's read."""
-        target = self._open.get(path)
+        target = self.log.opened(path)
         if target is None or version is None:
-            target = self._latest(path)
+            target = self.log.latest(path)
             version = int(target.version())
         configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
         if version > 0 and version % (int(configured or 0) or CHECKPOINT_INTERVAL) == 0:
@@ -341,7 +323,7 @@ def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) ->
     import os
     import uuid
 
-    log_dir = path / "_delta_log"
+    log_dir = delta_log_dir(path)
     staged = log_dir / f".{version:020d}.json.{uuid.uuid4().hex}.tmp"
     staged.write_text(
         "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions), encoding="utf-8"

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .tables import BUCKET_COLUMN
+from .settings import BUCKET_COLUMN
 
 __all__ = ["MAX_KEY_RANGES", "Footprint"]
 

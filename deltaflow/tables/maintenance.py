@@ -1,7 +1,8 @@
 """Table maintenance and inspection (``deltaflow table ...``), through delta-rs: no JVM needed.
 
 Compaction rewrites small files into large ones in one commit; it holds the table's commit
-lock (:mod:`.lock`) like every other deltaflow commit, so it never races a node's group commit.
+atomicity (:mod:`.atomicity`) like every other deltaflow commit, so it never races a node's
+group commit.
 
 Vacuum deletes the files no version within the retention needs: files that compaction or a
 rewrite replaced, files of commits that failed, and deletion vector files no file uses any
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..errors import UsageError
-from ..receivers.base import check_table_name
-from .lock import table_lock
+from .atomicity import atomicity_for
+from .log import log_dir as delta_log_dir
+from .log import table_path
 
 __all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path", "vacuum"]
 
@@ -27,19 +29,12 @@ __all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path
 DEFAULT_RETENTION_HOURS: Final = 168
 
 
-def table_path(warehouse: Path, table: str) -> Path:
-    path = Path(warehouse) / check_table_name(table)
-    if not (path / "_delta_log").is_dir():
-        raise UsageError(f"no Delta table {table!r} under {warehouse}")
-    return path
-
-
 def optimize(warehouse: Path, table: str, *, target_size: int | None = None) -> dict[str, Any]:
     """Compact the table's small files; returns delta-rs's metrics (files added/removed...)."""
     from deltalake import DeltaTable
 
     path = table_path(warehouse, table)
-    with table_lock(Path(warehouse), table):
+    with atomicity_for(Path(warehouse)).hold(table):
         metrics = DeltaTable(str(path)).optimize.compact(target_size=target_size)
     return dict(metrics)
 
@@ -64,7 +59,7 @@ def vacuum(
     if retention_hours < 0:
         raise UsageError(f"retention_hours must be >= 0, got {retention_hours}")
     path = table_path(warehouse, table)
-    with table_lock(Path(warehouse), table):
+    with atomicity_for(Path(warehouse)).hold(table):
         unreferenced = DeltaTable(str(path)).vacuum(
             retention_hours=retention_hours,
             dry_run=True,
@@ -85,7 +80,7 @@ def _vector_files(path: Path) -> set[Path]:
     from .deletion_vectors import file_of
     from .marks import checkpoint_vectors, commit_vectors
 
-    log_dir = path / "_delta_log"
+    log_dir = delta_log_dir(path)
     descriptors = [dv for commit in log_dir.glob("*.json") for dv in commit_vectors(commit)]
     for checkpoint in log_dir.glob("*.checkpoint*.parquet"):
         descriptors += [dv for _, dv in checkpoint_vectors(checkpoint, ("add", "remove"))]
@@ -127,7 +122,7 @@ def show(
     import pyarrow as pa
     from deltalake import DeltaTable, QueryBuilder
 
-    from .tables import BUCKET_COLUMN
+    from .settings import BUCKET_COLUMN
 
     dt = DeltaTable(str(table_path(warehouse, table)))
     names = [

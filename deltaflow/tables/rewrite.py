@@ -47,7 +47,7 @@ from urllib.parse import unquote
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
 from .footprint import Footprint
-from .tables import BUCKET_COLUMN
+from .settings import BUCKET_COLUMN
 
 __all__ = [
     "DataFile",

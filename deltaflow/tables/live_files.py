@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+from .log import log_dir
+
 __all__ = ["LiveFiles"]
 
 #: Columns of delta-rs's flattened listing taken from the add action itself.
@@ -45,7 +47,7 @@ class LiveFiles:
     def __init__(self, path: Path, files: Any, version: int) -> None:
         import pyarrow as pa
 
-        self._log_dir = path / "_delta_log"
+        self._log_dir = log_dir(path)
         self.files = pa.table(files).combine_chunks()
         self.version = version
 

@@ -1,4 +1,4 @@
-"""Table settings, the bucket layout and explicit table creation.
+"""Table settings and the bucket layout, stored in each table's Delta properties.
 
 A table deltaflow creates carries its settings in Delta table properties, so every node (and
 every engine) reads the same ones from the table itself:
@@ -38,7 +38,6 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "MAX_BUCKETS",
     "TableSettings",
-    "create_table",
     "default_buckets",
     "parse_schema",
     "read_table_settings",
@@ -62,8 +61,6 @@ PROP_EXPIRED_LOG_CLEANUP: Final = "delta.enableExpiredLogCleanup"
 #: Commits between two checkpoints of the tables deltaflow creates (delta-rs's default; see
 #: the module docstring). Readers replay at most this many small JSON commits.
 CHECKPOINT_INTERVAL: Final = 100
-
-_ENGINES: Final = ("delta-rs", "spark")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -259,77 +256,6 @@ def with_layout(schema: Any, settings: TableSettings) -> tuple[Any, list[str]]:
     return schema.append(pa.field(BUCKET_COLUMN, pa.int32())), [BUCKET_COLUMN]
 
 
-def create_table(
-    warehouse: Path | str,
-    name: str,
-    *,
-    schema: Any,
-    key: str | Sequence[str] = (),
-    buckets: int | None = None,
-    allow_schema_evolution: bool = False,
-    deletion_vectors: bool = False,
-    engine: str = "delta-rs",
-    spark: Any = None,
-) -> TableSettings:
-    """Create an empty deltaflow table under ``warehouse`` (blocking; run it in a thread from
-    async code).
-
-    Args:
-        warehouse: the nodes' warehouse directory.
-        name: the table name (a directory under the warehouse).
-        schema: the columns: a pyarrow schema, ``{column: type}`` or ``"id:long,name:string"``
-            (types as in :func:`parse_schema`).
-        key: merge key column(s). Empty (default) makes an append table.
-        buckets: buckets of the layout. Default: 64 for a keyed table (one per partition of a
-            default cluster; use the cluster's partition count or a divisor of it), 0 for an
-            append table. 0 turns the layout off.
-        allow_schema_evolution: writes may add columns (default False: rows with unknown
-            columns are rejected).
-        deletion_vectors: enable Delta deletion vectors (default False): Spark's MERGE marks
-            the rows it replaces, and the delta-rs engine applies groups by merge-on-read
-            (see docs/tables.md). Readers need Delta reader version 3.
-        engine: ``"delta-rs"`` (default; no JVM) or ``"spark"``.
-        spark: a :class:`~.session.SparkConfig` for ``engine="spark"``.
-
-    Returns the settings stored in the table's properties.
-
-    Raises:
-        UsageError: bad arguments, or the table exists already.
-    """
-    from ..receivers.base import check_table_name
-    from .lock import table_lock
-
-    check_table_name(name)
-    if engine not in _ENGINES:
-        raise UsageError(f"engine must be one of {_ENGINES}, got {engine!r}")
-    data_schema = parse_schema(schema)
-    keys = (key,) if isinstance(key, str) else tuple(key)
-    missing = [k for k in keys if k not in data_schema.names]
-    if missing:
-        raise UsageError(f"key column(s) {missing} are not in the schema {data_schema.names}")
-    settings = TableSettings(
-        key=keys,
-        buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
-        schema_evolution=allow_schema_evolution,
-        deletion_vectors=deletion_vectors,
-    )
-    warehouse = Path(warehouse)
-    path = warehouse / name
-    with table_lock(warehouse, name):
-        if (path / "_delta_log").is_dir():
-            raise UsageError(f"table {name!r} exists already under {warehouse}")
-        if engine == "spark":
-            from .session import get_spark
-            from .spark_engine import create_delta_table as create_spark
-
-            create_spark(get_spark(spark), path, data_schema, settings, table=name, node="cli")
-        else:
-            from .deltars_engine import create_delta_table as create_rs
-
-            create_rs(path, data_schema, settings, table=name, node="cli")
-    return settings
-
-
 def read_table_settings(warehouse: Path | str, name: str) -> TableSettings:
     """The settings of an existing table, read with delta-rs (no JVM).
 
@@ -338,7 +264,7 @@ def read_table_settings(warehouse: Path | str, name: str) -> TableSettings:
     """
     from deltalake import DeltaTable
 
-    from .maintenance import table_path
+    from .log import table_path
 
     dt = DeltaTable(str(table_path(Path(warehouse), name)))
     columns = _column_names(dt.schema().to_arrow())

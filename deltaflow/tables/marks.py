@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .deletion_vectors import descriptor_id
+from .log import log_dir
 
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
@@ -42,7 +43,7 @@ class LaneMarks:
     """
 
     def __init__(self, table_path: Path) -> None:
-        self._log_dir = table_path / "_delta_log"
+        self._log_dir = log_dir(table_path)
         self._marks: dict[str, Mark] = {}
         self._scanned = -1
         #: The deletion vector of every live file that has one (path -> descriptor), for a

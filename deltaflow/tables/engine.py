@@ -1,0 +1,327 @@
+"""The table engine seam: what a node asks of a Delta implementation, and what every engine
+shares.
+
+:class:`TableEngine` validates staged rows (:mod:`.rows`), keeps a committer per table
+(:mod:`.committer`: staging queue, group commit, lane marks, commit atomicity) and statistics.
+A subclass supplies the blocking calls that touch a table: :meth:`~TableEngine.create`,
+:meth:`~TableEngine.add_columns` and :meth:`~TableEngine.write` (one group, one commit). Engines:
+delta-rs (:mod:`.deltars_engine`) and Spark (:mod:`deltaflow.spark_integration.spark_engine`);
+:mod:`deltaflow.engines` chooses one by name.
+
+Tables carry their settings (key, bucket layout, schema evolution, deletion vectors) in their
+Delta properties (:mod:`.settings`). Keyed tables get the bucket column, and each MERGE names
+the buckets its group holds, so it touches only their files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..columnar import DELETE_COLUMN
+from ..errors import SchemaError, UsageError
+from .atomicity import CommitAtomicity, atomicity_for
+from .committer import TableCommitter
+from .engine_settings import EngineSettings
+from .group import GroupWrite
+from .log_reader import LogReader
+from .marks import Mark
+from .merge_on_read import (
+    KEY_MEMORY_BYTES,
+    KeyColumns,
+    MergeOnRead,
+    vectors_at,
+    write_merge_on_read,
+)
+from .rewrite import RewriteUnsupported
+from .rows import to_arrow_rows
+from .settings import PROP_EXPIRED_LOG_CLEANUP, TableSettings
+from .staging import Staged
+from .statistics import EngineStatistics
+
+__all__ = ["DELETE_COLUMN", "GroupWrite", "TableDescription", "TableEngine"]
+
+
+@dataclass(frozen=True, slots=True)
+class TableDescription:
+    """What an engine reads about an existing table.
+
+    Attributes:
+        schema: the Arrow schema of every column, the bucket column included.
+        partition_columns: Delta partition columns.
+        properties: Delta table properties.
+    """
+
+    schema: Any
+    partition_columns: tuple[str, ...]
+    properties: Mapping[str, str]
+
+
+class TableEngine:
+    """Applies staged rows to Delta tables under ``warehouse``; the seam between the node and a
+    Delta implementation.
+
+    The base class owns everything that must not differ between engines: validation, group
+    commit, table settings and the bucket layout, schema checks and evolution, commit
+    atomicity, lane marks (exactly-once) and statistics. A subclass supplies blocking methods
+    run in worker threads: :meth:`_start_engine`, :meth:`describe`, :meth:`create`,
+    :meth:`add_columns` and :meth:`write`.
+
+    Args:
+        warehouse: directory holding one Delta table per sub-directory.
+        node_id: for error messages and logs.
+        threads: worker threads for engine calls (the event loop never blocks on them).
+        settings: the engine's :class:`.EngineSettings` (group bounds, commit pace, the
+            settings of tables the node creates on first write); or give its fields instead.
+
+    Raises:
+        UsageError: a bad setting, or deletion vectors asked of an engine that cannot create
+            them.
+    """
+
+    #: The name nodes select the engine by (``--engine``).
+    name: ClassVar[str] = ""
+    #: Whether the engine creates tables with deletion vectors that every engine can read.
+    creates_deletion_vectors: ClassVar[bool] = False
+    #: Bytes of key columns kept per table for merge-on-read (:class:`.KeyColumns`).
+    key_memory_bytes: int = KEY_MEMORY_BYTES
+
+    def __init__(
+        self,
+        warehouse: Path,
+        *,
+        node_id: str,
+        threads: int = 2,
+        settings: EngineSettings | None = None,
+        **fields: Any,
+    ) -> None:
+        if settings is not None and fields:
+            raise UsageError(f"pass settings or {sorted(fields)}, not both")
+        self.settings = settings if settings is not None else EngineSettings(**fields)
+        if self.settings.deletion_vectors and not self.creates_deletion_vectors:
+            raise UsageError(
+                f"the {self.name} engine cannot create tables with deletion vectors (see "
+                "docs/tables.md); use the spark engine, or create the table with "
+                "`deltaflow table create --engine spark --deletion-vectors`: every engine "
+                "writes to it then"
+            )
+        self.warehouse = Path(warehouse)
+        self.node_id = node_id
+        self.stats = EngineStatistics()
+        self.atomicity: CommitAtomicity = atomicity_for(self.warehouse)
+        self.log = LogReader()
+        self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
+        self._tables: dict[str, TableCommitter] = {}
+        self._key_columns: dict[Path, KeyColumns] = {}  # merge-on-read, per table
+        # Tables whose last commit reached their checkpoint interval: the version to write a
+        # checkpoint at, once the table is released (set by the engine's commit).
+        self.checkpoints_due: dict[Path, int] = {}
+
+    async def start(self) -> None:
+        """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
+        self.warehouse.mkdir(parents=True, exist_ok=True)
+        # Leftovers of this node's earlier run (other nodes may share the warehouse).
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        await self.in_thread(self._start_engine)
+
+    def _start_engine(self) -> None:
+        """Blocking: start the engine."""
+
+    def describe(self, table: str, path: Path) -> TableDescription:
+        """Blocking: the schema, partition columns and properties of the table at ``path``,
+        read from its log by delta-rs (milliseconds, where Spark takes most of a second)."""
+        import pyarrow as pa
+        from deltalake import DeltaTable
+
+        dt = DeltaTable(str(path))
+        meta = dt.metadata()
+        return TableDescription(
+            schema=pa.schema(dt.schema().to_arrow()),
+            partition_columns=tuple(meta.partition_columns),
+            properties=dict(meta.configuration),
+        )
+
+    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+        """Blocking, with the table held: create the empty table at ``path``.
+
+        Args:
+            schema: the data columns (Arrow); the engine adds the bucket column and partitions
+                by it when ``settings.buckets`` > 0.
+            settings: stored in the table's properties.
+        """
+        raise NotImplementedError
+
+    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+        """Blocking, with the table held: add nullable columns (Arrow fields), one commit."""
+        raise NotImplementedError
+
+    def checkpoint(self, table: str, path: Path, version: int) -> None:
+        """Blocking, while other commits may land: write the table's Delta checkpoint at
+        ``version``. A commit that reaches the table's ``delta.checkpointInterval`` records
+        its version in ``checkpoints_due`` instead of writing the checkpoint while held.
+
+        delta-rs writes it, for either engine (far cheaper than Spark's checkpoint job). Then,
+        as Delta does after a checkpoint, it deletes the log's commit files older than the
+        table's ``delta.logRetentionDuration`` (unless ``delta.enableExpiredLogCleanup`` is
+        false).
+        """
+        from deltalake import DeltaTable
+
+        target = DeltaTable(str(path), version=version)
+        target.create_checkpoint()
+        if target.metadata().configuration.get(PROP_EXPIRED_LOG_CLEANUP, "true") != "false":
+            target.cleanup_metadata()
+
+    def write(self, group: GroupWrite) -> None:
+        """Blocking, with the table held: apply ``group`` to the existing table in one commit
+        whose ``userMetadata`` is ``group.metadata``."""
+        raise NotImplementedError
+
+    def merges_on_read(self, settings: TableSettings) -> bool:
+        """Whether this engine applies groups to a table with ``settings`` by merge-on-read
+        (:mod:`.merge_on_read`): the committer then writes a group's new files before it holds
+        the table, and passes them in :attr:`.GroupWrite.written`."""
+        return False
+
+    def live_files(self, path: Path) -> tuple[Any, int] | None:
+        """Blocking, with the table held: its live files and the version they are of
+        (:meth:`.LogReader.live_files`)."""
+        return self.log.live_files(path)
+
+    def _merge_on_read(
+        self,
+        group: GroupWrite,
+        target: Any,
+        planned: int | None = None,
+        *,
+        column: str | None = None,
+    ) -> MergeOnRead:
+        """Blocking, with the table held: write the files and deletion vectors that apply
+        ``group`` (keyed on one column) by merge-on-read to ``target`` (delta-rs, for the
+        table's metadata) at the version the commit is planned on (``planned``, None:
+        ``target``'s), by the key column ``column`` (None: the group's only key column); the
+        engine commits :meth:`.MergeOnRead.actions`, then calls :meth:`_landed`.
+        ``group.footprint`` None: no live file can hold one of its keys.
+
+        Raises:
+            RewriteUnsupported: the footprint does not list the live files that may hold the
+                group's keys (a key without ranges, or statistics delta-rs cannot read).
+        """
+        footprint = group.footprint
+        if footprint is not None and footprint.files is None:
+            raise RewriteUnsupported("no live files listed for the group's keys")
+        memory = self._key_columns.setdefault(group.path, KeyColumns(self.key_memory_bytes))
+        if footprint is None:
+            candidates, vectors = None, {}
+        else:
+            candidates = footprint.files
+            version = int(target.version()) if planned is None else planned
+            vectors = vectors_at(footprint, version, group.table, self.node_id)
+        return write_merge_on_read(
+            target,
+            group.path,
+            group.data,
+            column or group.key[0],
+            candidates,
+            vectors,
+            memory,
+            group.written,
+        )
+
+    def _landed(self, path: Path, done: MergeOnRead) -> None:
+        """A merge-on-read commit landed: forget the key columns of the files it removed."""
+        memory = self._key_columns.get(path)
+        if memory is not None:
+            memory.forget(done.removed)
+
+    async def stop(self) -> None:
+        for committer in self._tables.values():
+            committer.task.cancel()
+        for committer in self._tables.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer.task
+            if committer.checkpointing is not None:  # finishes on its thread: wait for it
+                await asyncio.wait([committer.checkpointing])
+            committer.fail_queued("node stopped before commit")
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+    def release(self) -> None:
+        """Some ``held`` writes may have become committable (their receiver returned)."""
+        for committer in self._tables.values():
+            if committer.queue:
+                committer.queue.ready.set()
+                committer.queue.wake_if_whole()
+
+    async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a blocking engine call on the engine's worker threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def stage(
+        self,
+        table: str,
+        key: Sequence[str],
+        rows: Sequence[Any],
+        deletes: frozenset[int],
+        *,
+        abandoned: Callable[[], bool] | None = None,
+        mark: tuple[str, Mark] | None = None,
+        held: Callable[[], bool] | None = None,
+    ) -> asyncio.Future[None]:
+        """Validate ``rows`` and queue them for ``table``'s next commit.
+
+        Args:
+            key: merge key columns; empty to append (rows are inserted as they are).
+            deletes: indexes of rows that delete their key (merge tables only).
+            abandoned: checked right before the commit; true drops the write.
+            mark: ``(lane, (seq, k))``: the write is skipped if the table already holds it.
+            held: true while the write must not be committed yet (its receiver still runs);
+                call :meth:`release` when it turns false.
+
+        Returns a future that resolves when the commit holding the rows is durable (or fails
+        with the commit's error). Waits while the table's queue is full.
+
+        Raises:
+            SchemaError: a row does not fit (the batch is not staged at all).
+        """
+        if not key and deletes:
+            raise SchemaError(
+                f"table {table!r} is written by appends; deletes need a key", node=self.node_id
+            )
+        committer = self._tables.get(table)
+        if committer is None:
+            committer = self._tables[table] = TableCommitter(self, table)
+        with committer.queue.arriving():
+            await committer.load()
+            for attempt in (1, 2):
+                settings = committer.plan(key)
+                try:
+                    converted = await asyncio.to_thread(
+                        to_arrow_rows,
+                        rows,
+                        deletes,
+                        key,
+                        committer.schema,
+                        table=table,
+                        node=self.node_id,
+                        evolve=settings.schema_evolution,
+                        buckets=settings.buckets,
+                    )
+                    break
+                except SchemaError as exc:
+                    # Checked against what this node last read of the table: if the table changed
+                    # since (a column added, evolution allowed), check once more against it.
+                    if attempt == 2 or "column" not in exc.details:
+                        raise
+                    if not await self.in_thread(committer.describe_if_newer):
+                        raise
+        await committer.queue.wait_for_room()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        committer.put(Staged(converted, fut, abandoned, mark, settings.buckets, held))
+        return fut

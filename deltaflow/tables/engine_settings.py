@@ -1,0 +1,80 @@
+"""A node's table engine settings: the bounds of a group commit and of a table's queue, the
+pace of commits, and the settings of the tables the node creates on first write. Each
+default lives here once; the node's config and the CLI take theirs from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from ..errors import UsageError
+from .settings import DEFAULT_BUCKETS, MAX_BUCKETS, TableSettings
+
+__all__ = [
+    "DEFAULT_MAX_GROUP_BYTES",
+    "DEFAULT_MAX_GROUP_ROWS",
+    "DEFAULT_MAX_QUEUED_ROWS",
+    "MAX_COMMIT_INTERVAL",
+    "EngineSettings",
+]
+
+DEFAULT_MAX_GROUP_ROWS: Final = 500_000
+DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
+DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
+#: The longest ``min_commit_interval`` (seconds): batches wait up to this for their commit.
+MAX_COMMIT_INTERVAL: Final = 600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """Checked settings of a table engine.
+
+    Attributes:
+        max_group_rows: rows per commit at most.
+        max_group_bytes: Arrow bytes per commit at most.
+        max_queued_rows: rows staged per table and not yet committed; staging waits beyond it
+            (backpressure reaches the client through the unacknowledged window).
+        min_commit_interval: seconds between the takes of two groups of one table, at least,
+            unless a whole group is queued (fewer, larger commits at a steady rate, for a
+            little latency). 0: a group is taken as soon as the previous commit ends.
+        table_buckets: buckets of the keyed tables the node creates on first write (0: no
+            bucket layout).
+        schema_evolution: tables the node creates on first write allow schema evolution.
+        deletion_vectors: tables the node creates on first write have deletion vectors.
+
+    Raises:
+        UsageError: a bound below 1, or a setting out of its range.
+    """
+
+    max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
+    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS
+    min_commit_interval: float = 0.0
+    table_buckets: int = DEFAULT_BUCKETS
+    schema_evolution: bool = False
+    deletion_vectors: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.max_group_rows, self.max_group_bytes, self.max_queued_rows) < 1:
+            raise UsageError("max_group_rows, max_group_bytes and max_queued_rows must be >= 1")
+        if not 0 <= self.min_commit_interval <= MAX_COMMIT_INTERVAL:
+            raise UsageError(
+                f"min_commit_interval must be between 0 and {MAX_COMMIT_INTERVAL:g} seconds, "
+                f"got {self.min_commit_interval!r}"
+            )
+        if not 0 <= self.table_buckets <= MAX_BUCKETS:
+            raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+
+    @property
+    def group_rows(self) -> int:
+        """The rows that make a whole group: a queue can hold no more than its bound."""
+        return min(self.max_group_rows, self.max_queued_rows)
+
+    def new_table(self, key: tuple[str, ...]) -> TableSettings:
+        """The settings of a table the node creates on first write with ``key``."""
+        return TableSettings(
+            key=key,
+            buckets=self.table_buckets if key else 0,
+            schema_evolution=self.schema_evolution,
+            deletion_vectors=self.deletion_vectors,
+        )

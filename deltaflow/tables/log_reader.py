@@ -1,0 +1,103 @@
+"""The node's delta-rs view of its tables' logs.
+
+Both engines read a table's state through delta-rs, whichever engine wrote it: its latest
+version, its live files with their statistics (for a group's footprint) and the table a
+merge-on-read commit is planned on. :class:`LogReader` keeps each table open between commits
+and brings it up to date by reading only the commits made since.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from .live_files import LiveFiles
+from .log import latest_version
+
+__all__ = ["LogReader"]
+
+log = logging.getLogger(__name__)
+
+
+class LogReader:
+    """A node's delta-rs tables, kept open between commits, and their live files.
+
+    Blocking throughout (file reads): use from a worker thread, under the table's commit lock.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[Path, Any] = {}  # delta-rs tables, see latest
+        self._live: dict[Path, LiveFiles] = {}  # their live files, see live_files
+
+    def latest(self, path: Path) -> Any:
+        """The delta-rs table at ``path``, at its latest version. A commit asks twice (for its
+        file statistics and its write): a listing finds the log unchanged the second time,
+        far cheaper than delta-rs's own no-op update."""
+        from deltalake import DeltaTable
+
+        table = self._open.get(path)
+        if table is None:
+            table = self._open[path] = DeltaTable(str(path))
+        elif table.version() < latest_version(path):
+            table.update_incremental()
+        return table
+
+    def opened(self, path: Path) -> Any:
+        """The delta-rs table at ``path`` as last read, without reading the log (None if it
+        was not read since the last :meth:`forget`)."""
+        return self._open.get(path)
+
+    def live_files(self, path: Path) -> tuple[Any, int] | None:
+        """The table's live files with their statistics (``get_add_actions(flatten=True)``)
+        and the version they are of, or None if they cannot be read (a table feature delta-rs
+        does not read): the group is then merged.
+
+        Listed through delta-rs once, then kept up to date from the commits made since
+        (:class:`.LiveFiles`), which spares delta-rs's replay of the log."""
+        index = self._kept(path)
+        if index is not None:
+            return index.files, index.version
+        try:
+            table = self.latest(path)
+            files, version = table.get_add_actions(flatten=True), int(table.version())
+        except Exception as exc:  # noqa: BLE001 - any failure only costs the append shortcut
+            self._open.pop(path, None)
+            log.debug("cannot read the file statistics of %s (%s): merging", path, exc)
+            return None
+        if LiveFiles.understood(files, table.metadata().configuration):
+            index = self._live[path] = LiveFiles(path, files, version)
+            return index.files, version
+        return files, version
+
+    def planned(self, path: Path) -> tuple[Any, int]:
+        """The delta-rs table (for its metadata, protocol and schema) and the version a commit
+        is planned on, the latest. From the live files when they are kept (no commit since the
+        table was read changed its metadata or protocol, or they would have declined), else by
+        bringing the table up to date."""
+        index = self._kept(path)
+        if index is not None:
+            table = self._open.get(path)
+            if table is None:  # opened afresh, at the latest version: its metadata is current
+                table = self.latest(path)
+            return table, index.version
+        table = self.latest(path)
+        return table, int(table.version())
+
+    def keeps(self, path: Path) -> bool:
+        """Whether the table's live files are kept (brought up to date, not listed afresh)."""
+        return path in self._live
+
+    def forget(self, path: Path) -> None:
+        """Read the table afresh next time (a write failed: its state is unknown)."""
+        self._open.pop(path, None)
+        self._live.pop(path, None)
+
+    def _kept(self, path: Path) -> LiveFiles | None:
+        """The table's kept live files brought up to the latest commit, or None (and
+        dropped) when there are none or they declined."""
+        index = self._live.get(path)
+        if index is not None and index.advance(latest_version(path)):
+            return index
+        self._live.pop(path, None)
+        return None

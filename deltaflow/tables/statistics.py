@@ -1,0 +1,96 @@
+"""A table engine's counters, and the histograms its metrics are exported from."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "BATCH_DURABLE_BUCKETS",
+    "COMMIT_SECONDS_BUCKETS",
+    "GROUP_ROWS_BUCKETS",
+    "EngineStatistics",
+    "Histogram",
+]
+
+#: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
+COMMIT_SECONDS_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Upper bounds of the buckets of ``EngineStatistics.batch_durable_seconds_histogram``:
+#: finer than a commit's around the tenths of a second where a loaded node's batches wait.
+# fmt: off
+BATCH_DURABLE_BUCKETS: Final = (
+    0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0,
+    60.0,
+)
+# fmt: on
+#: Upper bounds of the buckets of ``EngineStatistics.group_rows_histogram``, rows.
+GROUP_ROWS_BUCKETS: Final = (1.0, 10.0, 100.0, 1e3, 1e4, 1e5, 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Observations counted in buckets, as a Prometheus histogram counts them.
+
+    Immutable, so a copied :class:`EngineStatistics` is a true snapshot: :meth:`observe`
+    returns a new histogram.
+
+    Attributes:
+        bounds: the buckets' inclusive upper bounds, ascending; one unbounded bucket follows.
+        counts: observations per bucket (not cumulative), ``len(bounds) + 1`` of them.
+        sum: the sum of every observation.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: Sequence[float]) -> Histogram:
+        """A histogram with the buckets ``bounds`` and no observation."""
+        return cls(tuple(bounds), (0,) * (len(bounds) + 1))
+
+    @property
+    def count(self) -> int:
+        """The number of observations."""
+        return sum(self.counts)
+
+    def observe(self, value: float) -> Histogram:
+        """This histogram with ``value`` counted in the first bucket whose bound is >= it."""
+        counts = list(self.counts)
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        return Histogram(self.bounds, tuple(counts), self.sum + value)
+
+
+@dataclass(slots=True)
+class EngineStatistics:
+    """Counters of a node's table engine (typed snapshot, see ``Node.statistics()``)."""
+
+    commits: int = 0
+    rows_committed: int = 0
+    batches_committed: int = 0
+    batches_failed: int = 0
+    batches_deduplicated: int = 0
+    commit_conflicts: int = 0
+    largest_group_rows: int = 0
+    commit_seconds: float = 0.0
+    queued_rows: int = 0
+    tables_created: int = 0
+    columns_added: int = 0
+    checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
+    checkpoint_seconds: float = 0.0
+    # Per commit: its duration in seconds (its preparation outside the table lock included, the
+    # wait for the lock not) and its rows (0 when every batch was a duplicate).
+    commit_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
+    )
+    group_rows_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
+    )
+    # Per committed batch: seconds from its staging to its commit landing (the wait for the
+    # commit in progress, for the table's lock, and its own commit).
+    batch_durable_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
