@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from blockbuster import blockbuster_ctx
 
 from deltaflow.server import Node, NodeConfig, start_local_nodes
 from deltaflow.spark_integration import SparkConfig, get_spark
@@ -156,3 +157,12 @@ def read_spark(spark: Any, path: Path, key: str = "id") -> dict[Any, dict[str, A
     table = {row[key]: row for row in rows}
     assert len(table) == len(rows), "duplicate keys in the table"
     return table
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_calls_on_the_event_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test when deltaflow's code makes a blocking call (file or socket I/O, a sleep,
+    a lock wait) on a running event loop, where it would stall every stream of the process.
+    Blocking work belongs in a worker thread. Code of the tests themselves is not watched."""
+    with blockbuster_ctx("deltaflow", excluded_modules=["deltaflow.testing"]):
+        yield

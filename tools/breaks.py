@@ -145,9 +145,9 @@ BREAKS: dict[str, Break] = {
         ("tests/test_guarantees.py::test_a_full_result_buffer_makes_its_reader_wait",),
     ),
     "no_one_by_one": Break(
-        "deltaflow/tables/engine.py",
+        "deltaflow/tables/committer.py",
         "            for staged in group:\n                await self._commit_group([staged])\n            return\n",
-        "            for staged in group:\n                _settle(staged.future, exc)\n            return\n",
+        "            for staged in group:\n                settle(staged.future, exc)\n            return\n",
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),
     ),
     "dl_write_failure_ignored": Break(

@@ -177,11 +177,10 @@ class SparkTableEngine(TableEngine):
 
     def _warm_up(self) -> None:
         """Run the commit path once on a scratch table, so that a fresh JVM loads Delta's
-        classes while the node starts rather than inside the first group's commit (measured:
-        7 s of the demo's first commit). The commit is due a checkpoint, so Delta also
-        computes the table's state in it, as in every commit that reaches the interval (3.5 s
-        the first time in a JVM, on 2 cores under load). Best effort: a failure only leaves
-        the JVM cold."""
+        classes while the node starts rather than inside the first group's commit. The commit
+        is due a checkpoint, so Delta also computes the table's state in it, as in every commit
+        that reaches the interval, slow the first time in a JVM. Best effort: a failure only
+        leaves the JVM cold."""
         scratch = self.staging_dir / f"warm-up-{uuid.uuid4().hex}"
         try:
             self.spark.sql(
@@ -302,8 +301,8 @@ class SparkTableEngine(TableEngine):
                 node=self.node_id,
             )
         txn.readWholeTable()  # the candidate files were chosen from the whole table
-        # Each kind of action is read by Delta's own JSON mapper in one call (one py4j round
-        # trip per action cost 0.5 ms, 40 ms for a group of 32 buckets).
+        # Each kind of action is read by Delta's own JSON mapper in one call: a py4j round trip
+        # per action would cost more than the commit.
         mapper = delta.util.JsonUtils.mapper()
         mutable = jvm.scala.collection.mutable
         buffer = mutable.ArrayBuffer()
@@ -315,7 +314,7 @@ class SparkTableEngine(TableEngine):
             getattr(buffer, "$plus$plus$eq")(mutable.WrappedArray.make(parsed))
         # A streaming update, not a "manual update": Delta derives the version's checksum file
         # from the previous one only for the former (else a Spark job rebuilds the table's
-        # state, 0.5 s a commit), and other writers read protocol and metadata from it.
+        # state every commit), and other writers read protocol and metadata from it.
         operation = getattr(delta, "DeltaOperations$StreamingUpdate")(
             jvm.org.apache.spark.sql.streaming.OutputMode.Update(),
             f"deltaflow:{self.node_id}",

@@ -164,7 +164,7 @@ def _create_with_deletion_vectors(
 #: this many times the group's rows (an earlier MERGE gathered the rest of a straddled file
 #: into its own), the group is applied by the copy-on-write of :mod:`.rewrite`, which splits
 #: them by key range again; below it the MERGE, whose file work runs in Rust off the GIL, is
-#: cheaper (measured: nodes in one process lost 35% of their rate with the rewrite alone).
+#: cheaper (docs/tables.md).
 REWRITE_ABOVE_COPIES: Final = 2
 
 
@@ -275,9 +275,8 @@ class DeltaRsTableEngine(TableEngine):
     def _note_checkpoint(self, path: Path, version: int | None) -> None:
         """After a group's commit, under the lock: record a checkpoint due if the commit's
         ``version`` (None: read from the log) reached the table's interval (written outside the
-        lock, see ``checkpoint``). A known version spares reading the table's state again, 15 ms
-        under the lock for a table of a few thousand files; the interval is the table's, as of
-        the commit's read."""
+        lock, see ``checkpoint``). A known version spares reading the table's state again while
+        the table is held; the interval is the table's, as of the commit's read."""
         target = self.log.opened(path)
         if target is None or version is None:
             target = self.log.latest(path)

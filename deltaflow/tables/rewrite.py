@@ -6,9 +6,8 @@ the rows it copies from those files into the same new file as the group's rows, 
 partition. When groups do not line up with the files (they never do: a group is what arrived
 during the previous commit), the new file holds the rest of the file the group straddled, and
 the next group, whose keys continue from there, must rewrite it again, with everything it
-has gathered: each bucket ends as one file rewritten by every commit. Measured with delta-rs,
-1,000,000 rows in 30,000-row groups of two nodes: merges grew from 0.18 s to 0.38 s per commit
-over the run, the table ended as one file per bucket.
+has gathered: each bucket ends as one file rewritten by every commit, and merges grow slower
+over a run (docs/tables.md).
 
 Here the node does the copy itself, in one Delta commit of its own add and remove actions
 (``DeltaTable.create_write_transaction``, under the table's commit lock):
@@ -62,9 +61,8 @@ __all__ = [
 #: written with them (else it gets a file of its own): each carried row is then copied at
 #: most a few times before its file is large enough to stand alone.
 SMALL_REMAINDER: Final = 0.25
-#: Files of fewer rows are written plain: no dictionary, no compression. Encoding them is 3-5x
-#: cheaper (a 1,200-row file: 0.31 ms against 1.03 ms; measured 7% more rows/s for a node),
-#: and they are short-lived: a group's rows of one bucket, merged with 7 others of their size
+#: Files of fewer rows are written plain: no dictionary, no compression. Encoding them is
+#: several times cheaper (docs/tables.md), and they are short-lived: a group's rows of one bucket, merged with 7 others of their size
 #: tier into a file of the next tier (see merge_on_read), which is written compressed once it
 #: reaches this size. A bucket keeps at most 7 plain files per tier below it.
 PLAIN_FILE_ROWS: Final = 4096
