@@ -146,7 +146,7 @@ async def test_a_node_on_another_warehouse_is_refused_and_gets_no_rows(
     assert len(n3_errors) == 3, "once on each of n1, n2 and n3: " + repr(n3_errors)
 
     # A client that reaches only n3 is sent to the real owners, with a warning.
-    with caplog.at_level(logging.WARNING, logger="deltaflow.client.client"):
+    with caplog.at_level(logging.WARNING, logger="deltaflow.client.router"):
         async with deltaflow.connect([n3.address]) as client:
             summary = await client.stream_data(rows[:1000], table="via_n3", key="id")
     assert summary.items_acked == 1000 and "n3" not in summary.per_node
@@ -156,7 +156,7 @@ async def test_a_node_on_another_warehouse_is_refused_and_gets_no_rows(
 
     # A client whose stale map names n3 as the owner is sent on by n3's NOT_OWNER.
     async with deltaflow.connect([n3.address]) as client:
-        client._map = PartitionMap.build(0, {"n3": n3.address}, 64)
+        client._router._map = PartitionMap.build(0, {"n3": n3.address}, 64)
         summary = await client.stream_data(rows[:1000], table="redirected", key="id")
     assert summary.items_acked == 1000
     assert summary.per_node["n3"].errors > 0, "no batch went to n3"

@@ -262,7 +262,7 @@ async def test_a_replay_under_the_same_stream_id_dead_letters_its_own_failures(
 
 
 def test_a_one_column_key_sequence_routes_like_the_column() -> None:
-    from deltaflow.client.stream import key_function
+    from deltaflow.client.stream_types import key_function
 
     row = {"id": 42, "region": "eu"}
     assert key_function(["id"])(row) == key_function("id")(row) == 42  # as the node buckets it

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from deltaflow import StreamerOptions
 from deltaflow.client.accumulator import Batch
-from deltaflow.client.client import Client
+from deltaflow.client.router import Routes
 from deltaflow.client.sender import Sender, StreamStoppedError
 from deltaflow.errors import ConnectionLostError
 
@@ -58,22 +58,22 @@ class FakeConnection:
         return [(f["p"], f["seq"]) for f in self.sent]
 
 
-class FakeClient:
-    """Routes each partition to the connection the test says owns it."""
+class FakeRouter:
+    """Routes each partition to the connection the test says owns it (a :class:`Routes`)."""
 
     def __init__(self, owners: dict[int, FakeConnection]) -> None:
         self.owners = owners
 
-    def _connection_now(self, partition: int) -> FakeConnection:
+    def connection_now(self, partition: int) -> FakeConnection:
         return self.owners[partition]
 
-    async def _connection_for(self, partition: int) -> FakeConnection:
+    async def connection_for(self, partition: int) -> FakeConnection:
         return self.owners[partition]
 
-    def _adopt_map(self, wire: Any) -> None:
+    def adopt_map(self, wire: Any) -> None:
         return None
 
-    def _map_is_stale(self) -> None:
+    def mark_stale(self) -> None:
         return None
 
 
@@ -89,9 +89,9 @@ class Outcomes:
         self.failed.append((batch.partition, batch.seq, exc, batch.attempts))
 
 
-def make_sender(client: FakeClient, outcomes: Outcomes, **options: Any) -> Sender:
+def make_sender(router: FakeRouter, outcomes: Outcomes, **options: Any) -> Sender:
     return Sender(
-        cast("Client", client),
+        cast("Routes", router),
         sid="s",
         receiver=("r", None),
         options=StreamerOptions(**options),
@@ -113,7 +113,7 @@ async def turns(n: int = 3) -> None:
 async def test_batches_go_out_when_submitted_within_the_window_and_lanes_in_cut_order() -> None:
     conn, outcomes = FakeConnection("a"), Outcomes()
     sender = make_sender(
-        FakeClient({0: conn, 1: conn}), outcomes, max_in_flight=3, per_partition_in_flight=2
+        FakeRouter({0: conn, 1: conn}), outcomes, max_in_flight=3, per_partition_in_flight=2
     )
     for b in [batch(0, 0), batch(0, 1), batch(0, 2), batch(1, 0), batch(1, 1)]:
         sender.submit(b)
@@ -145,7 +145,7 @@ async def test_batches_go_out_when_submitted_within_the_window_and_lanes_in_cut_
 
 async def test_a_failed_first_send_is_resent_with_the_same_seq() -> None:
     conn, outcomes = FakeConnection("a"), Outcomes()
-    sender = make_sender(FakeClient({0: conn}), outcomes, per_partition_in_flight=2, **FAST_RETRY)
+    sender = make_sender(FakeRouter({0: conn}), outcomes, per_partition_in_flight=2, **FAST_RETRY)
     sender.submit(batch(0, 0))
     sender.submit(batch(0, 1))
     conn.fail(0, 0, ConnectionLostError("gone"))
@@ -164,10 +164,10 @@ async def test_a_failed_first_send_is_resent_with_the_same_seq() -> None:
 
 async def test_sends_to_a_new_owner_wait_until_those_to_the_old_one_ended() -> None:
     old, new, outcomes = FakeConnection("a"), FakeConnection("b"), Outcomes()
-    client = FakeClient({0: old})
-    sender = make_sender(client, outcomes, per_partition_in_flight=4)
+    router = FakeRouter({0: old})
+    sender = make_sender(router, outcomes, per_partition_in_flight=4)
     sender.submit(batch(0, 0))
-    client.owners[0] = new  # the partition moved while batch 0 is at the old owner
+    router.owners[0] = new  # the partition moved while batch 0 is at the old owner
     sender.submit(batch(0, 1))
     await turns(10)
     assert new.sent == []  # the new owner would wait for batch 0, which it never gets
@@ -184,7 +184,7 @@ async def test_sends_to_a_new_owner_wait_until_those_to_the_old_one_ended() -> N
 async def test_cancel_reports_sent_batches_in_doubt_and_the_rest_not_sent() -> None:
     conn, outcomes = FakeConnection("a"), Outcomes()
     sender = make_sender(
-        FakeClient({0: conn}), outcomes, max_in_flight=2, per_partition_in_flight=1
+        FakeRouter({0: conn}), outcomes, max_in_flight=2, per_partition_in_flight=1
     )
     for seq in range(4):
         sender.submit(batch(0, seq))
@@ -203,7 +203,7 @@ async def test_cancel_reports_sent_batches_in_doubt_and_the_rest_not_sent() -> N
 
 async def test_after_stop_waiting_batches_fail_unsent_and_sent_ones_finish() -> None:
     conn, outcomes = FakeConnection("a"), Outcomes()
-    sender = make_sender(FakeClient({0: conn}), outcomes, max_in_flight=1)
+    sender = make_sender(FakeRouter({0: conn}), outcomes, max_in_flight=1)
     sender.submit(batch(0, 0))
     sender.submit(batch(0, 1))
     sender.stop()
@@ -220,7 +220,7 @@ async def test_a_failed_answer_that_comes_in_as_the_stream_is_cancelled_is_not_r
     """The dead-letter sender is cancelled without being stopped first: an answer already in
     (not yet handled) must settle its batch as cancelled, in doubt, not start a resend."""
     conn, outcomes = FakeConnection("a"), Outcomes()
-    sender = make_sender(FakeClient({0: conn}), outcomes, **FAST_RETRY)
+    sender = make_sender(FakeRouter({0: conn}), outcomes, **FAST_RETRY)
     sender.submit(batch(0, 0))
     conn.fail(0, 0, ConnectionLostError("lost"))  # its callback is queued, not yet run
     async with asyncio.timeout(5):
@@ -232,11 +232,11 @@ async def test_a_failed_answer_that_comes_in_as_the_stream_is_cancelled_is_not_r
 
 
 async def test_a_batch_whose_route_cannot_be_looked_up_fails_instead_of_hanging() -> None:
-    class NoRoute(FakeClient):
-        def _connection_now(self, partition: int) -> FakeConnection:
+    class NoRoute(FakeRouter):
+        def connection_now(self, partition: int) -> FakeConnection:
             raise IndexError("partition 0 not in the map")
 
-        async def _connection_for(self, partition: int) -> FakeConnection:
+        async def connection_for(self, partition: int) -> FakeConnection:
             raise IndexError("partition 0 not in the map")
 
     outcomes = Outcomes()

@@ -110,12 +110,12 @@ BREAKS: dict[str, Break] = {
     ),
     "on_ack_for_dropped": Break(
         "deltaflow/client/stream.py",
-        "            self._settle(batch)\n            return\n        self._dead_letter(batch, exc, reasons)\n",
-        "            self._settle(batch)\n            if self.on_ack: self.on_ack(batch.items)\n            return\n        self._dead_letter(batch, exc, reasons)\n",
+        "            self._settle(batch)\n            return\n        self.dead_letters.send(batch, exc, reasons)\n",
+        "            self._settle(batch)\n            if self.on_ack: self.on_ack(batch.items)\n            return\n        self.dead_letters.send(batch, exc, reasons)\n",
         ("tests/test_guarantees.py::test_on_ack_is_not_called_for_dropped_batches",),
     ),
     "dead_letter_limit": Break(
-        "deltaflow/client/stream.py",
+        "deltaflow/client/dead_letters.py",
         "[:2000]",
         "[:3000]",
         (
@@ -151,7 +151,7 @@ BREAKS: dict[str, Break] = {
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),
     ),
     "dl_write_failure_ignored": Break(
-        "deltaflow/client/stream.py",
+        "deltaflow/client/dead_letters.py",
         "        self.ledger.fail(batch.positions, batch.items, [reason] * len(batch.items))\n        if not stopping:\n            self._stop(exc)\n",
         "        if not stopping:\n            self._stop(exc)\n",
         (

@@ -1,18 +1,21 @@
 """The deltaflow client: connect, stream, get results back.
 
-Stages, one module each: :mod:`.client` (facade), :mod:`.stream` (one stream's pump),
+Stages, one module each: :mod:`.client` (facade), :mod:`.router` (partition map and
+connections), :mod:`.stream` (one stream's pump), :mod:`.admission` (keying and packing items),
 :mod:`.accumulator` (per-partition buffers), :mod:`.sender` (window and retries),
+:mod:`.dead_letters` (the fallback policy), :mod:`.ledger` (items that did not land),
 :mod:`.connection` (one WebSocket per node), :mod:`.results` (result dispatch),
 :mod:`.sources` (source adapters), :mod:`.sync` (blocking facade), :mod:`.latency` (ack
-latency).
+latency), :mod:`.stream_types` (what a stream takes and gives back).
 """
 
 from .accumulator import Batch, BatchCreator, SizeBatchCreator
 from .client import Client, ClientState, ClientStatistics, connect
 from .latency import AckLatency
+from .ledger import CommitPosition
 from .options import StreamerOptions
 from .sender import NodeStatistics
-from .stream import TABLE_RECEIVER, CommitPosition, Delete, StreamStatistics, StreamSummary
+from .stream_types import TABLE_RECEIVER, Delete, StreamStatistics, StreamSummary
 from .sync import stream_data
 
 __all__ = [

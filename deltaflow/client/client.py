@@ -2,40 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import logging
 import re
-import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import aiohttp
-
-from ..errors import AuthenticationError, DeltaflowError, NodeUnavailableError, UsageError
+from ..errors import UsageError
 from ..partitioning import PartitionMap
-from .connection import Connection, map_transport_errors
+from .ledger import CommitPosition
 from .options import StreamerOptions
 from .results import OnResult
-from .stream import (
+from .router import ConnectionFactory, Router
+from .stream import StreamRun, run_stream
+from .stream_types import (
     TABLE_RECEIVER,
-    CommitPosition,
     KeyFn,
-    StreamRun,
     StreamStatistics,
     StreamSummary,
     key_function,
-    run_stream,
 )
 
 __all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "connect"]
-
-log = logging.getLogger(__name__)
-
-#: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
-ConnectionFactory = Callable[..., Awaitable[Connection]]
 
 #: What a caller-chosen stream id may look like (it names lanes in Delta commit metadata).
 _STREAM_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -76,33 +65,28 @@ class Client:
     ) -> None:
         if isinstance(nodes, str):
             nodes = [nodes]
-        self._bootstrap = [_normalise(a) for a in nodes]
-        if not self._bootstrap:
+        bootstrap = [_normalise(a) for a in nodes]
+        if not bootstrap:
             raise UsageError("connect() needs at least one node address 'host:port'")
-        self._token = token
-        self._factory = connection_factory or Connection.open
-        self._connect_timeout = connect_timeout
-        self._client_id = uuid.uuid4().hex
-        self._map: PartitionMap | None = None
-        self._stale = False
-        self._conns: dict[str, Connection] = {}
-        self._connecting: dict[str, asyncio.Lock] = {}
-        self._refresh_lock = asyncio.Lock()
+        self._router = Router(
+            bootstrap,
+            token=token,
+            connection_factory=connection_factory,
+            connect_timeout=connect_timeout,
+        )
         self._state = ClientState.UNOPENED
         self._active: dict[str, StreamRun] = {}
 
     def __repr__(self) -> str:
-        version = self._map.version if self._map else None
+        router = self._router
         return (
-            f"<Client {self._state.value} nodes={len(self._map.addresses) if self._map else 0} "
-            f"map_version={version} connections={len(self._conns)} streams={len(self._active)}>"
+            f"<Client {self._state.value} nodes={router.nodes} map_version={router.map_version} "
+            f"connections={router.connections} streams={len(self._active)}>"
         )
 
     @property
     def partition_map(self) -> PartitionMap:
-        if self._map is None:
-            raise UsageError("the client is not connected; use 'async with deltaflow.connect(...)'")
-        return self._map
+        return self._router.partition_map
 
     async def start(self) -> None:
         """Reach a node and learn the partition map.
@@ -114,14 +98,13 @@ class Client:
             raise UsageError("this client is closed; create a new one with deltaflow.connect()")
         if self._state is ClientState.OPEN:
             return
-        await self._refresh_map(self._bootstrap)
+        await self._router.start()
         self._state = ClientState.OPEN
 
     async def close(self) -> None:
         """Close every connection. Streams still running fail with a connection error."""
         self._state = ClientState.CLOSED
-        conns, self._conns = list(self._conns.values()), {}
-        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        await self._router.close()
 
     async def __aenter__(self) -> Client:
         await self.start()
@@ -215,7 +198,8 @@ class Client:
             receiver_args = {"table": table, "key": key_columns}
         assert receiver is not None
         return await run_stream(
-            self,
+            self._router,
+            self._active,
             source,
             receiver=receiver,
             receiver_args=receiver_args,
@@ -232,132 +216,11 @@ class Client:
         """A snapshot of the client and of every stream running on it."""
         return ClientStatistics(
             state=self._state.value,
-            map_version=self._map.version if self._map else None,
-            nodes=len(self._map.addresses) if self._map else 0,
-            connections=sum(1 for c in self._conns.values() if not c.closed),
+            map_version=self._router.map_version,
+            nodes=self._router.nodes,
+            connections=self._router.open_connections,
             streams=[run.statistics() for run in self._active.values()],
         )
-
-    # -- routing, used by the sender ------------------------------------------------------
-
-    def _partition_count(self) -> int:
-        return self.partition_map.partitions
-
-    async def _connection_for(self, partition: int) -> Connection:
-        if self._stale:
-            await self._refresh_map(only_if_stale=True)
-        address = self.partition_map.owner_address(partition)
-        try:
-            return await self._connection(address)
-        except NodeUnavailableError:
-            self._stale = True
-            raise
-
-    def _connection_now(self, partition: int) -> Connection | None:
-        """What :meth:`_connection_for` would return without waiting: the open connection to
-        the partition's owner, or None (the map is stale, or there is no such connection yet)."""
-        if self._stale:
-            return None
-        conn = self._conns.get(self.partition_map.owner_address(partition))
-        return conn if conn is not None and not conn.closed else None
-
-    def _adopt_map(self, wire: Any) -> None:
-        if wire is None:
-            self._stale = True
-            return
-        try:
-            offered = PartitionMap.from_wire(wire)
-        except ValueError:
-            self._stale = True
-            return
-        if self._map is None or offered.version > self._map.version:
-            log.info(
-                "partition map v%d adopted: nodes %s", offered.version, sorted(offered.addresses)
-            )
-            self._map = offered
-        else:  # the node's view is not newer than ours: ask the cluster again
-            self._stale = True
-
-    def _map_is_stale(self) -> None:
-        self._stale = True
-
-    async def _close_stream(self, sid: str, *, keep_results: bool = False) -> None:
-        for conn in list(self._conns.values()):
-            await conn.close_stream(sid, keep_results=keep_results)
-
-    async def _connection(self, address: str) -> Connection:
-        conn = self._conns.get(address)
-        if conn is not None and not conn.closed:
-            return conn
-        lock = self._connecting.setdefault(address, asyncio.Lock())
-        async with lock:
-            conn = self._conns.get(address)
-            if conn is None or conn.closed:
-                if self._state is ClientState.CLOSED:
-                    raise UsageError("the client is closed")
-                conn = await self._factory(
-                    address,
-                    token=self._token,
-                    client_id=self._client_id,
-                    timeout=self._connect_timeout,
-                )
-                self._conns[address] = conn
-            return conn
-
-    async def _refresh_map(
-        self, candidates: Sequence[str] | None = None, *, only_if_stale: bool = False
-    ) -> None:
-        async with self._refresh_lock:
-            if only_if_stale and not self._stale:
-                return  # another batch refreshed it while we waited for the lock
-            addresses = list(candidates or [])
-            if self._map is not None:
-                addresses += [a for a in self._map.addresses.values() if a not in addresses]
-            addresses += [a for a in self._bootstrap if a not in addresses]
-            errors: list[str] = []
-            for address in addresses:
-                try:
-                    fresh = PartitionMap.from_wire(
-                        await _fetch_map(address, self._token, self._connect_timeout)
-                    )
-                    if self._map is None or fresh.version != self._map.version:
-                        log.info(
-                            "partition map v%d from %s: nodes %s",
-                            fresh.version,
-                            address,
-                            sorted(fresh.addresses),
-                        )
-                    self._map = fresh
-                    self._stale = False
-                    return
-                except (DeltaflowError, ValueError) as exc:
-                    if not getattr(exc, "retriable", True):
-                        raise
-                    errors.append(f"{address}: {exc}")
-            raise NodeUnavailableError(
-                "no deltaflow node reachable to learn the partition map (" + "; ".join(errors) + ")"
-            )
-
-
-async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with map_transport_errors(address):
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(f"http://{address}/v1/cluster", headers=headers) as resp,
-        ):
-            if resp.status == 401:
-                raise AuthenticationError(
-                    f"node at {address} rejected the token; pass the token from the node's "
-                    "--token-file to deltaflow.connect(token=...)"
-                )
-            if resp.status != 200:
-                raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
-            body = await resp.json()
-            if body.get("refused"):
-                # Its map is the cluster's (it owns no partition in it), so it is still usable.
-                log.warning("node at %s is refused by its cluster: %s", address, body["refused"])
-            return body["map"]  # type: ignore[no-any-return]
 
 
 def _key_columns(key: Any) -> list[str] | None:

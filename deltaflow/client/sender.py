@@ -5,7 +5,8 @@ what the stream awaits before pulling the next source item, so the source is not
 ``max_in_flight`` batches are outstanding.
 Retries use tenacity (exponential backoff with jitter) and resend the *same* sequence number,
 so the owner applies each batch once and in order. The decision to retry is
-:func:`deltaflow.errors.is_retriable`, nothing else.
+:func:`deltaflow.errors.is_retriable`, nothing else. Partitions are routed to connections by
+a :class:`~deltaflow.client.router.Routes`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import collections
 import functools
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,8 +44,8 @@ from .latency import LatencyHistogram
 from .options import StreamerOptions
 
 if TYPE_CHECKING:
-    from .client import Client
     from .connection import Connection, ResultSink
+    from .router import Routes
 
 __all__ = ["NodeStatistics", "Sender", "StreamStoppedError"]
 
@@ -78,14 +78,14 @@ class Sender:
     A batch is sent as soon as the window (``max_in_flight``) and its partition's lane
     (``per_partition_in_flight``) have room, in cut order, and from the code that makes the
     room: :meth:`submit`, or the settling of an earlier batch. That first send needs no task:
-    the frame goes into the connection's outbox at once and a callback takes the answer
-    (almost every batch is acked at once, and a task per batch cost more than the send itself
-    at small pages). A batch whose first send cannot start that way (no connection yet, the
-    stream not open on it yet, a full outbox, its partition's sends still at a previous owner)
-    or failed goes on a task of its own, which retries with tenacity.
+    the frame goes into the connection's outbox at once and a callback takes the answer (a
+    task per batch would cost more than the send). A batch whose first send cannot start that
+    way (no connection yet, the stream not open on it yet, a full outbox, its partition's
+    sends still at a previous owner) or failed goes on a task of its own, which retries with
+    tenacity.
 
     Args:
-        client: routes partitions to connections and keeps the partition map fresh.
+        routes: routes partitions to connections and keeps the partition map fresh.
         sid: the stream id.
         receiver: receiver name and arguments declared when the stream opens on a connection.
         options: window, retry and timeout settings.
@@ -96,7 +96,7 @@ class Sender:
 
     def __init__(
         self,
-        client: Client,
+        routes: Routes,
         *,
         sid: str,
         receiver: tuple[str, Any],
@@ -105,7 +105,7 @@ class Sender:
         on_failed: Callable[[Batch, BaseException], None],
         results: ResultSink | None,
     ) -> None:
-        self._client = client
+        self._routes = routes
         self._sid = sid
         self._receiver = receiver
         self._options = options
@@ -232,7 +232,7 @@ class Sender:
             return
         p = batch.partition
         try:
-            conn = self._client._connection_now(p)
+            conn = self._routes.connection_now(p)
             ready = conn is not None and conn.stream_open(self._sid) and conn.has_room
         except Exception as exc:  # noqa: BLE001 - e.g. a map without this partition
             self._spawn(batch, frame, exc)  # reported (or retried) by the task's path
@@ -371,20 +371,12 @@ class Sender:
                 failed = exc
             else:
                 return
-        if opts.retry_limit == 0 or not self._can_retry(failed):
-            raise failed
-        self._note_retry(failed, 1)
-        # Resends: tenacity, its attempt numbers counting from the second send. Waits are
-        # ``initial * 2**(k-1)`` plus jitter after the k-th failed send, capped at the maximum.
-        await asyncio.sleep(
-            min(opts.retry_initial_backoff, opts.retry_max_backoff)
-            + random.uniform(0, opts.retry_initial_backoff)
-        )
+        # The send that just failed is tenacity's first attempt (a first send that succeeds,
+        # the common case, builds no AsyncRetrying). Waits are ``initial * 2**(k-1)`` plus
+        # jitter after the k-th failed send, capped at the maximum.
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(opts.retry_limit),
-            wait=wait_exponential(
-                multiplier=2 * opts.retry_initial_backoff, max=opts.retry_max_backoff
-            )
+            stop=stop_after_attempt(opts.retry_limit + 1),
+            wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
             + wait_random(0, opts.retry_initial_backoff),
             retry=retry_if_exception(self._can_retry),
             before_sleep=self._before_retry,
@@ -392,12 +384,15 @@ class Sender:
         )
         async for attempt in retrying:
             with attempt:
+                if failed is not None:
+                    first, failed = failed, None
+                    raise first
                 await self._attempt(batch, frame)
 
     async def _attempt(self, batch: Batch, frame: Frame) -> None:
         """One send of ``batch`` to its partition's owner, through to its ack."""
         self._stamp(batch, frame)
-        conn = await self._client._connection_for(batch.partition)
+        conn = await self._routes.connection_for(batch.partition)
         await conn.open_stream(self._sid, *self._receiver, self._results)
         await self._claim(batch.partition, conn.node_id)
         try:
@@ -456,16 +451,15 @@ class Sender:
 
     def _before_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        # Tenacity counts from the second send (the first went without it).
-        self._note_retry(exc, state.attempt_number + 1)
+        self._note_retry(exc, state.attempt_number)
 
     def _note_retry(self, exc: BaseException | None, attempt: int) -> None:
         """Book-keeping after send number ``attempt`` failed and before it is resent."""
         self.counters.retried_batches += 1
         if isinstance(exc, NotOwnerError):
-            self._client._adopt_map(exc.details.get("map"))
+            self._routes.adopt_map(exc.details.get("map"))
         elif isinstance(exc, TransportError):
-            self._client._map_is_stale()
+            self._routes.mark_stale()
         node = getattr(exc, "node", None)
         if node:
             self.counters.per_node.setdefault(node, NodeStatistics()).errors += 1

@@ -8,9 +8,10 @@ from typing import Any
 
 from ..errors import UsageError
 from .client import connect
+from .ledger import CommitPosition
 from .options import StreamerOptions
 from .results import OnResult
-from .stream import CommitPosition, KeyFn, StreamSummary
+from .stream_types import KeyFn, StreamSummary
 
 __all__ = ["stream_data"]
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from ..client.options import DEFAULT_DEAD_LETTER_TABLE, StreamerOptions
-from ..client.stream import KeyFn
+from ..client.stream_types import KeyFn
 from ..client.sync import stream_data
 from ..errors import DataStreamerError, DeltaflowError, SchemaError, UsageError
 from ..receivers.base import check_table_name

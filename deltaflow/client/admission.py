@@ -1,0 +1,185 @@
+"""Admission: key, partition and pack the items pulled from the source, and buffer them.
+
+Runs synchronously on the loop, once per chunk the source yields. An item that cannot be sent
+is recorded failed in the ledger at its source position and raised; the items after it in the
+chunk go back to the source's leftovers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..columnar import ArrowRows, byte_offsets, is_arrow
+from ..errors import FrameTooLargeError, UsageError
+from ..partitioning import partition_many, partition_of, partition_table
+from ..protocol import pack_item, pack_items
+from .accumulator import Accumulator
+from .ledger import Ledger
+from .sources import _ChunkedIterator
+from .stream_types import Delete, KeyFn
+
+__all__ = ["Admission"]
+
+
+class Admission:
+    """Takes the items of one stream into its partition buffers, giving each its source
+    position.
+
+    Args:
+        key: the routing key of a row item.
+        key_columns: the key's column names (how Arrow rows are routed), if it names columns.
+        partitions: the cluster's partition count.
+        max_batch_bytes: the largest packed item a batch may hold.
+        accumulator: the stream's partition buffers.
+        ledger: where items that cannot be sent are recorded.
+
+    Attributes:
+        pulled: items taken from the source so far (the next item's source position).
+        columnar: whether the stream carries Arrow batches (None until its first item).
+    """
+
+    def __init__(
+        self,
+        *,
+        key: KeyFn,
+        key_columns: Sequence[str] | None,
+        partitions: int,
+        max_batch_bytes: int,
+        accumulator: Accumulator,
+        ledger: Ledger,
+    ) -> None:
+        self.key = key
+        self.key_columns = list(key_columns) if key_columns is not None else None
+        self.partitions = partitions
+        self.max_batch_bytes = max_batch_bytes
+        self.accumulator = accumulator
+        self.ledger = ledger
+        self.pulled = 0
+        self.columnar: bool | None = None  # Arrow pages or row items; the first item decides
+
+    def leftovers(self, items: list[Any]) -> None:
+        """Record items taken from the source and never sent as not applied."""
+        self.ledger.fail(range(self.pulled, self.pulled + len(items)), items)
+        self.pulled += len(items)
+
+    def admit(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+        """Key, partition, pack and buffer items just taken from the source (synchronous).
+
+        Raises:
+            UsageError: an item cannot be sent; it is reported failed, the items before it are
+                buffered, and those after it go back to the source's leftovers.
+            FrameTooLargeError: an item alone is larger than ``max_batch_bytes``.
+        """
+        position = self.pulled
+        values, deletes = taken, frozenset[int]()
+        kinds = set(map(type, taken))
+        if self.columnar is None and taken:
+            self.columnar = is_arrow(type(taken[0]))
+        if self.columnar:
+            self._admit_arrow(taken, chunked)
+            return
+        # The item types are few: no Python-level pass over the chunk unless it holds a Delete.
+        if any(issubclass(t, Delete) for t in kinds):
+            values = [x.item if isinstance(x, Delete) else x for x in taken]
+            deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
+        key, partitions = self.key, self.partitions
+        try:
+            parts = partition_many(map(key, values), partitions)
+            packed = pack_items(values)
+            bad, cause = None, None
+        except Exception:  # noqa: BLE001 - find which item, below
+            parts, packed, bad, cause = [], [], None, None
+            for j, v in enumerate(values):
+                try:
+                    parts.append(partition_of(key(v), partitions))
+                    packed.append(pack_item(v))
+                except Exception as exc:  # noqa: BLE001 - reported below with the item
+                    bad, cause = j, exc
+                    break
+        max_item = self.max_batch_bytes
+        if max(map(len, packed), default=0) > max_item:
+            big = next(j for j, data in enumerate(packed) if len(data) > max_item)
+            if bad is None or big < bad:
+                bad, cause = big, None
+        good = len(taken) if bad is None else bad
+        self.accumulator.add_many(
+            position, taken[:good] if bad is not None else taken, parts, packed, deletes
+        )
+        self.pulled += good
+        if bad is None:
+            return
+        if chunked is not None:
+            chunked.put_back(taken[bad + 1 :])  # never sent: accounted as leftovers
+        if cause is None:
+            error: Exception = FrameTooLargeError(
+                f"source item #{position + bad} packs to {len(packed[bad])} bytes, more than "
+                f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
+            )
+        else:
+            error = UsageError(
+                f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
+                "msgpack values (dict, list, str, int, float, bool, None, bytes, datetime, "
+                "date, Decimal) and carry the key; a stream of row items cannot also carry "
+                "Arrow batches"
+            )
+        self.ledger.fail([self.pulled], [taken[bad]], [str(error)])
+        self.pulled += 1
+        raise error from cause
+
+    def _admit_arrow(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+        """Route the rows of Arrow items taken from the source by their key columns and buffer
+        them as pages (synchronous).
+
+        Raises:
+            UsageError: an item that is not Arrow in an Arrow stream (or the other way round),
+                a key that is not column names, or a missing or bad column; the item is
+                reported failed and the items after it go back to the source's leftovers.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        for j, item in enumerate(taken):
+            try:
+                if not is_arrow(type(item)):
+                    raise UsageError(  # noqa: TRY301 - reported below with the item
+                        "a stream carries row items or Arrow batches, not both; this one "
+                        f"began with Arrow batches and then gave a {type(item).__name__}"
+                    )
+                if self.key_columns is None:
+                    raise UsageError(  # noqa: TRY301
+                        "Arrow batches are routed by key columns: pass key= as column names"
+                    )
+                rows = ArrowRows.of(item)
+                missing = [k for k in self.key_columns if k not in rows.table.column_names]
+                if missing:
+                    raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
+                parts = partition_table(rows.table, self.key_columns, self.partitions)
+            except Exception as exc:
+                error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
+                self.ledger.fail([self.pulled], [item], [str(error)])
+                self.pulled += 1
+                if chunked is not None:
+                    chunked.put_back(taken[j + 1 :])
+                raise error from exc
+            if not len(rows):
+                continue
+            # One stable sort by partition, then a zero-copy slice per partition.
+            order = pc.sort_indices(parts)
+            runs = pc.run_end_encode(parts.take(order))
+            rows = rows.take(order)
+            positions = pc.add(order.cast(pa.int64()), self.pulled)
+            offsets = byte_offsets(rows.table)
+            start = 0
+            for end, partition in zip(
+                runs.run_ends.to_pylist(), runs.values.to_pylist(), strict=True
+            ):
+                length = end - start
+                self.accumulator.add_rows(
+                    partition,
+                    rows.part(start, length),
+                    positions.slice(start, length),
+                    offsets[start : end + 1],
+                )
+                start = end
+            self.pulled += len(rows)

@@ -1,0 +1,265 @@
+"""The router: the client's partition map and its connections, one per node.
+
+A sender sees the router through :class:`Routes` and a stream through :class:`StreamRoutes`
+(protocols, so tests can route to scripted connections); :class:`Router` is the client's
+implementation. Neither a sender nor a stream knows the :class:`~deltaflow.client.Client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+
+from ..errors import AuthenticationError, DeltaflowError, NodeUnavailableError, UsageError
+from ..partitioning import PartitionMap
+from .connection import Connection, map_transport_errors
+
+__all__ = ["ConnectionFactory", "Router", "Routes", "StreamRoutes"]
+
+log = logging.getLogger(__name__)
+
+#: Opens a handshaken connection to ``address``; the seam fault-injecting tests replace.
+ConnectionFactory = Callable[..., Awaitable[Connection]]
+
+
+class Routes(Protocol):
+    """What a sender needs: the connection to each partition's owner, and a way to report
+    that the partition map is out of date."""
+
+    def connection_now(self, partition: int) -> Connection | None:
+        """The open connection to the partition's owner if there is one and the map is not
+        stale; None otherwise (then :meth:`connection_for` waits for one)."""
+        ...
+
+    async def connection_for(self, partition: int) -> Connection:
+        """The connection to the partition's owner, refreshing a stale map and connecting
+        first if need be."""
+        ...
+
+    def adopt_map(self, wire: Any) -> None:
+        """Take the map a ``NOT_OWNER`` answer carried (wire form, or None) if it is newer;
+        otherwise mark the map stale."""
+        ...
+
+    def mark_stale(self) -> None:
+        """The map may be out of date (a node was lost): refresh it before the next send."""
+        ...
+
+
+class StreamRoutes(Routes, Protocol):
+    """What a stream needs besides its senders' routes."""
+
+    @property
+    def partitions(self) -> int:
+        """The cluster's partition count."""
+        ...
+
+    async def close_stream(self, sid: str, *, keep_results: bool = False) -> None:
+        """Tell every connected node that stream ``sid`` ends (see
+        :meth:`Connection.close_stream`)."""
+        ...
+
+
+class Router:
+    """Learns and refreshes the partition map and keeps one :class:`Connection` per node.
+
+    A map that comes with a ``NOT_OWNER`` error replaces the current one only if its version
+    is higher; otherwise the map is marked stale and fetched again from the cluster.
+
+    Args:
+        bootstrap: node addresses (``host:port``) to learn the map from.
+        token: the nodes' shared secret, or None.
+        connection_factory: opens a connection (default :meth:`Connection.open`).
+        connect_timeout: seconds to connect or fetch a map.
+    """
+
+    def __init__(
+        self,
+        bootstrap: Sequence[str],
+        *,
+        token: str | None,
+        connection_factory: ConnectionFactory | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self._bootstrap = list(bootstrap)
+        self._token = token
+        self._factory = connection_factory or Connection.open
+        self._connect_timeout = connect_timeout
+        self._client_id = uuid.uuid4().hex
+        self._map: PartitionMap | None = None
+        self._stale = False
+        self._conns: dict[str, Connection] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._refresh_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        if self._map is None:
+            raise UsageError("the client is not connected; use 'async with deltaflow.connect(...)'")
+        return self._map
+
+    @property
+    def partitions(self) -> int:
+        return self.partition_map.partitions
+
+    @property
+    def map_version(self) -> int | None:
+        return self._map.version if self._map else None
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the map (0 before one is learnt)."""
+        return len(self._map.addresses) if self._map else 0
+
+    @property
+    def connections(self) -> int:
+        """Connections held, open or not."""
+        return len(self._conns)
+
+    @property
+    def open_connections(self) -> int:
+        return sum(1 for c in self._conns.values() if not c.closed)
+
+    async def start(self) -> None:
+        """Learn the map from the bootstrap nodes.
+
+        Raises:
+            NodeUnavailableError: none of them could be reached.
+        """
+        await self.refresh_map(self._bootstrap)
+
+    async def close(self) -> None:
+        """Close every connection; no new one is opened afterwards."""
+        self._closed = True
+        conns, self._conns = list(self._conns.values()), {}
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+    # -- Routes and StreamRoutes ------------------------------------------------------------
+
+    async def connection_for(self, partition: int) -> Connection:
+        if self._stale:
+            await self.refresh_map(only_if_stale=True)
+        address = self.partition_map.owner_address(partition)
+        try:
+            return await self._connection(address)
+        except NodeUnavailableError:
+            self._stale = True
+            raise
+
+    def connection_now(self, partition: int) -> Connection | None:
+        if self._stale:
+            return None
+        conn = self._conns.get(self.partition_map.owner_address(partition))
+        return conn if conn is not None and not conn.closed else None
+
+    def adopt_map(self, wire: Any) -> None:
+        if wire is None:
+            self._stale = True
+            return
+        try:
+            offered = PartitionMap.from_wire(wire)
+        except ValueError:
+            self._stale = True
+            return
+        if self._map is None or offered.version > self._map.version:
+            log.info(
+                "partition map v%d adopted: nodes %s", offered.version, sorted(offered.addresses)
+            )
+            self._map = offered
+        else:  # the node's view is not newer than ours: ask the cluster again
+            self._stale = True
+
+    def mark_stale(self) -> None:
+        self._stale = True
+
+    async def close_stream(self, sid: str, *, keep_results: bool = False) -> None:
+        for conn in list(self._conns.values()):
+            await conn.close_stream(sid, keep_results=keep_results)
+
+    # -- connections and the map ----------------------------------------------------------
+
+    async def _connection(self, address: str) -> Connection:
+        conn = self._conns.get(address)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(address)
+            if conn is None or conn.closed:
+                if self._closed:
+                    raise UsageError("the client is closed")
+                conn = await self._factory(
+                    address,
+                    token=self._token,
+                    client_id=self._client_id,
+                    timeout=self._connect_timeout,
+                )
+                self._conns[address] = conn
+            return conn
+
+    async def refresh_map(
+        self, candidates: Sequence[str] | None = None, *, only_if_stale: bool = False
+    ) -> None:
+        """Fetch the map from the first node that answers: ``candidates`` first, then the
+        nodes of the current map, then the bootstrap nodes.
+
+        Raises:
+            NodeUnavailableError: no node answered.
+        """
+        async with self._refresh_lock:
+            if only_if_stale and not self._stale:
+                return  # another batch refreshed it while we waited for the lock
+            addresses = list(candidates or [])
+            if self._map is not None:
+                addresses += [a for a in self._map.addresses.values() if a not in addresses]
+            addresses += [a for a in self._bootstrap if a not in addresses]
+            errors: list[str] = []
+            for address in addresses:
+                try:
+                    fresh = PartitionMap.from_wire(
+                        await _fetch_map(address, self._token, self._connect_timeout)
+                    )
+                    if self._map is None or fresh.version != self._map.version:
+                        log.info(
+                            "partition map v%d from %s: nodes %s",
+                            fresh.version,
+                            address,
+                            sorted(fresh.addresses),
+                        )
+                    self._map = fresh
+                    self._stale = False
+                    return
+                except (DeltaflowError, ValueError) as exc:
+                    if not getattr(exc, "retriable", True):
+                        raise
+                    errors.append(f"{address}: {exc}")
+            raise NodeUnavailableError(
+                "no deltaflow node reachable to learn the partition map (" + "; ".join(errors) + ")"
+            )
+
+
+async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with map_transport_errors(address):
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(f"http://{address}/v1/cluster", headers=headers) as resp,
+        ):
+            if resp.status == 401:
+                raise AuthenticationError(
+                    f"node at {address} rejected the token; pass the token from the node's "
+                    "--token-file to deltaflow.connect(token=...)"
+                )
+            if resp.status != 200:
+                raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
+            body = await resp.json()
+            if body.get("refused"):
+                # Its map is the cluster's (it owns no partition in it), so it is still usable.
+                log.warning("node at %s is refused by its cluster: %s", address, body["refused"])
+            return body["map"]  # type: ignore[no-any-return]

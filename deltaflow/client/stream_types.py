@@ -1,0 +1,124 @@
+"""What a stream takes and gives back: deletes, keys, receiver names, summary and statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import UsageError
+from .latency import AckLatency
+from .sender import NodeStatistics
+
+__all__ = [
+    "DEAD_LETTER_RECEIVER",
+    "TABLE_RECEIVER",
+    "Delete",
+    "KeyFn",
+    "StreamStatistics",
+    "StreamSummary",
+    "key_function",
+]
+
+#: Name of the built-in receiver that upserts into a Delta table (registered on every node).
+TABLE_RECEIVER = "deltaflow.receivers.TableUpsert"
+#: Name of the built-in receiver that appends failed items to a dead-letter table.
+DEAD_LETTER_RECEIVER = "deltaflow.receivers.DeadLetter"
+
+
+@dataclass(frozen=True, slots=True)
+class Delete:
+    """Marks an item as a delete of its key (Ignite 3's REMOVE operation).
+
+    For a table stream, ``item`` is a row holding at least the key columns; for a custom
+    receiver, whatever the receiver expects. A delete is ordered with the upserts of its key.
+    """
+
+    item: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSummary:
+    """What a finished stream did.
+
+    Attributes:
+        stream_id: the id the nodes saw (in their logs and metrics).
+        items_sent: items pulled from the source and sent at least once.
+        items_acked: items acknowledged as applied.
+        items_failed: items not applied (dropped under ``on_failure="drop"``).
+        items_dead_lettered: items written to the dead-letter table (``on_failure="fallback"``).
+        batches_retried: batch resends after retriable errors.
+        results: per-item results delivered to ``on_result``.
+        duration: seconds from start to the last acknowledgement.
+        per_node: acknowledged batches/items and errors by node id.
+        ack_latency: quantiles of the seconds from a batch's first send to its
+            acknowledgement (:class:`.AckLatency`).
+    """
+
+    stream_id: str
+    items_sent: int
+    items_acked: int
+    items_failed: int
+    items_dead_lettered: int
+    batches_retried: int
+    results: int
+    duration: float
+    per_node: dict[str, NodeStatistics]
+    ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.items_acked / self.duration if self.duration > 0 else 0.0
+
+
+KeyFn = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamStatistics:
+    """A snapshot of a running stream (``Client.statistics()``).
+
+    Attributes:
+        stream_id: the stream's id.
+        pulled: items taken from the source so far.
+        buffered: items waiting in partition buffers (not yet in a batch).
+        in_flight: batches sent and not yet acknowledged.
+        acked: items acknowledged as applied.
+        failed: items that failed (or were dropped).
+        dead_lettered: items written to the dead-letter table.
+        retried: batch resends.
+        commit_position: :class:`CommitPosition` count (contiguous settled prefix; tracked
+            only when ``on_commit`` is given).
+        per_node: per-node acknowledged batches/items and errors.
+        ack_latency: quantiles of the ack latency so far (as :attr:`StreamSummary.ack_latency`).
+    """
+
+    stream_id: str
+    pulled: int
+    buffered: int
+    in_flight: int
+    acked: int
+    failed: int
+    dead_lettered: int
+    retried: int
+    commit_position: int
+    per_node: dict[str, NodeStatistics]
+    ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
+
+
+def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:
+    """Turn ``key=`` (a column name, several, or a callable) into a function of an item."""
+    if key is None:
+        raise UsageError("key= is required: a column name, a tuple of column names, or a callable")
+    if callable(key):
+        return key
+    if isinstance(key, str):
+        return operator.itemgetter(key)
+    columns = tuple(key)
+    if not columns or not all(isinstance(c, str) for c in columns):
+        raise UsageError(f"key= must name columns as strings, got {key!r}")
+    # One column routes by its value, as ``key="id"`` does (and as the node's bucket column is
+    # computed); several by the tuple of their values.
+    return operator.itemgetter(*columns)
