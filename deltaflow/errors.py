@@ -21,16 +21,18 @@ Every error deltaflow raises derives from :class:`DeltaflowError`::
     └── DataStreamerError          a stream ended with items not applied (``failed_items``,
                                    and ``failures``: each with its source position and reason)
 
-Whether an error is retried is decided in one place: the class attribute ``retriable``
-(:func:`is_retriable`). Server errors carry a stable ``code`` (see ``docs/protocol.md``) and
-:func:`server_error` maps a code back to its class on the client.
+Whether an error is retried is decided in one place: the error's ``retriable``, read by
+:func:`is_retriable` and sent in the node's ``error`` frames. It is the class's unless a
+:class:`ServerError` is built with its own (the node's decision for that one error, as its frame
+carries it); either way it is fixed once the error exists. Server errors carry a stable ``code``
+(see ``docs/protocol.md``) and :func:`server_error` maps a code back to its class on the client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 __all__ = [
     "AuthenticationError",
@@ -80,9 +82,22 @@ class ErrorCode:
 
 
 class DeltaflowError(Exception):
-    """Base of every deltaflow error."""
+    """Base of every deltaflow error.
 
-    retriable: ClassVar[bool] = False
+    Attributes:
+        retriable: whether resending the same batch may succeed. A class attribute, each
+            class's default; a :class:`ServerError` may be built with its own.
+    """
+
+    retriable: bool = False
+
+    if not TYPE_CHECKING:  # hidden from mypy, which would then allow any attribute name
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            # One decision per error: a handler that wants another builds another error.
+            if name == "retriable":
+                raise AttributeError(f"{type(self).__name__}.retriable is fixed when it is built")
+            super().__setattr__(name, value)
 
 
 class UsageError(DeltaflowError, ValueError):
@@ -114,6 +129,9 @@ class FrameTooLargeError(ProtocolError):
 class ServerError(DeltaflowError):
     """An error reported by a node in an ``error`` frame.
 
+    Args:
+        retriable: this error's retry decision; None (the default) takes the class's.
+
     Attributes:
         code: the stable error code (:class:`ErrorCode`).
         node: id of the node that reported it, when known.
@@ -124,11 +142,32 @@ class ServerError(DeltaflowError):
     retriable = True  # an unclassified server fault is worth another try
 
     def __init__(
-        self, message: str, *, node: str | None = None, details: dict[str, Any] | None = None
+        self,
+        message: str,
+        *,
+        node: str | None = None,
+        details: dict[str, Any] | None = None,
+        retriable: bool | None = None,
     ) -> None:
         super().__init__(message)
         self.node = node
         self.details: dict[str, Any] = details or {}
+        if retriable is not None:
+            self.__dict__["retriable"] = bool(retriable)  # past the guard, once
+
+    def as_final(self) -> ServerError:
+        """This error as a final answer: itself if it is not retriable, else a copy that is
+        not (same class, message, node and details)."""
+        if not self.retriable:
+            return self
+        final = _restore(type(self), self.args, {**vars(self), "retriable": False})
+        final.__cause__ = self.__cause__
+        return final
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied and unpickled past __init__ and the guard: the state, retriable included, is
+        # put back as it was.
+        return (_restore, (type(self), self.args, dict(vars(self))))
 
     def __str__(self) -> str:
         where = f" (node {self.node})" if self.node else ""
@@ -284,11 +323,17 @@ _BY_CODE: dict[str, type[ServerError]] = {
 
 
 def server_error(
-    code: str, message: str, *, node: str | None = None, details: dict[str, Any] | None = None
+    code: str,
+    message: str,
+    *,
+    node: str | None = None,
+    details: dict[str, Any] | None = None,
+    retriable: bool | None = None,
 ) -> ServerError:
-    """Build the most specific :class:`ServerError` for a wire error code."""
+    """Build the most specific :class:`ServerError` for a wire error code (``retriable``: the
+    frame's decision; None keeps the class's)."""
     cls = _BY_CODE.get(code, ServerError)
-    err = cls(message, node=node, details=details)
+    err = cls(message, node=node, details=details, retriable=retriable)
     if cls is ServerError and code != ErrorCode.INTERNAL:
         err.details.setdefault("code", code)
     return err
@@ -296,6 +341,14 @@ def server_error(
 
 def is_retriable(exc: BaseException) -> bool:
     """Whether resending the same batch may succeed (the single retry decision)."""
-    if isinstance(exc, ServerError) and "retriable" in exc.details:
-        return bool(exc.details["retriable"])
     return isinstance(exc, DeltaflowError) and exc.retriable
+
+
+_E = TypeVar("_E", bound=ServerError)
+
+
+def _restore(cls: type[_E], args: tuple[Any, ...], state: dict[str, Any]) -> _E:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err

@@ -22,7 +22,7 @@ from deltaflow.errors import (
 )
 from deltaflow.protocol import decode_frame, encode_frame, join_items, pack_item
 from deltaflow.receivers import Receiver, ReceiverContext, ReceiverRegistry
-from deltaflow.server import dispatcher as dispatcher_module
+from deltaflow.server import lanes as lanes_module
 from deltaflow.server.dispatcher import MAX_LANE_PENDING, Dispatcher, error_frame
 
 
@@ -368,9 +368,9 @@ def test_an_error_frame_carries_the_code_message_node_and_the_retry_decision() -
         "p": 1,
         "seq": 7,
     }
-    # A decision taken for this one error (a receiver's own) overrides its class's, and is
-    # not repeated in the details; an error without a message says its code.
-    overridden = OverloadedError("busy", details={"retriable": False})
+    # A decision taken for this one error (a receiver's own) overrides its class's; an error
+    # without a message says its code.
+    overridden = OverloadedError("busy", retriable=False)
     assert error_frame(overridden) == {
         "t": "error",
         "code": "OVERLOADED",
@@ -733,7 +733,7 @@ async def test_results_are_dropped_only_for_batches_the_client_has_acks_for(
 async def test_results_are_kept_for_the_latest_batches_only(
     scripted: type[Scripted], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(dispatcher_module, "RESULT_REPLAY_BATCHES", 2)
+    monkeypatch.setattr(lanes_module, "RESULT_REPLAY_BATCHES", 2)
     d = make_dispatcher(scripted)
     await apply_three_with_results(d, scripted)
     assert await replay_three(d) == {0: [], 1: [["r1"]], 2: [["r2"]]}

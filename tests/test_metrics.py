@@ -147,3 +147,50 @@ def test_nodes_in_one_process_keep_their_metrics_apart(warehouse: Path) -> None:
             for series in samples(generate_latest(node.metrics).decode()).values()
             for s in series
         } == {node.node_id}
+
+
+def test_the_collector_reads_only_the_snapshot_it_is_given() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deltaflow.server.metrics import NodeCollector
+    from deltaflow.server.statistics import (
+        DispatcherStatistics,
+        NodeStatistics,
+        SideInputStatistics,
+    )
+    from deltaflow.tables.statistics import EngineStatistics
+
+    side = SideInputStatistics(
+        name="rates",
+        version=3,
+        leader="n9",
+        is_leader=True,
+        retrievals=6,
+        published=3,
+        declined=1,
+        unchanged=1,
+        failures=1,
+        last_error="down",
+    )
+    snapshot = NodeStatistics(
+        node_id="n9",
+        state="running",
+        connections=2,
+        map_version=7,
+        owned_partitions=5,
+        dispatcher=DispatcherStatistics(batches_acked=4, node_retries=1),
+        engine=EngineStatistics(commits=2),
+        side_inputs=(side,),
+    )
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(lambda: snapshot))
+    scraped = samples(generate_latest(registry).decode())
+    assert value(scraped, "deltaflow_batches_acked_total") == 4
+    assert value(scraped, "deltaflow_node_retries_total") == 1
+    assert value(scraped, "deltaflow_commits_total") == 2
+    assert value(scraped, "deltaflow_connections") == 2
+    assert value(scraped, "deltaflow_partition_map_version") == 7
+    assert value(scraped, "deltaflow_node_state", state="running") == 1
+    assert value(scraped, "deltaflow_side_input_version", side_input="rates") == 3
+    assert value(scraped, "deltaflow_side_input_leader", side_input="rates") == 1
+    assert value(scraped, "deltaflow_side_input_retrievals_total", outcome="failed") == 1

@@ -4,15 +4,25 @@ tests/test_partitioning.py)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime as dt
 import decimal
+import pickle
 import threading
 
 import msgpack
 import pytest
 
 from deltaflow import protocol
-from deltaflow.errors import FrameTooLargeError, ProtocolError
+from deltaflow.client.connection import _error_of
+from deltaflow.errors import (
+    FrameTooLargeError,
+    OverloadedError,
+    ProtocolError,
+    SchemaError,
+    ServerError,
+    is_retriable,
+)
 from deltaflow.protocol import (
     COALESCE_BYTES,
     QUEUE_HIGH_WATER,
@@ -25,6 +35,7 @@ from deltaflow.protocol import (
     pack_items,
     unpack_items,
 )
+from deltaflow.server.frames import error_frame
 
 
 def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
@@ -383,7 +394,7 @@ def test_a_well_formed_batch_is_read_in_one_pass(
     count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The node reads a batch's items as one msgpack array (one C call); the item-by-item
-    # reader, several times slower, only runs to say what is wrong with a batch.
+    # reader only runs to say what is wrong with a batch.
     kinds = [{1: "int key"}, dt.datetime(2026, 1, 2, tzinfo=dt.UTC), decimal.Decimal("1.5"), "s"]
     items = [kinds[i] if i < len(kinds) else i for i in range(count)]
     blob = join_items(pack_items(items))
@@ -490,3 +501,42 @@ async def test_outbox_writes_the_first_frame_of_every_turn_at_once() -> None:
         assert written[-1] == b"%d" % turn, "a lone frame waited for the outbox's task"
         await asyncio.sleep(0)  # the next turn of the event loop
     assert written == [b"0", b"1", b"2"]
+
+
+@pytest.mark.parametrize(
+    ("err", "retriable"),
+    [
+        (OverloadedError("busy", node="n1"), True),
+        (OverloadedError("busy", node="n1", retriable=False), False),
+        (SchemaError("no column v", node="n1", details={"item": 3}), False),
+        (SchemaError("no column v", node="n1", retriable=True), True),
+        (ServerError("commit failed", node="n1", retriable=False), False),
+    ],
+)
+def test_an_error_frame_becomes_an_error_with_the_frames_retry_decision(
+    err: ServerError, retriable: bool
+) -> None:
+    frame = decode_frame(encode_frame(error_frame(err, sid="s", p=0, seq=1)))
+    assert frame["retriable"] is retriable
+    got = _error_of(frame)
+    assert type(got) is type(err)
+    assert (got.args, got.node, got.details) == (err.args, err.node, err.details)
+    assert got.retriable is retriable and is_retriable(got) is retriable
+    # An unknown code is a generic server error that still follows the frame.
+    unknown = _error_of({**frame, "code": "NEW_CODE"})
+    assert type(unknown) is ServerError and unknown.details["code"] == "NEW_CODE"
+    assert is_retriable(unknown) is retriable
+
+
+def test_an_errors_retry_decision_is_fixed_when_it_is_built() -> None:
+    err = OverloadedError("busy", node="n1", details={"item": 2})
+    with pytest.raises(AttributeError, match="fixed when it is built"):
+        err.retriable = False
+    final = err.as_final()
+    assert type(final) is OverloadedError and final is not err
+    assert (final.args, final.node, final.details) == (err.args, err.node, err.details)
+    assert (is_retriable(err), is_retriable(final)) == (True, False)
+    assert final.as_final() is final
+    for kept in (copy.copy(final), pickle.loads(pickle.dumps(final))):
+        assert type(kept) is OverloadedError and kept.retriable is False
+        assert (kept.args, kept.node, kept.details) == (err.args, err.node, err.details)

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import pytest
 
 import deltaflow
 from deltaflow.errors import SideInputError
-from deltaflow.receivers import MAX_SIDE_INPUT_BYTES
+from deltaflow.receivers import MAX_SIDE_INPUT_BYTES, SideInput
 from deltaflow.server import Node, NodeConfig, NodeState
+from deltaflow.server.side_inputs import SideInputStore, load_side_inputs
 from deltaflow.testing import SIDE_INPUT_FILE_ENV, NodeProcess, check_stamped, stamped_value
 
 from .conftest import start_cluster
@@ -355,3 +357,43 @@ async def test_readers_in_threads_parse_once_per_version_and_never_go_back(
         assert store.get("file") == stamped_value(3, 200_000)
     finally:
         await node.stop()
+
+
+class Recovering(SideInput):
+    """Fails its first three retrievals, then returns a value; due once a minute."""
+
+    name = "recovering"
+    interval = 60.0
+    calls: ClassVar[list[float]] = []
+
+    def retrieve(self) -> bytes:
+        Recovering.calls.append(time.monotonic())
+        if len(Recovering.calls) <= 3:
+            raise ConnectionError("injected: down for now")
+        return b"up"
+
+
+async def test_a_failed_retrieval_is_retried_with_doubling_waits_until_it_succeeds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    Recovering.calls = []
+    store = SideInputStore(
+        tmp_path, node_id="n1", classes=load_side_inputs([Recovering]), lease=3.0
+    )
+    with caplog.at_level("WARNING", logger="deltaflow.server.side_inputs"):
+        await store.start()
+        try:
+            await store.wait_ready(10)
+        finally:
+            await store.stop()
+    assert store.get("recovering") == b"up"
+    [stats] = store.statistics()
+    assert (stats.retrievals, stats.failures, stats.published) == (4, 3, 1)
+    # Waits of 0.5, 1 and 2 s: not the schedule's minute, and not at once.
+    calls = Recovering.calls
+    gaps = [later - earlier for earlier, later in itertools.pairwise(calls)]
+    for gap, wait in zip(gaps, (0.5, 1.0, 2.0), strict=True):
+        assert wait - 0.05 <= gap < wait + 0.5, gaps
+    retrying = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
+    assert [m.split("retrying in ")[1].split("s:")[0] for m in retrying] == ["0.5", "1.0", "2.0"]
+    assert all(r.name == "deltaflow.server.side_inputs" for r in caplog.records)

@@ -66,8 +66,8 @@ BREAKS: dict[str, Break] = {
         ("tests/test_dispatcher.py::test_a_full_lane_that_base_moves_onto_a_waiting_batch_runs",),
     ),
     "needed_batch_refused": Break(
-        "deltaflow/server/dispatcher.py",
-        "            and seq != lane.next_seq\n",
+        "deltaflow/server/lanes.py",
+        "            and seq != self.next_seq\n",
         "",
         ("tests/test_dispatcher.py::test_the_batch_a_full_lane_waits_for_is_not_refused",),
     ),
@@ -123,17 +123,17 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "lane_bound": Break(
-        "deltaflow/server/dispatcher.py",
-        "len(lane.pending) >= MAX_LANE_PENDING",
-        "len(lane.pending) >= MAX_LANE_PENDING + 1",
+        "deltaflow/server/lanes.py",
+        "len(self.pending) >= MAX_LANE_PENDING",
+        "len(self.pending) >= MAX_LANE_PENDING + 1",
         (
             "tests/test_guarantees.py::test_a_lane_holds_at_most_64_waiting_batches_then_answers_overloaded",
         ),
     ),
     "results_kept": Break(
-        "deltaflow/server/dispatcher.py",
-        "while len(lane.results) > RESULT_REPLAY_BATCHES:",
-        "while len(lane.results) > RESULT_REPLAY_BATCHES + 1:",
+        "deltaflow/server/lanes.py",
+        "while len(self.results) > RESULT_REPLAY_BATCHES:",
+        "while len(self.results) > RESULT_REPLAY_BATCHES + 1:",
         (
             "tests/test_guarantees.py::test_results_of_the_last_1024_batches_of_a_lane_are_replayed_to_a_resend",
         ),

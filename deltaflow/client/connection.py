@@ -387,8 +387,13 @@ class Connection:
 
 def _error_of(frame: Frame) -> ServerError:
     details = dict(frame.get("details") or {})
-    details["retriable"] = frame["retriable"]
-    return server_error(frame["code"], frame["msg"], node=frame.get("node"), details=details)
+    return server_error(
+        frame["code"],
+        frame["msg"],
+        node=frame.get("node"),
+        details=details,
+        retriable=frame["retriable"],
+    )
 
 
 def _welcome_of(msg: aiohttp.WSMessage, address: str, max_bytes: int) -> Frame:

@@ -1,7 +1,10 @@
 """The deltaflow node: :mod:`.node` (app and lifecycle), :mod:`.connection` (one client
-WebSocket), :mod:`.dispatcher` (lanes, ordering, receivers, acks), :mod:`.topology`
-(membership and partition map). Table commits live in :mod:`deltaflow.spark_integration`."""
+WebSocket), :mod:`.dispatcher` (streams, receivers, acks) over :mod:`.lanes` (ordering) and
+:mod:`.frames` (frames in and out), :mod:`.side_inputs`, :mod:`.topology` (membership and
+partition map), :mod:`.statistics` and :mod:`.metrics`. Table commits live in
+:mod:`deltaflow.spark_integration`."""
 
-from .node import Node, NodeConfig, NodeState, NodeStatistics, start_local_nodes
+from .node import Node, NodeConfig, NodeState, start_local_nodes
+from .statistics import NodeStatistics
 
 __all__ = ["Node", "NodeConfig", "NodeState", "NodeStatistics", "start_local_nodes"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +23,7 @@ from ..errors import (
     _FrameTooLargeServerError,
     _UnsupportedVersionError,
 )
+from ..partitioning import PartitionMap
 from ..protocol import (
     CAPABILITIES,
     SUPPORTED_VERSIONS,
@@ -32,22 +33,46 @@ from ..protocol import (
     decode_frames,
     encode_frame,
 )
-from .dispatcher import error_frame
+from .dispatcher import Dispatcher
+from .frames import error_frame
 
-if TYPE_CHECKING:
-    from .node import Node
-
-__all__ = ["ClientConnection"]
+__all__ = ["ClientConnection", "NodeView"]
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 
 
+class NodeView(Protocol):
+    """What a connection sees of its node (``Node`` is one)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Largest frame (and, with ``multi``, message) the node takes or sends."""
+        ...
+
+    @property
+    def partition_map(self) -> PartitionMap:
+        """The node's current map, sent in the ``welcome`` frame."""
+        ...
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Where the connection hands ``open``, ``batch`` and ``close`` frames."""
+        ...
+
+    def check_token(self, given: str | None) -> bool:
+        """Whether ``given`` (the hello's token, if any) is the cluster's."""
+        ...
+
+
 class ClientConnection:
     """Serves one WebSocket; ``send`` is what the dispatcher answers through."""
 
-    def __init__(self, node: Node, ws: web.WebSocketResponse, remote: str) -> None:
+    def __init__(self, node: NodeView, ws: web.WebSocketResponse, remote: str) -> None:
         self._node = node
         self._ws = ws
         self._remote = remote

@@ -1,10 +1,11 @@
 """Streams, lanes and receiver dispatch on a node.
 
-A *lane* is one (stream, partition). Batches of a lane are applied strictly in sequence
-order: a batch that arrives early (pipelining, or a resend overtaking) waits in the lane until
-its predecessors ran. A lane runs one receiver call at a time, but does not wait for the
-previous batch's commit: table writes are staged in order into the engine, whose group commits
-preserve staging order, so the next batch can be staged while the previous one commits.
+A *lane* is one (stream, partition); its state and rules are in :mod:`.lanes`. Batches of a
+lane are applied strictly in sequence order: a batch that arrives early (pipelining, or a
+resend overtaking) waits in the lane until its predecessors ran. A lane runs one receiver call
+at a time, but does not wait for the previous batch's commit: table writes are staged in order
+into the engine, whose group commits preserve staging order, so the next batch can be staged
+while the previous one commits.
 
 A batch is acknowledged only when its receiver returned *and* every table write it staged is
 durable. A resend of a batch already applied is acknowledged as a duplicate (``dup``) without
@@ -22,12 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tenacity import (
     AsyncRetrying,
@@ -37,7 +35,6 @@ from tenacity import (
     wait_exponential,
 )
 
-from ..columnar import decode_page
 from ..errors import (
     DeltaflowError,
     LaneFailedError,
@@ -50,85 +47,25 @@ from ..errors import (
     _UnknownStreamError,
     is_retriable,
 )
-from ..protocol import STREAM_ID, Frame, unpack_items
+from ..protocol import STREAM_ID, Frame
 from ..receivers.base import Receiver, ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
+from .frames import ack_frame, batch_items, error_frame, result_frames
+from .lanes import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES, Lane, Peer, Stream
+from .receiving import call_receiver
+from .statistics import DispatcherStatistics
 
-__all__ = ["Dispatcher", "DispatcherStatistics", "Peer", "error_frame"]
+# Also imported from here: error_frame (tests), the lane bounds (tests) and the statistics.
+__all__ = [
+    "MAX_LANE_PENDING",
+    "RESULT_REPLAY_BATCHES",
+    "Dispatcher",
+    "DispatcherStatistics",
+    "Peer",
+    "error_frame",
+]
 
 log = logging.getLogger(__name__)
-
-MAX_LANE_PENDING: Final = 64
-#: Most batches per lane whose results are kept for replay to a resend. Results are dropped as
-#: soon as the client's ``base`` passes their batch, so this bound only matters for a client
-#: that falls this far behind (a batch then resent gets its ack without its results).
-RESULT_REPLAY_BATCHES: Final = 1024
-_RESULT_CHUNK: Final = 1000
-
-
-class Peer(Protocol):
-    """A client connection as the dispatcher sees it."""
-
-    async def send(self, frame: Frame) -> None: ...
-
-    def send_nowait(self, frame: Frame) -> bool:
-        """Queue ``frame`` without waiting; False if the peer is backed up (then ``send``)."""
-        ...
-
-
-def error_frame(err: ServerError, **where: Any) -> Frame:
-    frame: Frame = {
-        "t": "error",
-        "code": err.code,
-        "msg": str(err.args[0]) if err.args else err.code,
-        "node": err.node,
-        "retriable": err.retriable,
-    }
-    details = {k: v for k, v in err.details.items() if k != "retriable"}
-    if "retriable" in err.details:
-        frame["retriable"] = bool(err.details["retriable"])
-    if details:
-        frame["details"] = details
-    frame.update({k: v for k, v in where.items() if v is not None})
-    return frame
-
-
-@dataclass(slots=True)
-class DispatcherStatistics:
-    streams: int = 0
-    batches_received: int = 0
-    batches_acked: int = 0
-    batches_failed: int = 0
-    duplicates: int = 0
-    items_applied: int = 0
-    items_failed: int = 0
-    node_retries: int = 0
-
-
-@dataclass(slots=True)
-class _Lane:
-    next_seq: int = 0
-    pending: dict[int, tuple[Peer, Frame]] = field(default_factory=dict)
-    committing: dict[int, asyncio.Future[None]] = field(default_factory=dict)
-    # Table writes each applied batch staged, until they are durable: a failed one makes the
-    # writes of later batches of the lane abandoned at once, before any of them commits.
-    staged: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
-    # Results of the latest batches, replayed when a batch is resent after a lost ack.
-    # Each: (results produced, items the receiver marked failed by index).
-    results: OrderedDict[int, tuple[list[Any], dict[int, str]]] = field(default_factory=OrderedDict)
-    failed_at: int | None = None
-    failure: ServerError | None = None
-    task: asyncio.Task[None] | None = None
-
-
-@dataclass(slots=True)
-class _Stream:
-    sid: str
-    receiver_name: str
-    receiver: Receiver
-    args: Any
-    limit: asyncio.Semaphore | contextlib.nullcontext[None]
-    lanes: dict[int, _Lane] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -167,7 +104,7 @@ class Dispatcher:
         self._side_inputs = side_inputs
         self._concurrency = dict(concurrency or {})
         self._limits: dict[str, asyncio.Semaphore] = {}
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = DispatcherStatistics()
 
@@ -202,7 +139,7 @@ class Dispatcher:
                 f"receiver {receiver} could not be created: {type(exc).__name__}: {exc}",
                 node=self.node_id,
             ) from exc
-        self._streams[sid] = _Stream(sid, receiver, instance, args, self._limit(receiver, cls))
+        self._streams[sid] = Stream(sid, receiver, instance, args, self._limit(receiver, cls))
         self.stats.streams = len(self._streams)
 
     def _limit(
@@ -223,8 +160,7 @@ class Dispatcher:
         # Batches still waiting for their turn will not get it: tell their senders they were not
         # applied (a stopping client waits for an answer to every batch it sent).
         for p, lane in stream.lanes.items():
-            for seq in sorted(lane.pending):
-                peer, frame = lane.pending.pop(seq)
+            for seq, peer, frame in lane.take_pending():
                 self._reply_error(
                     peer,
                     LaneFailedError(
@@ -289,35 +225,19 @@ class Dispatcher:
                 ),
                 frame,
             )
-        lane = stream.lanes.setdefault(p, _Lane())
+        lane = stream.lanes.setdefault(p, Lane())
         base = frame.get("base", 0)
-        if lane.failed_at is not None and base > lane.failed_at:
-            # The client settled the failed batch another way (dead-letter table, or dropped):
-            # nothing before ``base`` is pending any more, so the lane may go on from there.
-            lane.failed_at = lane.failure = None
-        if lane.failed_at is not None and seq >= lane.failed_at:
-            err = lane.failure if seq == lane.failed_at else None
-            return self._reply_error(peer, err or _lane_failed(self.node_id, p, lane), frame)
-        results = lane.results
-        while results and next(iter(results)) < base:  # the client has their acks
-            results.popitem(last=False)
-        if base > lane.next_seq:
-            # The client has every batch below ``base`` acknowledged (by this node before, or by
-            # a previous owner): start the lane there instead of waiting for them.
-            lane.next_seq = base
-            for stale in [s for s in lane.pending if s < base]:
-                del lane.pending[stale]
-        if seq < lane.next_seq or seq in lane.committing:
+        lane.reopen_past(base)
+        refusal = lane.refusal(seq, self.node_id, p)
+        if refusal is not None:
+            return self._reply_error(peer, refusal, frame)
+        lane.start_at(base)
+        if lane.is_duplicate(seq):
             self.stats.duplicates += 1
             self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
-        # The bound never refuses the batch the waiting ones need (the lane could not move),
-        # and a lane that ``base`` moved onto a waiting batch runs even if this one is refused.
-        if (
-            seq not in lane.pending
-            and seq != lane.next_seq
-            and len(lane.pending) >= MAX_LANE_PENDING
-        ):
+        if lane.is_full_for(seq):
+            # A lane that ``base`` moved onto a waiting batch runs even if this one is refused.
             if lane.task is None and lane.next_seq in lane.pending:
                 lane.task = self._spawn(self._run_lane(stream, p, lane))
             return self._reply_error(
@@ -334,7 +254,7 @@ class Dispatcher:
             lane.task = self._spawn(self._run_lane(stream, p, lane))
         return None
 
-    async def _run_lane(self, stream: _Stream, p: int, lane: _Lane) -> None:
+    async def _run_lane(self, stream: Stream, p: int, lane: Lane) -> None:
         try:
             while lane.failure is None and lane.next_seq in lane.pending:
                 seq = lane.next_seq
@@ -350,37 +270,24 @@ class Dispatcher:
                     if is_retriable(err):  # the client resends this very batch; keep the lane
                         self._reply_error(peer, err, frame)
                         return
-                    self._fail_lane(stream, p, lane, seq, err, peer, frame)
+                    self._fail_lane(p, lane, seq, err, peer, frame)
                     return
                 if lane.failed_at is None:  # else the lane restarts from its failed batch
                     lane.next_seq = max(lane.next_seq, seq + 1)
                 if ctx._durable:
                     lane.staged[seq] = list(ctx._durable)
                     # On a task of its own: the lane goes on while the writes commit.
-                    self._spawn(self._finish(stream, p, lane, seq, ctx, durable, peer, frame))
+                    self._spawn(self._finish(p, lane, seq, ctx, durable, peer, frame))
                 else:  # nothing to wait for (no table writes): acknowledged now, no task
                     self._acknowledge(lane, ctx, durable, peer, frame)
         finally:
             lane.task = None
 
     async def _apply(
-        self, stream: _Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: _Lane
+        self, stream: Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: Lane
     ) -> ReceiverContext:
         try:
-            if ("items" in frame) == ("arrow" in frame):
-                raise ProtocolError("a batch carries exactly one of 'items' and 'arrow'")  # noqa: TRY301
-            if "arrow" in frame:
-                if "del" in frame:
-                    raise ProtocolError("an Arrow page carries its deletes as a column")  # noqa: TRY301
-                page = decode_page(frame["arrow"], frame["n"])
-                items: Sequence[Any] = page
-                deletes = page.deletes
-            else:
-                items = unpack_items(frame["items"], frame["n"])
-                deletes = frozenset(frame.get("del") or ())
-            if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
-                # Translated below like a frame that fails to unpack.
-                raise ProtocolError("'del' holds indexes outside the batch")  # noqa: TRY301
+            items, deletes = batch_items(frame)
         except ProtocolError as exc:
             raise _BadFrameError(str(exc), node=self.node_id) from exc
         first = max(1, frame.get("att", 1))
@@ -410,12 +317,12 @@ class Dispatcher:
 
     async def _run_receiver(
         self,
-        stream: _Stream,
+        stream: Stream,
         p: int,
         seq: int,
         peer: Peer,
         frame: Frame,
-        lane: _Lane,
+        lane: Lane,
         items: Sequence[Any],
         deletes: frozenset[int],
         attempt: int,
@@ -425,12 +332,7 @@ class Dispatcher:
         def abandoned() -> bool:
             # Read at commit time: writes of a batch that failed, or of batches behind a failed
             # one in the lane, must not land.
-            if batch_failed.is_set() or (lane.failed_at is not None and seq > lane.failed_at):
-                return True
-            return any(
-                earlier < seq and any(f.done() and f.exception() is not None for f in futures)
-                for earlier, futures in lane.staged.items()
-            )
+            return batch_failed.is_set() or lane.abandons(seq)
 
         ctx = ReceiverContext(
             stream_id=stream.sid,
@@ -446,12 +348,10 @@ class Dispatcher:
             _abandoned=abandoned,
         )
         produced: list[Any] = []
-        lane.results[seq] = (produced, ctx._failed)
-        while len(lane.results) > RESULT_REPLAY_BATCHES:
-            lane.results.popitem(last=False)
+        lane.keep_results(seq, produced, ctx._failed)
         try:
             async with stream.limit:
-                await self._call_receiver(stream.receiver, items, ctx, produced, peer, frame)
+                await call_receiver(stream.receiver, items, ctx, produced, peer, frame)
         except ServerError as err:
             batch_failed.set()
             err.node = err.node or self.node_id
@@ -469,36 +369,12 @@ class Dispatcher:
                 self._writer.release()
         return ctx
 
-    @staticmethod
-    async def _call_receiver(
-        receiver: Receiver,
-        items: Sequence[Any],
-        ctx: ReceiverContext,
-        produced: list[Any],
-        peer: Peer,
-        frame: Frame,
-    ) -> None:
-        out = receiver.receive(items, ctx)
-        if inspect.isasyncgen(out):
-            async for value in out:
-                produced.append(value)
-                await peer.send(_result(frame, [value]))
-            return
-        values = await out if inspect.isawaitable(out) else out
-        if values is not None:
-            # Async generators went the other way; anything else must be a plain iterable
-            # (else list() raises TypeError: the batch fails as a ReceiverError).
-            values = list(cast("Iterable[Any]", values))
-            produced.extend(values)
-            for i in range(0, len(values), _RESULT_CHUNK):
-                await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
-
     def _as_server_error(
-        self, exc: Exception, stream: _Stream, p: int, seq: int, n: int
+        self, exc: Exception, stream: Stream, p: int, seq: int, n: int
     ) -> ServerError:
         """What the client is told when a receiver raised ``exc``."""
         if isinstance(exc, DeltaflowError):  # keeps the error's own retry decision
-            return ServerError(str(exc), node=self.node_id, details={"retriable": exc.retriable})
+            return ServerError(str(exc), node=self.node_id, retriable=exc.retriable)
         log.warning(
             "receiver %s failed on stream %s partition %d batch %d: %r",
             stream.receiver_name,
@@ -515,9 +391,8 @@ class Dispatcher:
 
     async def _finish(
         self,
-        stream: _Stream,
         p: int,
-        lane: _Lane,
+        lane: Lane,
         seq: int,
         ctx: ReceiverContext,
         durable: asyncio.Future[None],
@@ -529,15 +404,16 @@ class Dispatcher:
                 await asyncio.gather(*ctx._durable)
         # Any commit failure must fail the batch's waiters and the lane, never leave them hanging.
         except Exception as exc:  # noqa: BLE001
+            # Final whatever its class: the lane closes, and a resend gets the same answer.
             err = (
                 exc
                 if isinstance(exc, ServerError)
                 else ServerError(f"commit failed: {exc!r}", node=self.node_id)
-            )
+            ).as_final()
             durable.set_exception(err)
             durable.exception()
             lane.committing.pop(seq, None)
-            self._fail_lane(stream, p, lane, seq, err, peer, frame)
+            self._fail_lane(p, lane, seq, err, peer, frame)
             lane.staged.pop(seq, None)
             return
         lane.staged.pop(seq, None)
@@ -545,7 +421,7 @@ class Dispatcher:
 
     def _acknowledge(
         self,
-        lane: _Lane,
+        lane: Lane,
         ctx: ReceiverContext,
         durable: asyncio.Future[None],
         peer: Peer,
@@ -557,9 +433,9 @@ class Dispatcher:
         self.stats.batches_acked += 1
         self.stats.items_applied += frame["n"] - len(ctx._failed)
         self.stats.items_failed += len(ctx._failed)
-        self._send_soon(peer, _ack(frame, failed=ctx._failed))
+        self._send_soon(peer, ack_frame(frame, failed=ctx._failed))
 
-    async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: _Lane) -> None:
+    async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: Lane) -> None:
         """A resend of an applied batch: replay its results, ack once it is durable."""
         seq = frame["seq"]
         durable = lane.committing.get(seq)
@@ -570,34 +446,26 @@ class Dispatcher:
                 self._reply_error(peer, err, frame)
                 return
         values, failed = lane.results.get(seq, ([], {}))
-        for i in range(0, len(values), _RESULT_CHUNK):
-            await peer.send(_result(frame, values[i : i + _RESULT_CHUNK]))
-        await peer.send(_ack(frame, dup=True, failed=failed))
+        for result in result_frames(frame, values):
+            await peer.send(result)
+        await peer.send(ack_frame(frame, dup=True, failed=failed))
 
     def _fail_lane(
         self,
-        stream: _Stream,
         p: int,
-        lane: _Lane,
+        lane: Lane,
         seq: int,
         err: ServerError,
         peer: Peer,
         frame: Frame,
     ) -> None:
-        # The lane is closed: resending its batches cannot succeed until the client settles the
-        # failed one (a later ``base`` past it reopens the lane). Nothing from ``seq`` on counts
-        # as applied: later batches' staged writes are abandoned before they commit.
-        err.details["retriable"] = False
-        if lane.failed_at is None or seq < lane.failed_at:
-            lane.failed_at, lane.failure = seq, err
-            lane.next_seq = min(lane.next_seq, seq)
-            for later in [s for s in lane.results if s >= seq]:
-                del lane.results[later]
+        # ``err`` is not retriable. Later batches' staged writes are abandoned before they
+        # commit, and those waiting are refused.
+        lane.fail(seq, err)
         self.stats.batches_failed += 1
         self._reply_error(peer, err, frame)
-        for later in sorted(lane.pending):
-            later_peer, later_frame = lane.pending.pop(later)
-            self._reply_error(later_peer, _lane_failed(self.node_id, p, lane), later_frame)
+        for _, later_peer, later_frame in lane.take_pending():
+            self._reply_error(later_peer, lane.failed_error(self.node_id, p), later_frame)
 
     def _reply_error(self, peer: Peer, err: ServerError, frame: Frame) -> None:
         self._send_soon(peer, error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"]))
@@ -614,36 +482,3 @@ class Dispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-
-def _lane_failed(node: str, p: int, lane: _Lane) -> LaneFailedError:
-    return LaneFailedError(
-        f"not applied: batch {lane.failed_at} of partition {p} failed earlier "
-        f"({lane.failure}), so later batches of the partition are refused to keep per-key order",
-        node=node,
-    )
-
-
-def _ack(frame: Frame, *, dup: bool = False, failed: dict[int, str] | None = None) -> Frame:
-    ack: Frame = {
-        "t": "ack",
-        "sid": frame["sid"],
-        "p": frame["p"],
-        "seq": frame["seq"],
-        "n": frame["n"],
-    }
-    if dup:
-        ack["dup"] = True
-    if failed:
-        ack["failed"] = [[i, failed[i]] for i in sorted(failed)]
-    return ack
-
-
-def _result(frame: Frame, values: list[Any]) -> Frame:
-    return {
-        "t": "result",
-        "sid": frame["sid"],
-        "p": frame["p"],
-        "seq": frame["seq"],
-        "values": values,
-    }

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -22,9 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from ..tables.statistics import Histogram
-
-if TYPE_CHECKING:
-    from .node import NodeStatistics
+from .statistics import NodeStatistics
 
 __all__ = ["NodeCollector"]
 
@@ -34,7 +31,7 @@ class NodeCollector:
 
     Args:
         statistics: returns the node's current snapshot (``Node.statistics``); called once per
-            scrape, on the event loop.
+            scrape, on the event loop. The collector knows nothing else of the node.
     """
 
     def __init__(self, statistics: Callable[[], NodeStatistics]) -> None:

@@ -31,19 +31,18 @@ from ..tables.engine_settings import (
     EngineSettings,
 )
 from ..tables.settings import default_buckets
-from ..tables.statistics import EngineStatistics
 from .connection import ClientConnection, token_matches
-from .dispatcher import Dispatcher, DispatcherStatistics
+from .dispatcher import Dispatcher
 from .identity import NodeIdentity, load_identity
 from .metrics import NodeCollector
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,
     DEFAULT_SIDE_INPUT_POLL_INTERVAL,
     DEFAULT_SIDE_INPUT_TIMEOUT,
-    SideInputStatistics,
     SideInputStore,
     load_side_inputs,
 )
+from .statistics import NodeStatistics
 from .topology import DEFAULT_PEER_EXPIRY, Membership
 
 __all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
@@ -192,20 +191,6 @@ class NodeState(enum.Enum):
     CREATED = "created"
     RUNNING = "running"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeStatistics:
-    """A snapshot of a node's counters."""
-
-    node_id: str
-    state: str
-    connections: int
-    map_version: int
-    owned_partitions: int
-    dispatcher: DispatcherStatistics
-    engine: EngineStatistics
-    side_inputs: tuple[SideInputStatistics, ...] = ()
 
 
 class Node:

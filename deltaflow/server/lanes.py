@@ -1,0 +1,141 @@
+"""Lanes: the ordering state of one (stream, partition) on a node, and the rules that move it.
+
+A lane applies its batches strictly in sequence order: ``next_seq`` is the batch it runs next,
+``pending`` holds batches that arrived early, ``committing`` those applied and not yet durable,
+``staged`` their table writes, ``results`` what recent batches produced (replayed to a
+resend). A batch that fails for good fails the lane at ``failed_at``: from there on batches are
+refused until the client's ``base`` passes it. The dispatcher runs the lanes; everything here
+is synchronous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from ..errors import LaneFailedError, ServerError
+from ..protocol import Frame
+from ..receivers.base import Receiver
+
+__all__ = ["MAX_LANE_PENDING", "RESULT_REPLAY_BATCHES", "Lane", "Peer", "Stream"]
+
+#: Most batches waiting in a lane for their predecessors; more are answered ``OVERLOADED``.
+MAX_LANE_PENDING: Final = 64
+#: Most batches per lane whose results are kept for replay to a resend. Results are dropped as
+#: soon as the client's ``base`` passes their batch, so this bound only matters for a client
+#: that falls this far behind (a batch then resent gets its ack without its results).
+RESULT_REPLAY_BATCHES: Final = 1024
+
+
+class Peer(Protocol):
+    """A client connection as the dispatcher sees it."""
+
+    async def send(self, frame: Frame) -> None: ...
+
+    def send_nowait(self, frame: Frame) -> bool:
+        """Queue ``frame`` without waiting; False if the peer is backed up (then ``send``)."""
+        ...
+
+
+@dataclass(slots=True)
+class Lane:
+    next_seq: int = 0
+    pending: dict[int, tuple[Peer, Frame]] = field(default_factory=dict)
+    committing: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    # Table writes each applied batch staged, until they are durable: a failed one makes the
+    # writes of later batches of the lane abandoned at once, before any of them commits.
+    staged: dict[int, list[asyncio.Future[None]]] = field(default_factory=dict)
+    # Results of the latest batches, replayed when a batch is resent after a lost ack.
+    # Each: (results produced, items the receiver marked failed by index).
+    results: OrderedDict[int, tuple[list[Any], dict[int, str]]] = field(default_factory=OrderedDict)
+    failed_at: int | None = None
+    failure: ServerError | None = None
+    task: asyncio.Task[None] | None = None
+
+    def reopen_past(self, base: int) -> None:
+        """The client settled the failed batch another way (dead-letter table, or dropped):
+        nothing before ``base`` is pending any more, so the lane may go on from there."""
+        if self.failed_at is not None and base > self.failed_at:
+            self.failed_at = self.failure = None
+
+    def refusal(self, seq: int, node: str, p: int) -> ServerError | None:
+        """What a failed lane answers batch ``seq`` (the failed batch gets its own error), or
+        None if the lane takes it."""
+        if self.failed_at is None or seq < self.failed_at:
+            return None
+        err = self.failure if seq == self.failed_at else None
+        return err or self.failed_error(node, p)
+
+    def start_at(self, base: int) -> None:
+        """The client has every batch below ``base`` acknowledged (by this node before, or by a
+        previous owner): forget their results, and start the lane there instead of waiting."""
+        while self.results and next(iter(self.results)) < base:
+            self.results.popitem(last=False)
+        if base > self.next_seq:
+            self.next_seq = base
+            for stale in [s for s in self.pending if s < base]:
+                del self.pending[stale]
+
+    def is_duplicate(self, seq: int) -> bool:
+        """Batch ``seq`` was applied already, or is being committed."""
+        return seq < self.next_seq or seq in self.committing
+
+    def is_full_for(self, seq: int) -> bool:
+        """Batch ``seq`` finds no room. The bound never refuses the batch the waiting ones need
+        (the lane could not move), nor a resend of one already waiting."""
+        return (
+            seq not in self.pending
+            and seq != self.next_seq
+            and len(self.pending) >= MAX_LANE_PENDING
+        )
+
+    def keep_results(self, seq: int, produced: list[Any], failed: dict[int, str]) -> None:
+        """Keep what batch ``seq`` produces (filled in as it runs) for a resend of it."""
+        self.results[seq] = (produced, failed)
+        while len(self.results) > RESULT_REPLAY_BATCHES:
+            self.results.popitem(last=False)
+
+    def abandons(self, seq: int) -> bool:
+        """Whether the writes of batch ``seq`` must not land: a batch before it in the lane
+        failed, or a write an earlier batch staged failed to commit."""
+        if self.failed_at is not None and seq > self.failed_at:
+            return True
+        return any(
+            earlier < seq and any(f.done() and f.exception() is not None for f in futures)
+            for earlier, futures in self.staged.items()
+        )
+
+    def fail(self, seq: int, err: ServerError) -> None:
+        """Batch ``seq`` failed for good: close the lane there. Resending its batches cannot
+        succeed until the client settles the failed one (a later ``base`` past it reopens the
+        lane); nothing from ``seq`` on counts as applied."""
+        if self.failed_at is None or seq < self.failed_at:
+            self.failed_at, self.failure = seq, err
+            self.next_seq = min(self.next_seq, seq)
+            for later in [s for s in self.results if s >= seq]:
+                del self.results[later]
+
+    def take_pending(self) -> list[tuple[int, Peer, Frame]]:
+        """Remove the waiting batches, in sequence order, to answer them."""
+        return [(seq, *self.pending.pop(seq)) for seq in sorted(self.pending)]
+
+    def failed_error(self, node: str, p: int) -> LaneFailedError:
+        return LaneFailedError(
+            f"not applied: batch {self.failed_at} of partition {p} failed earlier "
+            f"({self.failure}), so later batches of the partition are refused to keep per-key "
+            "order",
+            node=node,
+        )
+
+
+@dataclass(slots=True)
+class Stream:
+    sid: str
+    receiver_name: str
+    receiver: Receiver
+    args: Any
+    limit: asyncio.Semaphore | contextlib.nullcontext[None]
+    lanes: dict[int, Lane] = field(default_factory=dict)

@@ -1,0 +1,70 @@
+"""Snapshots of a node's counters: what ``Node.statistics()`` returns and ``/metrics`` reads.
+
+Plain data, so the modules that fill them (dispatcher, side inputs, node) and the one that
+reads them (metrics) depend on this module, not on each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..tables.statistics import EngineStatistics
+
+__all__ = ["DispatcherStatistics", "NodeStatistics", "SideInputStatistics"]
+
+
+@dataclass(slots=True)
+class DispatcherStatistics:
+    """The dispatcher's counters (live: the dispatcher updates them in place)."""
+
+    streams: int = 0
+    batches_received: int = 0
+    batches_acked: int = 0
+    batches_failed: int = 0
+    duplicates: int = 0
+    items_applied: int = 0
+    items_failed: int = 0
+    node_retries: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SideInputStatistics:
+    """A snapshot of one side input on one node.
+
+    Attributes:
+        name: the side input's name.
+        version: the version this node serves; 0 before it has a value.
+        leader: the node id holding the lease at this node's last look; None if none.
+        is_leader: whether this node holds the lease (and so runs the retrievals).
+        retrievals: ``retrieve()`` calls on this node.
+        published: retrievals that made a new version.
+        declined: retrievals that returned None (no new version).
+        unchanged: retrievals that returned the current value's bytes (no new version).
+        failures: retrievals that raised, timed out, or returned a bad value.
+        last_error: the latest failure on this node, if any.
+    """
+
+    name: str
+    version: int
+    leader: str | None
+    is_leader: bool
+    retrievals: int
+    published: int
+    declined: int
+    unchanged: int
+    failures: int
+    last_error: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeStatistics:
+    """A snapshot of a node's counters."""
+
+    node_id: str
+    state: str
+    connections: int
+    map_version: int
+    owned_partitions: int
+    dispatcher: DispatcherStatistics
+    engine: EngineStatistics
+    side_inputs: tuple[SideInputStatistics, ...] = ()
