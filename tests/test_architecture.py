@@ -172,10 +172,7 @@ def test_a_layer_imports_none_of_the_layers_it_must_not(layer: str) -> None:
 def test_the_foundations_import_only_each_other() -> None:
     graph = import_graph()
     broken = sorted(
-        f"{source} -> {target}"
-        for source in BASE
-        for target in graph[source]
-        if target not in BASE
+        f"{source} -> {target}" for source in BASE for target in graph[source] if target not in BASE
     )
     assert broken == []
 

@@ -126,10 +126,14 @@ class TableEngine:
 
     async def start(self) -> None:
         """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
-        self.warehouse.mkdir(parents=True, exist_ok=True)
-        # Leftovers of this node's earlier run (other nodes may share the warehouse).
-        shutil.rmtree(self.staging_dir, ignore_errors=True)
+        await self.in_thread(self._prepare_warehouse)
         await self.in_thread(self._start_engine)
+
+    def _prepare_warehouse(self) -> None:
+        """Blocking: create the warehouse; remove the leftovers of this node's earlier run
+        (other nodes may share the warehouse)."""
+        self.warehouse.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def _start_engine(self) -> None:
         """Blocking: start the engine."""

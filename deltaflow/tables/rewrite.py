@@ -62,9 +62,10 @@ __all__ = [
 #: most a few times before its file is large enough to stand alone.
 SMALL_REMAINDER: Final = 0.25
 #: Files of fewer rows are written plain: no dictionary, no compression. Encoding them is
-#: several times cheaper (docs/tables.md), and they are short-lived: a group's rows of one bucket, merged with 7 others of their size
-#: tier into a file of the next tier (see merge_on_read), which is written compressed once it
-#: reaches this size. A bucket keeps at most 7 plain files per tier below it.
+#: several times cheaper (docs/tables.md), and they are short-lived: a group's rows of one
+#: bucket, merged with 7 others of their size tier into a file of the next tier (see
+#: merge_on_read), which is written compressed once it reaches this size. A bucket keeps at
+#: most 7 plain files per tier below it.
 PLAIN_FILE_ROWS: Final = 4096
 #: Writer protocol versions whose every feature this writer honours (1: none; 2: invariants
 #: and append-only, both checked below). Version 7 lists its features by name.
