@@ -17,8 +17,7 @@ from deltaflow.errors import DataStreamerError, ProtocolError
 from deltaflow.partitioning import partition_of, partition_table
 from deltaflow.server import Node
 
-from .conftest import read_delta
-from .test_tables import assert_table, expected, workload
+from .support import assert_table, expected, read_delta, workload
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("value", pa.float64())])
 OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_interval=0.5)

@@ -15,7 +15,7 @@ from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
 from deltaflow.receivers import Receiver, ReceiverContext
 
-from .conftest import Within, start_cluster
+from .support import StartCluster, Within
 
 
 class Gate(Receiver):
@@ -33,7 +33,7 @@ class Gate(Receiver):
 
 
 async def test_a_full_window_stops_pulling_an_async_source(
-    spark: Any, warehouse: Path, within: Within[Any]
+    spark: Any, warehouse: Path, within: Within[Any], start_cluster: StartCluster
 ) -> None:
     Gate.opened, Gate.arrived_event, Gate.arrived = asyncio.Event(), asyncio.Event(), 0
     nodes = await start_cluster(warehouse, count=1, receivers=["tests.test_backpressure.Gate"])
@@ -71,7 +71,7 @@ async def test_a_full_window_stops_pulling_an_async_source(
 
 
 async def test_an_observable_emitting_on_its_own_thread_is_blocked_while_the_window_is_full(
-    spark: Any, warehouse: Path, within: Within[Any]
+    spark: Any, warehouse: Path, within: Within[Any], start_cluster: StartCluster
 ) -> None:
     import threading
 
@@ -116,7 +116,7 @@ async def test_an_observable_emitting_on_its_own_thread_is_blocked_while_the_win
 
 
 async def test_an_observable_flooding_the_event_loop_gets_a_clear_overflow_error(
-    spark: Any, warehouse: Path, within: Within[Any]
+    spark: Any, warehouse: Path, within: Within[Any], start_cluster: StartCluster
 ) -> None:
     import threading
 
@@ -156,7 +156,7 @@ async def test_an_observable_flooding_the_event_loop_gets_a_clear_overflow_error
 
 
 async def test_cancelling_a_stream_says_what_was_applied_and_what_is_in_doubt(
-    spark: Any, warehouse: Path, within: Within[Any]
+    spark: Any, warehouse: Path, within: Within[Any], start_cluster: StartCluster
 ) -> None:
     Gate.opened, Gate.arrived_event, Gate.arrived = asyncio.Event(), asyncio.Event(), 0
     nodes = await start_cluster(warehouse, count=1, receivers=["tests.test_backpressure.Gate"])

@@ -20,13 +20,15 @@ from deltaflow.partitioning import PartitionMap, partition_of
 from deltaflow.protocol import WS_PATH, decode_frame, decode_frames, encode_frame, pack_item
 from deltaflow.server import Node
 
-from .conftest import read_delta, start_cluster
+from .support import StartCluster, read_delta
 
 TOKEN = "s3cret-token"
 
 
 @pytest.fixture
-async def guarded(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
+async def guarded(
+    spark: Any, warehouse: Path, start_cluster: StartCluster
+) -> AsyncIterator[list[Node]]:
     """Two nodes with a token and a small (64 KiB) frame limit."""
     nodes = await start_cluster(warehouse, token=TOKEN, max_frame_bytes=64 * 1024)
     yield nodes

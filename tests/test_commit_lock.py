@@ -2,8 +2,8 @@
 
 Each node runs with no peers and one partition, so it owns everything and applies every
 batch it gets; with one batch in flight per stream every batch is its own commit, racing the
-other process's commits to the same table: 2 x 100 appends through two Spark JVMs (about two
-minutes here) and 2 x 150 merges through delta-rs.
+other process's commits to the same table: 2 x 100 appends through two Spark JVMs and
+2 x 150 merges through delta-rs.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from deltaflow.tables import flock as lock
 from deltaflow.tables.flock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
 
-from .conftest import read_delta
+from .support import read_delta
 
 APPEND_RECEIVER = "deltaflow.testing.AppendRows"
 
@@ -108,9 +108,8 @@ def _writer(path: Path, version: int) -> str:
 @pytest.mark.slow
 async def test_hammer_200_appends_from_two_spark_processes(warehouse: Path) -> None:
     # Spark's HDFSLogStore is the log store whose put-if-absent is atomic only inside one JVM:
-    # two JVMs, 200 commits, none may be lost. Appends (about 0.3-0.6 s each here) rather than
-    # MERGEs (1-3 s each): the commit path and its lock are the same, and 200 fit in about
-    # two minutes on this 2-core machine.
+    # two JVMs, 200 commits, none may be lost. Appends rather than MERGEs, which take several
+    # times longer: the commit path and its lock are the same.
     await race(warehouse, "spark", batches=100, rows=4, append=True)
 
 

@@ -1,5 +1,5 @@
 """Deletion vectors as the Delta protocol lays them out: Z85, the file format, its checks.
-(Spark and delta-rs reading vectors written here: tests/test_tables.py.)"""
+(Spark and delta-rs reading vectors written here: tests/test_merge_on_read.py.)"""
 
 from __future__ import annotations
 

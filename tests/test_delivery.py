@@ -13,7 +13,7 @@ from deltaflow import StreamerOptions
 from deltaflow.server import Node
 from deltaflow.testing import ConnectionDropper
 
-from .conftest import echo_stream, read_delta
+from .support import echo_stream, read_delta
 
 
 async def test_lost_ack_is_resent_and_not_applied_twice(cluster: list[Node]) -> None:

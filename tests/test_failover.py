@@ -20,7 +20,7 @@ from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
 from deltaflow.testing import NodeProcess, free_port
 
-from .conftest import read_delta, read_spark
+from .support import read_delta, read_spark
 
 pytestmark = [
     pytest.mark.slow,

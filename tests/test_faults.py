@@ -13,7 +13,7 @@ from deltaflow import DataStreamerError, Delete, StreamerOptions
 from deltaflow.server import Node
 from deltaflow.testing import FailOn, RequestDropper
 
-from .conftest import echo_stream, read_delta
+from .support import echo_stream, read_delta
 
 FAST_RETRY = {"retry_initial_backoff": 0.01, "retry_max_backoff": 0.1}
 LOSSY = {**FAST_RETRY, "ack_timeout": 1.0}  # a lost request costs one ack timeout

@@ -26,7 +26,7 @@ from deltaflow.server import Node
 from deltaflow.server.dispatcher import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES
 from deltaflow.testing import RecordOrder, RequestDropper, at_fault_point
 
-from .conftest import Eventually, read_delta, start_cluster
+from .support import Eventually, StartCluster, read_delta
 
 FAST_RETRY = {"retry_initial_backoff": 0.01, "retry_max_backoff": 0.1}
 LOSSY = {**FAST_RETRY, "ack_timeout": 1.0}  # a lost request costs one ack timeout
@@ -199,6 +199,7 @@ async def test_a_batch_writing_two_tables_is_acked_only_once_both_commits_are_du
 
 async def test_the_client_refuses_a_frame_over_the_nodes_limit_before_sending_it(
     warehouse: Path,
+    start_cluster: StartCluster,
 ) -> None:
     nodes = await start_cluster(warehouse, count=1, engine="delta-rs", max_frame_bytes=64 * 1024)
     try:

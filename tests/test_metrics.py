@@ -16,7 +16,7 @@ import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.server import Node, NodeConfig
 
-from .conftest import read_delta, start_cluster
+from .support import StartCluster, read_delta
 
 TOKEN = "scrape-secret"
 
@@ -48,7 +48,7 @@ def value(scraped: dict[str, list[Sample]], name: str, **labels: str) -> float:
 
 
 async def test_two_nodes_report_what_they_applied_and_committed(
-    warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_cluster: StartCluster
 ) -> None:
     rates = tmp_path / "vat.json"
     rates.write_text(json.dumps({"default": 0.2}))
@@ -119,7 +119,7 @@ async def test_two_nodes_report_what_they_applied_and_committed(
     assert total("deltaflow_side_input_retrievals_total", outcome="failed") == 0
 
 
-async def test_metrics_need_the_cluster_token(warehouse: Path) -> None:
+async def test_metrics_need_the_cluster_token(warehouse: Path, start_cluster: StartCluster) -> None:
     [node] = await start_cluster(warehouse, count=1, engine="delta-rs", token=TOKEN)
     try:
         missing = await scrape(node)

@@ -15,6 +15,8 @@ from deltaflow.partitioning import partition_of
 from deltaflow.receivers import Receiver
 from deltaflow.server import Node
 
+from .support import StartCluster, read_delta
+
 ONE_BATCH_PER_PARTITION = StreamerOptions(page_size=1000, auto_flush_interval=0)
 
 
@@ -125,13 +127,11 @@ async def test_unknown_receiver_is_a_clear_error_and_other_streams_go_on(
 
 
 async def test_the_enrichment_example_reads_a_side_input_writes_a_table_and_streams_results(
-    warehouse: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    warehouse: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, start_cluster: StartCluster
 ) -> None:
     import json
 
     from deltaflow import Delete
-
-    from .conftest import read_delta, start_cluster
 
     rates = tmp_path / "vat.json"
     rates.write_text(json.dumps({"default": 0.5, "DE": 0.19}))
@@ -247,8 +247,6 @@ async def test_each_rejected_item_keeps_its_own_reason(cluster: list[Node]) -> N
 async def test_items_marked_failed_reach_the_dead_letter_table_with_their_reason(
     cluster: list[Node], warehouse: Any
 ) -> None:
-    from .conftest import read_delta
-
     async with deltaflow.connect([cluster[1].address]) as client:
         summary = await client.stream_data(
             ITEMS_SOME_NOT_OK,
@@ -305,11 +303,9 @@ async def test_an_idempotent_receiver_is_retried_on_the_node_before_the_client_r
     ("override", "bound"), [({}, 2), ({"deltaflow.testing.Concurrency": 3}, 3)]
 )
 async def test_receiver_concurrency_is_bounded_across_streams_and_partitions(
-    warehouse: Any, override: dict[str, int], bound: int
+    warehouse: Any, override: dict[str, int], bound: int, start_cluster: StartCluster
 ) -> None:
     from deltaflow.testing import Concurrency
-
-    from .conftest import start_cluster
 
     (node,) = await start_cluster(
         warehouse, count=1, engine="delta-rs", receiver_concurrency=override
@@ -366,10 +362,9 @@ async def test_streamed_results_arrive_before_the_batch_is_acked(cluster: list[N
 
 async def test_a_receiver_writes_two_tables_returns_results_and_rejects_single_items(
     warehouse: Any,
+    start_cluster: StartCluster,
 ) -> None:
     import deltalake
-
-    from .conftest import read_delta, start_cluster
 
     payments = [
         {"id": i, "payer": f"acct-{i % 7}", "payee": f"acct-{(i + 1) % 7}", "amount": 10.0 + i}
@@ -422,9 +417,8 @@ class StageThenRaise(Receiver):
 
 async def test_a_receiver_that_raises_after_staging_leaves_nothing_in_the_table(
     warehouse: Any,
+    start_cluster: StartCluster,
 ) -> None:
-    from .conftest import read_delta, start_cluster
-
     (node,) = await start_cluster(
         warehouse, count=1, engine="delta-rs", receivers=["tests.test_receivers.StageThenRaise"]
     )

@@ -22,7 +22,7 @@ from deltaflow.server import Node, NodeConfig, NodeState
 from deltaflow.server.side_inputs import SideInputStore, load_side_inputs
 from deltaflow.testing import SIDE_INPUT_FILE_ENV, NodeProcess, check_stamped, stamped_value
 
-from .conftest import start_cluster
+from .support import StartCluster
 
 FILE = "deltaflow.testing.FileSideInput"
 FAILING = "deltaflow.testing.FailingSideInput"
@@ -60,7 +60,7 @@ async def single_node(warehouse: Path, **config: Any) -> Node:
 
 
 async def test_items_after_a_change_see_the_new_value_and_none_sees_a_torn_one(
-    warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, start_cluster: StartCluster
 ) -> None:
     rounds, size = 4, 400_000
     source = tmp_path / "side.json"

@@ -34,7 +34,7 @@ from deltaflow.spark_integration import (
 from deltaflow.tables import BUCKET_COLUMN
 from deltaflow.testing import KillOnKey
 
-from .conftest import read_delta, start_cluster
+from .support import StartCluster, read_delta
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,9 @@ def engine() -> str:
 
 
 @pytest.fixture
-async def four_partition_cluster(spark: Any, warehouse: Path) -> AsyncIterator[list[Node]]:
+async def four_partition_cluster(
+    spark: Any, warehouse: Path, start_cluster: StartCluster
+) -> AsyncIterator[list[Node]]:
     """Two nodes with 4 deltaflow partitions: few lanes, so small batches fill quickly."""
     nodes = await start_cluster(warehouse, engine="delta-rs", partitions=4)
     yield nodes

@@ -21,7 +21,7 @@ from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError, UsageError
 from deltaflow.server import Node
 
-from .conftest import Eventually, read_delta, start_cluster
+from .support import Eventually, StartCluster, read_delta
 
 ROWS = 300
 AT = 150  # where the failure is, in source rows
@@ -29,7 +29,7 @@ OPTIONS = StreamerOptions(page_size=20, auto_flush_interval=0.05)
 
 
 @pytest.fixture
-async def nodes(warehouse: Path) -> AsyncIterator[list[Node]]:
+async def nodes(warehouse: Path, start_cluster: StartCluster) -> AsyncIterator[list[Node]]:
     await asyncio.to_thread(
         create_table, warehouse, "t", schema="id:long,v:long", key="id", engine="delta-rs"
     )
@@ -169,6 +169,7 @@ async def test_a_failing_stream_reports_exactly_what_it_did_not_apply_and_cleans
 
 async def test_arrow_batches_that_add_a_column_or_widen_exactly_are_applied(
     warehouse: Path,
+    start_cluster: StartCluster,
 ) -> None:
     await asyncio.to_thread(
         create_table,

@@ -18,10 +18,9 @@ from deltaflow import DataStreamerError, StreamerOptions
 from deltaflow.columnar import ArrowRows
 from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError
-from deltaflow.server import Node
 from deltaflow.tables.rows import to_arrow_rows
 
-from .conftest import read_delta, start_cluster
+from .support import StartCluster, read_delta
 
 D = decimal.Decimal
 UTC = datetime.UTC
@@ -144,20 +143,16 @@ def test_columns_a_first_write_adds_take_types_later_values_fit() -> None:
         _convert([{"id": 1, "x": 1}, {"id": 2, "x": "x"}], None)
 
 
-async def _start(warehouse: Path, engine: str) -> list[Node]:
-    return await start_cluster(warehouse, count=1, engine=engine)
-
-
 @pytest.mark.parametrize("engine", ["spark", "delta-rs"])
 async def test_a_lossy_value_fails_its_item_with_its_source_position_and_key(
-    warehouse: Path, engine: str, spark: Any
+    warehouse: Path, engine: str, spark: Any, start_cluster: StartCluster
 ) -> None:
     await asyncio.to_thread(
         create_table, warehouse, "t", schema="id:long,v:long", key="id", engine="delta-rs"
     )
     rows = [{"id": i, "v": i * 10} for i in range(40)]
     rows[23] = {"id": 1023, "v": 5000.5}
-    nodes = await _start(warehouse, engine)
+    nodes = await start_cluster(warehouse, count=1, engine=engine)
     try:
         async with deltaflow.connect([nodes[0].address]) as client:
             with pytest.raises(DataStreamerError) as info:
@@ -186,7 +181,7 @@ async def test_a_lossy_value_fails_its_item_with_its_source_position_and_key(
 
 @pytest.mark.parametrize("engine", ["spark", "delta-rs"])
 async def test_python_value_types_round_trip_exactly_through_both_readers(
-    warehouse: Path, engine: str, spark: Any
+    warehouse: Path, engine: str, spark: Any, start_cluster: StartCluster
 ) -> None:
     await asyncio.to_thread(
         create_table,
@@ -206,7 +201,7 @@ async def test_python_value_types_round_trip_exactly_through_both_readers(
         }
         for i in range(50)
     ]
-    nodes = await _start(warehouse, engine)
+    nodes = await start_cluster(warehouse, count=1, engine=engine)
     try:
         async with deltaflow.connect([nodes[0].address]) as client:
             await client.stream_data(rows, table="typed", key="id")

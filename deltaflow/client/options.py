@@ -78,11 +78,11 @@ class StreamerOptions:
             due at once: the window takes a burst and then nothing until the buffers fill
             again, and the nodes idle in turns. Staggered once, pages leave evenly spread for
             the rest of the stream. For streams that fill pages (bulk loads): acks come
-            sooner, at the same throughput. Not for streams whose pages are cut by
-            ``auto_flush_interval``: their buffers are cut in step, and arrive together as
-            one group per flush, which suits a table engine with a large fixed cost per
-            commit (Spark). The cuts depend only on the items and their order, so a replay
-            cuts the same batches. Default False.
+            sooner and rows reach the table sooner, at the same rows/s. Not for streams whose
+            pages are cut by ``auto_flush_interval``: their buffers are cut in step, and
+            arrive together as one group per flush, which suits a table engine with a large
+            fixed cost per commit (Spark) better. The cuts depend only on the items and their
+            order, so a replay cuts the same batches. Default False.
         batch_creator: decides where partition buffers are cut into batches (see
             :class:`~deltaflow.client.accumulator.BatchCreator`); None cuts by
             ``page_size`` and ``max_batch_bytes``.

@@ -16,26 +16,24 @@ if TYPE_CHECKING:
     from .dataframe import (
         DataFrameStreamError,
         DataFrameSummary,
-        ForeachBatchWriter,
         PartitionFailure,
-        foreach_batch,
-        read_dead_letters,
-        read_table,
         stream_dataframe,
     )
     from .jars import ensure_jars
+    from .readers import read_dead_letters, read_table
     from .session import SparkConfig, get_spark
     from .spark_engine import SparkTableEngine
+    from .streaming import ForeachBatchWriter, foreach_batch
 
 _HOMES = {
     "DataFrameStreamError": "dataframe",
     "DataFrameSummary": "dataframe",
-    "ForeachBatchWriter": "dataframe",
     "PartitionFailure": "dataframe",
-    "foreach_batch": "dataframe",
-    "read_dead_letters": "dataframe",
-    "read_table": "dataframe",
     "stream_dataframe": "dataframe",
+    "ForeachBatchWriter": "streaming",
+    "foreach_batch": "streaming",
+    "read_dead_letters": "readers",
+    "read_table": "readers",
     "ensure_jars": "jars",
     "SparkConfig": "session",
     "get_spark": "session",

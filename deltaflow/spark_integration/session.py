@@ -31,20 +31,17 @@ log = logging.getLogger(__name__)
 DEFAULT_MASTER: Final = "local[*]"
 #: The driver JVM's options when nodes commit with the direct writer: the JVM then runs Delta's
 #: commit code and little else, so the C1 compiler alone (a fraction of C2's compile work, which
-#: took a quarter of a 2-core machine for the first minute of a node's life) and the serial
-#: collector (no concurrent GC threads competing with the node's Python) suit it. Measured,
-#: nodes as processes, 1,000,000 rows, two runs each: 121,000 and 104,000 rows/s with the JVM's
-#: defaults, 128,100 and 127,800 with these (dict source: 79,200 and 83,200 against 96,300 and
-#: 96,100). A JVM that runs Spark jobs (the SQL writer, a MERGE) wants the defaults.
+#: competes with the node's Python for the CPU in the first minutes of a node's life) and the
+#: serial collector (no concurrent GC threads competing with the node's Python) suit it. A JVM
+#: that runs Spark jobs (the SQL writer, a MERGE) wants the defaults.
 DIRECT_WRITER_JAVA_OPTIONS: Final = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: How the driver writes to ``file:`` paths (a local or mounted warehouse). Without Hadoop's
 #: native library, its local file system starts a process for every ``chmod`` and, through
-#: ``FileContext``, for every ``readlink`` of a rename: a Delta commit (log entry and checksum
-#: file) started about 20 processes, 60 ms of a 90 ms commit on this machine. With these, a
-#: commit starts one ``chmod`` per file and takes about 30 ms. Safe here because every
-#: deltaflow commit holds the table's cross-process lock (``lock.py``): the default
-#: ``HDFSLogStore`` does not make put-if-absent atomic across processes on a local file system
-#: either.
+#: ``FileContext``, for every ``readlink`` of a rename: those processes took most of a Delta
+#: commit's time (log entry and checksum file). With these, a commit starts one ``chmod`` per
+#: file. Safe here because every deltaflow commit holds the table's cross-process lock
+#: (``lock.py``): the default ``HDFSLogStore`` does not make put-if-absent atomic across
+#: processes on a local file system either.
 LOCAL_FILE_SETTINGS: Final = {
     # Delta's log store over Hadoop's FileSystem (exists, then rename) instead of FileContext.
     "spark.delta.logStore.file.impl": "org.apache.spark.sql.delta.storage.LocalLogStore",
@@ -147,8 +144,7 @@ def get_spark(config: SparkConfig | None = None) -> Any:
                 settings["spark.driver.host"] = "127.0.0.1"
                 settings["spark.driver.bindAddress"] = "127.0.0.1"
                 # Adaptive query execution re-plans between stages to even out a cluster's
-                # skew; on one machine it only adds planning to every commit's jobs (MERGEs
-                # measured 10-15% faster without it on 2 cores).
+                # skew; on one machine it only adds planning to every commit's jobs.
                 settings["spark.sql.adaptive.enabled"] = "false"
             settings.update(LOCAL_FILE_SETTINGS)
             settings["spark.jars"] = ",".join(str(p) for p in ensure_jars())

@@ -1,0 +1,128 @@
+"""Nodes in processes of their own: ``deltaflow serve`` as a child process (start, SIGKILL,
+stop), a free port for it, and a wait until such nodes see each other."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["NodeProcess", "free_port", "wait_for_members"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NodeProcess:
+    """``deltaflow serve`` in a child process, on 127.0.0.1; ``start`` returns once it prints
+    'ready'. For failover tests (``kill`` is a SIGKILL) and benchmarks that want nodes in
+    processes of their own, as deployed.
+
+    Args:
+        extra: further ``deltaflow serve`` arguments (``--engine``, ``--receiver``...).
+        spark_master: ``--spark-master`` (one core by default: tests run several nodes).
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        warehouse: Path,
+        *,
+        peers: Sequence[str] = (),
+        port: int = 0,
+        extra: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        spark_master: str = "local[1]",
+    ) -> None:
+        self.node_id = node_id
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "deltaflow.cli",
+            "serve",
+            "--node-id",
+            node_id,
+            "--port",
+            str(self.port),
+            "--warehouse",
+            str(warehouse),
+            "--spark-master",
+            spark_master,
+            *extra,
+        ]
+        if peers:
+            self.args += ["--peers", ",".join(peers)]
+        self.env = env or {}
+        self.proc: asyncio.subprocess.Process | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self.output: list[str] = []
+
+    async def start(self, timeout: float = 120.0) -> NodeProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env
+        )
+        assert self.proc.stdout is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                line = (await self.proc.stdout.readline()).decode()
+                if not line:
+                    raise RuntimeError(f"{self.node_id} exited: {''.join(self.output)[-3000:]}")
+                self.output.append(line)
+                if "ready on" in line:
+                    break
+        self._drain = asyncio.create_task(self._drain_output())
+        return self
+
+    async def _drain_output(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            self.output.append(line.decode())
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, exactly like a crash."""
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGKILL)
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        return await self.proc.wait()
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                async with asyncio.timeout(30):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        if self._drain is not None:  # None when start() failed before the node was ready
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+
+
+async def wait_for_members(addresses: Sequence[str], *, timeout: float = 60.0) -> None:
+    """Return once every node at ``addresses`` lists all of them as members in its
+    ``/v1/cluster`` (nodes started as :class:`NodeProcess`, say, before timing anything)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout):
+        for address in addresses:
+            while True:
+                async with session.get(f"http://{address}/v1/cluster") as response:
+                    if len((await response.json())["members"]) >= len(addresses):
+                        break
+                await asyncio.sleep(0.1)

@@ -1,0 +1,187 @@
+"""Plain helpers shared by the test modules and ``conftest.py``: the test Spark settings, the
+receivers test nodes run, engine names, table readers, and the table tests' workload and
+table engine. Fixtures (nodes, Spark, the warehouse) are in ``conftest.py``; test modules
+import helpers from here, never from ``conftest.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from deltaflow import Delete, StreamerOptions
+from deltaflow.server import Node
+from deltaflow.spark_integration import SparkConfig
+from deltaflow.spark_integration.spark_engine import SparkTableEngine
+from deltaflow.tables.deltars_engine import DeltaRsTableEngine
+from deltaflow.tables.engine import TableEngine
+
+T = TypeVar("T")
+
+TEST_SPARK = SparkConfig(master="local[2]", shuffle_partitions=2, driver_memory="2g")
+TEST_RECEIVERS = (
+    "deltaflow.testing.Echo",
+    "deltaflow.testing.EchoStream",
+    "deltaflow.testing.FailOn",
+    "deltaflow.testing.AppendRows",
+    "deltaflow.testing.Validate",
+    "deltaflow.testing.Flaky",
+    "deltaflow.testing.Concurrency",
+    "deltaflow.testing.Gated",
+    "deltaflow.testing.RecordOrder",
+    "deltaflow.testing.TwoTables",
+    "deltaflow.testing.Unconstructible",
+)
+#: Every engine as tests name them (:func:`engine_options`): a table test module runs on all
+#: of them by overriding the ``engine`` fixture with these as its parameters.
+EVERY_ENGINE = ("spark", "spark-sql", "delta-rs", "spark-dv", "delta-rs-dv")
+
+#: The ``within`` fixture: ``await within(awaitable, seconds, what)``.
+Within = Callable[[Awaitable[T], float, str], Awaitable[T]]
+#: The ``eventually`` fixture: ``await eventually(condition, what)``.
+Eventually = Callable[[Callable[[], bool], str], Awaitable[None]]
+#: The ``start_cluster`` fixture: ``await start_cluster(warehouse, count=2, **config)``.
+StartCluster = Callable[..., Awaitable[list[Node]]]
+
+
+def engine_options(engine: str) -> dict[str, Any]:
+    """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
+    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, or ``spark-dv`` and
+    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read)."""
+    if engine == "spark-sql":
+        return {"engine": "spark", "spark_writer": "sql"}
+    if engine.endswith("-dv"):
+        return {"engine": engine.removesuffix("-dv"), "deletion_vectors": True}
+    return {"engine": engine}
+
+
+async def echo_stream(
+    address: str, items: list[Any], options: Any, connection_factory: Any = None
+) -> tuple[Any, list[Any]]:
+    """Stream ``items`` (each its own key) through the Echo receiver; summary and results."""
+    import deltaflow
+
+    results: list[Any] = []
+    async with deltaflow.connect([address], connection_factory=connection_factory) as client:
+        summary = await client.stream_data(
+            items,
+            key=lambda x: x,
+            receiver="deltaflow.testing.Echo",
+            on_result=results.append,
+            options=options,
+        )
+    return summary, results
+
+
+# -- reading tables --------------------------------------------------------------------------
+
+
+def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+    """The table as {key: row}, read by delta-rs (independent of Spark), through its query
+    engine, which applies deletion vectors."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    rows = pa.table(reader.read_all()).to_pylist()
+    table = {row[key]: row for row in rows}
+    assert len(table) == len(rows), "duplicate keys in the table"
+    return table
+
+
+def read_spark(spark: Any, path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+    rows = [r.asDict() for r in spark.read.format("delta").load(str(path)).collect()]
+    table = {row[key]: row for row in rows}
+    assert len(table) == len(rows), "duplicate keys in the table"
+    return table
+
+
+def read_all(path: Path) -> list[dict[str, Any]]:
+    """Every row through delta-rs's query engine, which applies deletion vectors (its
+    ``to_pyarrow_table`` refuses tables that have them)."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, QueryBuilder
+
+    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    return sorted(pa.table(reader.read_all()).to_pylist(), key=lambda r: r["id"])
+
+
+def commit_actions(path: Path, version: int) -> tuple[str, list[dict[str, Any]]]:
+    """The node that made a commit (from its lane marks) and its add and remove actions."""
+    node, files = "", []
+    for line in (path / "_delta_log" / f"{version:020d}.json").read_text().splitlines():
+        action = json.loads(line)
+        if "commitInfo" in action:
+            meta = action["commitInfo"].get("userMetadata") or "{}"
+            node = json.loads(meta).get("deltaflow", {}).get("node", "")
+        files += [action[k] for k in ("add", "remove") if k in action]
+    return node, files
+
+
+# -- the table tests' workload ---------------------------------------------------------------
+
+#: The client options of the table tests: small pages, several batches of a partition in flight.
+OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_interval=0.5)
+
+
+def workload(n_keys: int = 600, rounds: int = 3) -> list[Any]:
+    """Every key written ``rounds`` times, then every 10th deleted, then some re-inserted."""
+    items: list[Any] = [
+        {"id": k, "name": f"r{r}-k{k}", "value": float(r * n_keys + k)}
+        for r in range(rounds)
+        for k in range(n_keys)
+    ]
+    items += [Delete({"id": k}) for k in range(0, n_keys, 10)]
+    items += [{"id": k, "name": "back", "value": -1.0} for k in range(0, n_keys, 20)]
+    return items
+
+
+def expected(items: list[Any]) -> dict[int, dict[str, Any]]:
+    state: dict[int, dict[str, Any]] = {}
+    for item in items:
+        if isinstance(item, Delete):
+            state.pop(item.item["id"], None)
+        else:
+            state[item["id"]] = item
+    return state
+
+
+def assert_table(spark: Any, path: Path, want: dict[int, dict[str, Any]]) -> None:
+    for reader in (read_delta(path), read_spark(spark, path)):
+        assert set(reader) == set(want)
+        for k, row in want.items():
+            assert reader[k]["name"] == row["name"], k
+            assert reader[k]["value"] == row["value"], k
+
+
+# -- a node's table engine alone -------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def table_engine(
+    engine: str, warehouse: Path, node_id: str = "t1", **kwargs: Any
+) -> AsyncIterator[TableEngine]:
+    """A node's table engine alone (no server): staging and commits, as a node runs them."""
+    eng: TableEngine
+    options = engine_options(engine)
+    kwargs = {"deletion_vectors": options.get("deletion_vectors", False), **kwargs}
+    if options["engine"] == "spark":
+        writer = options.get("spark_writer", "direct")
+        eng = SparkTableEngine(
+            warehouse, node_id=node_id, spark=TEST_SPARK, writer=writer, **kwargs
+        )
+    else:
+        eng = DeltaRsTableEngine(warehouse, node_id=node_id, **kwargs)
+    await eng.start()
+    try:
+        yield eng
+    finally:
+        await eng.stop()
+
+
+async def upsert(
+    eng: TableEngine, table: str, rows: list[Any], deletes: frozenset[int] = frozenset()
+) -> None:
+    await (await eng.stage(table, ["id"], rows, deletes))

@@ -1,0 +1,163 @@
+"""Rows from each source kind into a Delta table through two real nodes: the last value of
+every key, deletes in source order, every column of a first write, and each node writing
+only the buckets it owns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reactivex
+from deltalake import DeltaTable
+
+import deltaflow
+from deltaflow import Delete, StreamerOptions
+from deltaflow.partitioning import partition_of
+from deltaflow.server import Node
+from deltaflow.tables import BUCKET_COLUMN
+
+from .support import (
+    EVERY_ENGINE,
+    OPTIONS,
+    StartCluster,
+    assert_table,
+    commit_actions,
+    expected,
+    read_all,
+    read_delta,
+    workload,
+)
+
+
+@pytest.fixture(params=EVERY_ENGINE)
+def engine(request: pytest.FixtureRequest) -> str:
+    """Every table test runs against both engines, the Spark engine's two writers, and both
+    engines' merge-on-read (tables with deletion vectors): their semantics must be
+    identical."""
+    return str(request.param)
+
+
+def source_of(kind: str, items: list[Any]) -> Any:
+    if kind == "async_iterable":
+
+        async def agen() -> AsyncIterator[Any]:
+            for i, item in enumerate(items):
+                if i % 100 == 0:
+                    await asyncio.sleep(0)
+                yield item
+
+        return agen()
+    if kind == "iterable":
+
+        def gen() -> Iterator[Any]:
+            yield from items
+
+        return gen()
+    assert kind == "observable"
+    return reactivex.from_iterable(items)
+
+
+@pytest.mark.parametrize("kind", ["async_iterable", "iterable", "observable"])
+async def test_each_source_kind_lands_in_table_with_last_value_and_deletes(
+    cluster: list[Node], spark: Any, warehouse: Path, kind: str
+) -> None:
+    items = workload()
+    async with deltaflow.connect([cluster[0].address]) as client:
+        summary = await client.stream_data(
+            source_of(kind, items), table="events", key="id", options=OPTIONS
+        )
+    assert summary.items_acked == len(items)
+    assert summary.items_failed == 0
+    # The client routed straight to owners: both nodes applied batches, none was redirected.
+    assert set(summary.per_node) == {"node-1", "node-2"}
+    assert summary.batches_retried == 0
+    assert_table(spark, warehouse / "events", expected(items))
+
+
+async def test_blocking_facade_has_same_semantics(
+    cluster: list[Node], spark: Any, warehouse: Path
+) -> None:
+    items = workload(n_keys=300, rounds=2)
+    acked: list[Any] = []
+    summary = await asyncio.to_thread(
+        deltaflow.stream_data,
+        iter(items),
+        nodes=[cluster[1].address],
+        table="sync_events",
+        key="id",
+        on_ack=acked.extend,
+        options=OPTIONS,
+    )
+    assert summary.items_acked == len(items)
+    assert sorted(map(repr, acked)) == sorted(map(repr, items))
+    assert_table(spark, warehouse / "sync_events", expected(items))
+
+
+async def test_delete_then_reinsert_in_one_batch_keeps_source_order(
+    cluster: list[Node], spark: Any, warehouse: Path
+) -> None:
+    items: list[Any] = [
+        {"id": 1, "name": "a", "value": 1.0},
+        Delete({"id": 1}),
+        {"id": 1, "name": "b", "value": 2.0},
+        {"id": 2, "name": "c", "value": 3.0},
+        Delete({"id": 2}),
+    ]
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await client.stream_data(items, table="order_t", key="id")
+    assert_table(spark, warehouse / "order_t", expected(items))
+    assert set(read_delta(warehouse / "order_t")) == {1}
+
+
+async def test_first_write_takes_every_column_and_a_leading_delete(
+    spark: Any, warehouse: Path, engine: str, start_cluster: StartCluster
+) -> None:
+    # One partition: one batch makes the table. (A column new to an existing table is schema
+    # evolution, which such a table does not allow.)
+    [node] = await start_cluster(warehouse, count=1, partitions=1, engine=engine)
+    items: list[Any] = [
+        Delete({"id": 9}),
+        {"id": 1, "name": "a"},
+        {"id": 2, "name": "b", "value": 2.5},
+    ]
+    try:
+        async with deltaflow.connect([node.address]) as client:
+            await client.stream_data(
+                items, table="wide", key="id", options=StreamerOptions(auto_flush_interval=0)
+            )
+    finally:
+        await node.stop()
+    table = read_delta(warehouse / "wide")
+    # One partition: one bucket, 0 (the layout column is the table's last).
+    assert table == {
+        1: {"id": 1, "name": "a", "value": None, BUCKET_COLUMN: 0},
+        2: {"id": 2, "name": "b", "value": 2.5, BUCKET_COLUMN: 0},
+    }
+
+
+async def test_group_touches_only_the_buckets_its_node_owns(
+    cluster: list[Node], spark: Any, warehouse: Path
+) -> None:
+    items = [{"id": k, "name": f"r{r}", "value": float(r)} for r in range(2) for k in range(800)]
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await client.stream_data(items, table="owned", key="id", options=OPTIONS)
+        owners = client.partition_map.owners
+    path = warehouse / "owned"
+    rows = read_all(path)
+    assert len(rows) == 800
+    # The bucket is the partition the client routed the row by (64 buckets, 64 partitions).
+    assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 64) for r in rows)
+    writers = set()
+    for version in range(1, DeltaTable(str(path)).version() + 1):
+        node, files = commit_actions(path, version)
+        if not files and not node:
+            continue  # the table's creation (deletion vectors enabled in a commit of its own)
+        assert node in ("node-1", "node-2")
+        writers.add(node)
+        touched = {int(f["partitionValues"][BUCKET_COLUMN]) for f in files}
+        assert touched and all(owners[b] == node for b in touched), (version, node, touched)
+    assert writers == {"node-1", "node-2"}
+    assert_table(spark, path, expected(items))
