@@ -5,6 +5,7 @@ import helpers from here, never from ``conftest.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -185,3 +186,17 @@ async def upsert(
     eng: TableEngine, table: str, rows: list[Any], deletes: frozenset[int] = frozenset()
 ) -> None:
     await (await eng.stage(table, ["id"], rows, deletes))
+
+
+@contextlib.asynccontextmanager
+async def holding(warehouse: Path, table: str) -> AsyncIterator[None]:
+    """The table's commit lock held by the test (as another writer would), taken off the
+    event loop; released when the block ends."""
+    from deltaflow.tables.flock import table_lock
+
+    lock = table_lock(warehouse, table)
+    await asyncio.to_thread(lock.__enter__)
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)

@@ -26,7 +26,7 @@ from deltaflow.server import Node
 from deltaflow.server.dispatcher import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES
 from deltaflow.testing import RecordOrder, RequestDropper, at_fault_point
 
-from .support import Eventually, StartCluster, read_delta
+from .support import Eventually, StartCluster, holding, read_delta
 
 FAST_RETRY = {"retry_initial_backoff": 0.01, "retry_max_backoff": 0.1}
 LOSSY = {**FAST_RETRY, "ack_timeout": 1.0}  # a lost request costs one ack timeout
@@ -489,7 +489,6 @@ async def test_a_full_result_buffer_makes_its_reader_wait() -> None:
 async def test_a_group_whose_commit_fails_is_committed_write_by_write(warehouse: Path) -> None:
     from deltaflow.errors import SchemaError
     from deltaflow.tables.deltars_engine import DeltaRsTableEngine
-    from deltaflow.tables.flock import table_lock
     from deltaflow.tables.settings import TableSettings
 
     engine = DeltaRsTableEngine(warehouse, node_id="t1")
@@ -497,7 +496,7 @@ async def test_a_group_whose_commit_fails_is_committed_write_by_write(warehouse:
     try:
         # Three writes staged before the table exists, to commit as one group; the middle one
         # has a column the table (created meanwhile by another writer) does not allow.
-        with table_lock(warehouse, "late"):
+        async with holding(warehouse, "late"):
             writes = [
                 await engine.stage("late", ["id"], rows, frozenset())
                 for rows in (

@@ -278,7 +278,7 @@ async def test_failed_rows_are_counted_per_partition_or_dead_lettered_and_read_b
     from pyspark.sql import functions as F
 
     with pytest.raises(UsageError, match="no deltaflow table 'orders'") as err:
-        read_table(spark, warehouse, "orders")
+        await asyncio.to_thread(read_table, spark, warehouse, "orders")
     assert str(warehouse / "orders") in str(err.value)
     assert f"tables under {warehouse}: none" in str(err.value)
 
@@ -299,7 +299,7 @@ async def test_failed_rows_are_counted_per_partition_or_dead_lettered_and_read_b
     assert sorted(read_delta(warehouse / "orders")) == list(range(100))
 
     with pytest.raises(UsageError, match="on_failure='fallback'") as err:
-        read_dead_letters(spark, warehouse)
+        await asyncio.to_thread(read_dead_letters, spark, warehouse)
     assert "tables under" in str(err.value) and "orders" in str(err.value)
 
     summary = await asyncio.to_thread(
@@ -313,15 +313,16 @@ async def test_failed_rows_are_counted_per_partition_or_dead_lettered_and_read_b
     )
     assert summary.items_applied == 100 and summary.items_dead_lettered == 100
 
-    dead = read_dead_letters(spark, warehouse).collect()
+    dead = await asyncio.to_thread(lambda: read_dead_letters(spark, warehouse).collect())
     assert len(dead) == 100
     assert {r.stream_id for r in dead} == {"fallback-1:1"}
     assert {r.error_code for r in dead} == {"SCHEMA_MISMATCH"}
     assert sorted(r.position for r in dead) == list(range(100))
-    orders = read_table(spark, warehouse, "orders")
+    orders = await asyncio.to_thread(read_table, spark, warehouse, "orders")
     assert orders.columns == ["id", "n"]  # without the layout column
     assert sorted(r.id for r in orders.collect()) == list(range(100))
-    assert BUCKET_COLUMN in read_table(spark, warehouse, "orders", all_columns=True).columns
+    every = await asyncio.to_thread(read_table, spark, warehouse, "orders", all_columns=True)
+    assert BUCKET_COLUMN in every.columns
 
 
 async def test_structured_streaming_query_restarted_from_its_checkpoint_writes_each_row_once(
@@ -398,4 +399,4 @@ async def test_structured_streaming_query_restarted_from_its_checkpoint_writes_e
     await asyncio.to_thread(run, killer, None)
     final = landed()
     assert final == Counter(range(total))
-    assert read_table(spark, warehouse, "clicks").count() == total
+    assert await asyncio.to_thread(lambda: read_table(spark, warehouse, "clicks").count()) == total

@@ -17,13 +17,13 @@ from deltaflow.engines import create_table
 from deltaflow.errors import SchemaError, UsageError
 from deltaflow.partitioning import partition_of
 from deltaflow.tables import BUCKET_COLUMN, read_table_settings
-from deltaflow.tables.flock import table_lock
 from deltaflow.tables.settings import TableSettings
 
 from .support import (
     EVERY_ENGINE,
     TEST_SPARK,
     engine_options,
+    holding,
     read_all,
     read_spark,
     table_engine,
@@ -62,11 +62,11 @@ async def test_explicit_create_stores_schema_layout_and_settings(
     assert meta.configuration["deltaflow.schemaEvolution"] == "true"
     assert meta.configuration["delta.checkpointInterval"] == "100"
     assert pa.schema(table.schema().to_arrow()).names == ["id", "name", "score", BUCKET_COLUMN]
-    assert read_table_settings(warehouse, "people") == settings
+    assert await asyncio.to_thread(read_table_settings, warehouse, "people") == settings
     with pytest.raises(UsageError, match="exists already"):
-        create_table(warehouse, "people", schema="id:long", key="id")
+        await asyncio.to_thread(create_table, warehouse, "people", schema="id:long", key="id")
     with pytest.raises(UsageError, match="not in the schema"):
-        create_table(warehouse, "other", schema="id:long", key="uid")
+        await asyncio.to_thread(create_table, warehouse, "other", schema="id:long", key="uid")
     # Any node writes it with its stored settings, whatever its own defaults.
     async with table_engine(engine, warehouse, table_buckets=0) as eng:
         await upsert(eng, "people", [{"id": i, "name": f"p{i}", "score": 1.0} for i in range(50)])
@@ -93,10 +93,11 @@ async def test_rows_that_do_not_fit_name_item_and_column(
             assert f"item #{item}" in str(info.value)
         # Rows staged before the table existed are checked against it at commit: here another
         # node creates it (without the column) while this node waits for the lock.
-        with table_lock(warehouse, "late"):
+        async with holding(warehouse, "late"):
             write = await eng.stage("late", ["id"], [{"id": 1, "colour": "red"}], frozenset())
             await asyncio.sleep(0.2)  # the commit is waiting for the lock
-            eng.create(
+            await asyncio.to_thread(
+                eng.create,
                 "late",
                 warehouse / "late",
                 pa.schema([("id", pa.int64())]),
