@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -12,8 +13,11 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
+from .spark_integration.spark_engine import SPARK_WRITERS
+from .tables.maintenance import DEFAULT_RETENTION_HOURS
 
 __all__ = ["main"]
 
@@ -207,6 +211,14 @@ def _name_and_bound(text: str) -> tuple[str, int]:
     return name, int(bound)
 
 
+def _node_default(name: str) -> Any:
+    """A node setting's default, as ``NodeConfig`` declares it (its one home)."""
+    from .server import NodeConfig
+
+    [default] = [f.default for f in dataclasses.fields(NodeConfig) if f.name == name]
+    return default
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deltaflow", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -215,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run a node")
     serve.add_argument("--node-id", required=True)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7700)
+    serve.add_argument("--port", type=int, default=_node_default("port"))
     serve.add_argument("--advertise", help="host:port clients and peers reach this node at")
     serve.add_argument("--warehouse", required=True, help="directory of the Delta tables")
     serve.add_argument("--peers", help="other nodes as host:port,host:port")
@@ -228,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         help="at most N receive() calls of receiver NAME at once on this node (repeatable)",
     )
     serve.add_argument("--token-file", help="file holding the shared cluster token")
-    serve.add_argument("--partitions", type=int, default=64)
+    serve.add_argument("--partitions", type=int, default=_node_default("partitions"))
     serve.add_argument(
         "--spark-master",
         default="local[*]",
@@ -242,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument(
         "--spark-writer",
-        choices=["direct", "sql"],
-        default="direct",
+        choices=SPARK_WRITERS,
+        default=_node_default("spark_writer"),
         help="spark engine: the node writes the files and commits them through Spark's Delta "
         "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
     )
@@ -255,27 +267,28 @@ def main(argv: list[str] | None = None) -> int:
         help="embedded Spark driver JVM options (default: C1 compiler and serial GC with the "
         "direct writer, the JVM's own defaults with the sql writer); see docs/configuration.md",
     )
-    serve.add_argument("--max-frame-bytes", type=int, default=16 * 1024 * 1024)
-    serve.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
-    serve.add_argument("--failure-timeout", type=float, default=3.0, help="seconds")
+    serve.add_argument("--max-frame-bytes", type=int, default=_node_default("max_frame_bytes"))
+    for name in ("heartbeat_interval", "failure_timeout"):
+        flag = "--" + name.replace("_", "-")
+        serve.add_argument(flag, type=float, default=_node_default(name), help="seconds")
     serve.add_argument(
         "--peer-expiry",
         type=float,
-        default=60.0,
-        help="seconds without an answer after which a peer has left the cluster (default 60; "
-        "more than --failure-timeout)",
+        default=_node_default("peer_expiry"),
+        help="seconds without an answer after which a peer has left the cluster (default "
+        "%(default)s; more than --failure-timeout)",
     )
-    serve.add_argument("--max-group-rows", type=int, default=500_000)
+    serve.add_argument("--max-group-rows", type=int, default=_node_default("max_group_rows"))
     serve.add_argument(
         "--max-group-bytes",
         type=int,
-        default=256 * 1024 * 1024,
-        help="largest group commit in bytes of Arrow data (default 256 MiB)",
+        default=_node_default("max_group_bytes"),
+        help="largest group commit in bytes of Arrow data (default %(default)s)",
     )
     serve.add_argument(
         "--min-commit-interval",
         type=float,
-        default=0.0,
+        default=_node_default("min_commit_interval"),
         help="seconds between taking two groups of a table for commit on this node, at "
         "least, unless a whole group is queued (default 0: as soon as the previous commit ends)",
     )
@@ -305,20 +318,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--side-input-timeout",
         type=float,
-        default=60.0,
-        help="seconds to wait at start for every side input's value (default 60)",
+        default=_node_default("side_input_timeout"),
+        help="seconds to wait at start for every side input's value (default %(default)s)",
     )
     serve.add_argument(
         "--side-input-lease",
         type=float,
-        default=10.0,
-        help="seconds a side input's leader lease lasts unrenewed (default 10)",
+        default=_node_default("side_input_lease"),
+        help="seconds a side input's leader lease lasts unrenewed (default %(default)s)",
     )
     serve.add_argument(
         "--side-input-poll-interval",
         type=float,
-        default=0.5,
-        help="seconds between checks for new side-input versions (default 0.5)",
+        default=_node_default("side_input_poll_interval"),
+        help="seconds between checks for new side-input versions (default %(default)s)",
     )
     serve.set_defaults(func=_serve)
 
@@ -362,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     vacuum.add_argument(
         "--retention-hours",
         type=int,
-        default=168,
-        help="keep files needed by versions of the last N hours (default 168, 7 days)",
+        default=DEFAULT_RETENTION_HOURS,
+        help="keep files needed by versions of the last N hours (default %(default)s, 7 days)",
     )
     vacuum.add_argument("--dry-run", action="store_true", help="list the files, delete nothing")
     vacuum.set_defaults(func=_table)

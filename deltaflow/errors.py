@@ -242,22 +242,22 @@ class ItemFailedError(ServerError):
     retriable = False
 
 
-class _BadFrameError(ServerError):
+class BadFrameError(ServerError):
     code = ErrorCode.BAD_FRAME
     retriable = False
 
 
-class _FrameTooLargeServerError(ServerError):
+class FrameTooLargeServerError(ServerError):
     code = ErrorCode.FRAME_TOO_LARGE
     retriable = False
 
 
-class _UnsupportedVersionError(ServerError):
+class UnsupportedVersionError(ServerError):
     code = ErrorCode.UNSUPPORTED_VERSION
     retriable = False
 
 
-class _UnknownStreamError(ServerError):
+class UnknownStreamError(ServerError):
     code = ErrorCode.UNKNOWN_STREAM
 
 
@@ -314,10 +314,10 @@ _BY_CODE: dict[str, type[ServerError]] = {
         LaneFailedError,
         SideInputError,
         ItemFailedError,
-        _BadFrameError,
-        _FrameTooLargeServerError,
-        _UnsupportedVersionError,
-        _UnknownStreamError,
+        BadFrameError,
+        FrameTooLargeServerError,
+        UnsupportedVersionError,
+        UnknownStreamError,
     )
 }
 

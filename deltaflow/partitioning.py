@@ -3,10 +3,10 @@
 A key is mapped to one of a fixed number of partitions by the CRC-32 of its msgpack encoding
 (never Python's salted ``hash()``), so every process, language and restart agrees. CRC-32 is
 not a cryptographic hash, and need not be: it spreads keys evenly over partitions (checked for
-sequential ints, strings and composite keys in tests/test_protocol.py) and costs about 0.1 µs,
-a sixth of blake2b; the client computes it for every item. For an Arrow column of integers
-(Arrow sources, the node's bucket column) the same CRC-32 runs vectorised over the values'
-msgpack bytes (numpy, about 0.15 µs per row against 0.6 µs through Python objects).
+sequential ints, strings and composite keys in tests/test_partitioning.py) and is cheap
+enough to compute for every item. For an Arrow column of integers (Arrow sources, the node's
+bucket column) the same CRC-32 runs vectorised over the values' msgpack bytes (numpy), without
+a Python object per row.
 Partitions are assigned to live nodes by rendezvous (highest random weight) hashing with
 bounded loads: nodes own equal shares, and when a node joins or leaves the partitions it wins
 or held move, and only a few others.

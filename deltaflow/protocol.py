@@ -32,12 +32,15 @@ import msgpack
 from .errors import FrameTooLargeError, ProtocolError
 
 __all__ = [
+    "CALLER_STREAM_ID",
     "CAPABILITIES",
     "COALESCE_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
     "EXT_TYPES",
+    "MAX_CALLER_STREAM_ID",
     "PROTOCOL_VERSION",
     "QUEUE_HIGH_WATER",
+    "STREAM_ID",
     "SUPPORTED_VERSIONS",
     "WS_PATH",
     "Frame",
@@ -69,10 +72,14 @@ QUEUE_HIGH_WATER: Final = 4 * 1024 * 1024
 
 Frame = dict[str, Any]
 
-#: Stream ids a node accepts: the client's ids (random, or the caller's ``stream_id=`` of at most
-#: 128 characters) plus the suffix of a dead-letter stream. They end up in every Delta commit's
-#: lane marks, so a node refuses anything else.
-STREAM_ID: Final = re.compile(r"[A-Za-z0-9._:-]{1,160}")
+#: The longest ``stream_id=`` a caller may choose.
+MAX_CALLER_STREAM_ID: Final = 128
+#: What a caller-chosen stream id may look like (it names lanes in Delta commit metadata).
+CALLER_STREAM_ID: Final = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_STREAM_ID}}}")
+#: Stream ids a node accepts: the client's ids (random, or the caller's) plus the suffix of a
+#: dead-letter stream (``-dl-`` and 12 hex digits). They end up in every Delta commit's lane
+#: marks, so a node refuses anything else.
+STREAM_ID: Final = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_STREAM_ID + 32}}}")
 
 # Field table: frame type -> {field: accepted python types}. Fields not listed are rejected,
 # so a frame can never smuggle data a handler does not expect.

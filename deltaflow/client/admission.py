@@ -16,7 +16,7 @@ from ..partitioning import partition_many, partition_of, partition_table
 from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator
 from .ledger import Ledger
-from .sources import _ChunkedIterator
+from .sources import ChunkedIterator
 from .stream_types import Delete, KeyFn
 
 __all__ = ["Admission"]
@@ -63,7 +63,7 @@ class Admission:
         self.ledger.fail(range(self.pulled, self.pulled + len(items)), items)
         self.pulled += len(items)
 
-    def admit(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+    def admit(self, taken: list[Any], chunked: ChunkedIterator | None) -> None:
         """Key, partition, pack and buffer items just taken from the source (synchronous).
 
         Raises:
@@ -127,7 +127,7 @@ class Admission:
         self.pulled += 1
         raise error from cause
 
-    def _admit_arrow(self, taken: list[Any], chunked: _ChunkedIterator | None) -> None:
+    def _admit_arrow(self, taken: list[Any], chunked: ChunkedIterator | None) -> None:
         """Route the rows of Arrow items taken from the source by their key columns and buffer
         them as pages (synchronous).
 

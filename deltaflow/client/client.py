@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -11,6 +10,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..partitioning import PartitionMap
+from ..protocol import CALLER_STREAM_ID
 from .ledger import CommitPosition
 from .options import StreamerOptions
 from .results import OnResult
@@ -25,9 +25,6 @@ from .stream_types import (
 )
 
 __all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "connect"]
-
-#: What a caller-chosen stream id may look like (it names lanes in Delta commit metadata).
-_STREAM_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,7 +175,7 @@ class Client:
         if (table is None) == (receiver is None):
             raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
         if stream_id is not None:
-            if not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
+            if not isinstance(stream_id, str) or not CALLER_STREAM_ID.fullmatch(stream_id):
                 raise UsageError(
                     f"stream_id={stream_id!r} is not allowed; use 1 to 128 characters of "
                     "A-Z a-z 0-9 . _ : -"

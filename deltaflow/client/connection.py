@@ -22,7 +22,7 @@ from ..errors import (
     NodeUnavailableError,
     ProtocolError,
     ServerError,
-    _UnknownStreamError,
+    UnknownStreamError,
     server_error,
 )
 from ..protocol import (
@@ -347,7 +347,7 @@ class Connection:
         err = _error_of(frame)
         sid, p, seq = frame.get("sid"), frame.get("p"), frame.get("seq")
         if sid is not None and p is not None and seq is not None:
-            if isinstance(err, _UnknownStreamError):
+            if isinstance(err, UnknownStreamError):
                 self._opening.pop(sid, None)  # the resend re-opens the stream first
             self._resolve((sid, p, seq), err)
         elif sid is not None:

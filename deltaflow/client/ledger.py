@@ -133,6 +133,7 @@ def locate(
         text if n else f"{where}: {text}",
         node=exc.node,
         details={**exc.details, "position": position},
+        retriable=exc.retriable,
     )
     others = f"not applied: its batch (partition {partition}) was refused: {located}"
     reasons = [others] * len(items)

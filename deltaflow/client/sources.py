@@ -50,9 +50,9 @@ def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
         )
     if isinstance(source, (list, tuple, range)):
         # Already in memory: nothing can block, so no worker thread (a hop per chunk).
-        return _ChunkedIterator(iter(source), blocking=False)
+        return ChunkedIterator(iter(source), blocking=False)
     if isinstance(source, Iterable):
-        return _ChunkedIterator(iter(source))
+        return ChunkedIterator(iter(source))
     raise UsageError(
         f"source of type {type(source).__name__} is not an async iterable, an iterable or a "
         "reactivex Observable"
@@ -67,7 +67,7 @@ def _is_observable(source: Any) -> bool:
     return isinstance(source, Observable)
 
 
-class _ChunkedIterator:
+class ChunkedIterator:
     """Pulls a blocking iterator in chunks on a worker thread.
 
     The worker extends a deque straight from the source (C speed, each item visible as soon
@@ -93,7 +93,7 @@ class _ChunkedIterator:
         # An error the source raised: handed out after the items read before it.
         self._error: BaseException | None = None
 
-    def __aiter__(self) -> _ChunkedIterator:
+    def __aiter__(self) -> ChunkedIterator:
         return self
 
     async def __anext__(self) -> Any:

@@ -23,7 +23,7 @@ from .ledger import CommitPosition, Ledger, Watermark, locate
 from .options import StreamerOptions
 from .results import OnResult, ResultDispatcher
 from .sender import Sender, StreamStoppedError
-from .sources import _ChunkedIterator, aiter_source
+from .sources import ChunkedIterator, aiter_source
 from .stream_types import Delete, KeyFn, StreamStatistics, StreamSummary
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ class StreamRun:
         options = self.options
         sender, acc = self.sender, self.accumulator
         items = aiter_source(source, buffer=options.source_buffer)
-        chunked = items if isinstance(items, _ChunkedIterator) else None
+        chunked = items if isinstance(items, ChunkedIterator) else None
         self._task = asyncio.current_task()
         lingering = (
             asyncio.create_task(self._linger(options.linger), name="deltaflow-linger")
@@ -316,7 +316,7 @@ class StreamRun:
                 for positions, buffered in acc.discard():
                     self.ledger.fail(positions, buffered)
             async with self._cleanup_step():
-                if isinstance(items, _ChunkedIterator):
+                if isinstance(items, ChunkedIterator):
                     leftovers = await items.leftovers()  # taken from the source, never sent
                     self.admission.leftovers(leftovers)
                 elif hasattr(items, "aclose"):

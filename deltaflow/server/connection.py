@@ -15,13 +15,13 @@ from aiohttp import web
 
 from ..errors import (
     AuthenticationError,
+    BadFrameError,
     FrameTooLargeError,
+    FrameTooLargeServerError,
     ProtocolError,
     ServerError,
     UnknownReceiverError,
-    _BadFrameError,
-    _FrameTooLargeServerError,
-    _UnsupportedVersionError,
+    UnsupportedVersionError,
 )
 from ..partitioning import PartitionMap
 from ..protocol import (
@@ -123,12 +123,12 @@ class ClientConnection:
                     self._reject(msg)
         except FrameTooLargeError as exc:
             await self._abort(
-                _FrameTooLargeServerError(str(exc), node=node_id),
+                FrameTooLargeServerError(str(exc), node=node_id),
                 aiohttp.WSCloseCode.MESSAGE_TOO_BIG,
             )
         except ProtocolError as exc:
             await self._abort(
-                _BadFrameError(f"{exc}; closing the connection", node=node_id),
+                BadFrameError(f"{exc}; closing the connection", node=node_id),
                 aiohttp.WSCloseCode.PROTOCOL_ERROR,
             )
         except ServerError as exc:  # handshake refusals
@@ -168,7 +168,7 @@ class ClientConnection:
         self.client_id = hello["client"]
         versions = [v for v in hello["v"] if v in SUPPORTED_VERSIONS]
         if not versions:
-            raise _UnsupportedVersionError(
+            raise UnsupportedVersionError(
                 f"client speaks protocol versions {hello['v']}, "
                 f"this node {list(SUPPORTED_VERSIONS)}; upgrade the older side"
             )

@@ -36,6 +36,7 @@ from tenacity import (
 )
 
 from ..errors import (
+    BadFrameError,
     DeltaflowError,
     LaneFailedError,
     NotOwnerError,
@@ -43,8 +44,7 @@ from ..errors import (
     ProtocolError,
     ReceiverError,
     ServerError,
-    _BadFrameError,
-    _UnknownStreamError,
+    UnknownStreamError,
     is_retriable,
 )
 from ..protocol import STREAM_ID, Frame
@@ -117,7 +117,7 @@ class Dispatcher:
             UnknownReceiverError: ``receiver`` is not on the allow-list.
         """
         if not STREAM_ID.fullmatch(sid):
-            raise _BadFrameError(
+            raise BadFrameError(
                 f"stream id {sid[:64]!r} is not allowed: use 1 to 160 characters of "
                 "A-Z a-z 0-9 . _ : -",
                 node=self.node_id,
@@ -125,7 +125,7 @@ class Dispatcher:
         stream = self._streams.get(sid)
         if stream is not None:
             if stream.receiver_name != receiver:
-                raise _BadFrameError(
+                raise BadFrameError(
                     f"stream {sid} was opened with receiver {stream.receiver_name!r}, not "
                     f"{receiver!r}",
                     node=self.node_id,
@@ -201,7 +201,7 @@ class Dispatcher:
         if stream is None:
             return self._reply_error(
                 peer,
-                _UnknownStreamError(
+                UnknownStreamError(
                     f"stream {sid} is not open on this node; send 'open' first", node=self.node_id
                 ),
                 frame,
@@ -209,7 +209,7 @@ class Dispatcher:
         if not 0 <= p < self._partitions or seq < 0:
             return self._reply_error(
                 peer,
-                _BadFrameError(
+                BadFrameError(
                     f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
                     node=self.node_id,
                 ),
@@ -289,7 +289,7 @@ class Dispatcher:
         try:
             items, deletes = batch_items(frame)
         except ProtocolError as exc:
-            raise _BadFrameError(str(exc), node=self.node_id) from exc
+            raise BadFrameError(str(exc), node=self.node_id) from exc
         first = max(1, frame.get("att", 1))
         if not stream.receiver.idempotent:
             return await self._run_receiver(

@@ -43,16 +43,16 @@ from ..errors import CommitConflictError
 from .deletion_vectors import DvWriter, descriptor_id, read
 from .footprint import Footprint
 from .rewrite import (
-    _POOL,
+    FILE_POOL,
     VECTOR_FEATURES,
     DataFile,
     RewriteUnsupported,
-    _bucket_of,
-    _holding,
-    _read,
-    _unsupported,
     add_action,
+    bucket_of,
+    files_holding,
+    read_file,
     remove_action,
+    unsupported_by,
     write_buckets,
 )
 from .settings import BUCKET_COLUMN, PROP_DELETION_VECTORS
@@ -219,7 +219,7 @@ def write_merge_on_read(
 
     metadata = table.metadata()
     schema = pa.schema(table.schema().to_arrow())
-    reason = _unsupported(table.protocol(), metadata.configuration, schema, VECTOR_FEATURES)
+    reason = unsupported_by(table.protocol(), metadata.configuration, schema, VECTOR_FEATURES)
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)
@@ -231,12 +231,12 @@ def write_merge_on_read(
     changes: list[DvChange] = []
 
     kept: dict[str | None, list[Any]] = {}  # bucket -> live rows of the files merged away
-    holding = [] if candidates is None else _holding(candidates, keys, key)
+    holding = [] if candidates is None else files_holding(candidates, keys, key)
     if holding:
         # Held here too: the memory may drop some of them again when over its budget.
         known = {f["path"]: memory.get(f["path"]) for f in holding}
         unseen = [f for f in holding if known[f["path"]] is None]
-        read_keys = _POOL.map(lambda f: _read_keys(path / unquote(f["path"]), key), unseen)
+        read_keys = FILE_POOL.map(lambda f: _read_keys(path / unquote(f["path"]), key), unseen)
         for f, column in zip(unseen, read_keys, strict=True):
             read_now = known[f["path"]] = _Known(column.cast(keys.type))
             memory.put(f["path"], read_now)
@@ -256,7 +256,7 @@ def write_merge_on_read(
             old = vectors.get(f["path"])
             deleted = _deleted(path, k, old)
             now = deleted | BitMap64(rows.tolist()) if len(rows) else deleted
-            file = DataFile(f["path"], int(f["size_bytes"]), _bucket_of(f))
+            file = DataFile(f["path"], int(f["size_bytes"]), bucket_of(f))
             stats = _loosened(k.stats) if k.stats else _wide_stats(f, key, len(k.keys))
             if f["path"] in merging:  # removed; its live rows go into the bucket's new files
                 changes.append(DvChange(file, old, None, stats))
@@ -270,12 +270,14 @@ def write_merge_on_read(
             new = writer.add(now)
             changes.append(DvChange(file, old, new, stats))
             k.deleted, k.descriptor_id = now, descriptor_id(new)
-        read_rows = _POOL.map(lambda m: _read(path / unquote(m[0]["path"]), file_schema), merged)
+        read_rows = FILE_POOL.map(
+            lambda m: read_file(path / unquote(m[0]["path"]), file_schema), merged
+        )
         for (f, now), rows in zip(merged, read_rows, strict=True):
             live = np.ones(rows.num_rows, dtype=bool)
             live[np.frombuffer(now.to_array(), dtype=np.uint64).astype(np.int64)] = False
             if live.any():
-                kept.setdefault(_bucket_of(f), []).append(rows.filter(pa.array(live)))
+                kept.setdefault(bucket_of(f), []).append(rows.filter(pa.array(live)))
 
     # A bucket's merged rows make one file (with the group's rows when they are few and not
     # written yet).
@@ -322,7 +324,7 @@ def _tier_to_merge(files: list[dict[str, Any]]) -> set[str]:
         if rows is None:
             continue
         tier = int(math.log(max(int(rows), 1), TIER_FACTOR))
-        tiers.setdefault((_bucket_of(f), tier), []).append(f["path"])
+        tiers.setdefault((bucket_of(f), tier), []).append(f["path"])
     lowest: dict[str | None, tuple[int, list[str]]] = {}
     for (bucket, tier), paths in tiers.items():
         if len(paths) >= MERGE_FILES_AT and (bucket not in lowest or tier < lowest[bucket][0]):

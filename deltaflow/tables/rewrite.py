@@ -78,7 +78,7 @@ VECTOR_FEATURES: Final = _SIMPLE_FEATURES | {"deletionVectors"}
 _UNSUPPORTED_IF_TRUE: Final = frozenset({"delta.appendOnly", "delta.enableChangeDataFeed"})
 #: Reads and writes of data files (small ones cost more in opening than in bytes; pyarrow
 #: releases the GIL for both).
-_POOL: Final = ThreadPoolExecutor(2, thread_name_prefix="deltaflow-rewrite")
+FILE_POOL: Final = ThreadPoolExecutor(2, thread_name_prefix="deltaflow-rewrite")
 
 
 class RewriteUnsupported(Exception):
@@ -87,7 +87,7 @@ class RewriteUnsupported(Exception):
     any file is written."""
 
 
-def _unsupported(
+def unsupported_by(
     protocol: Any, config: Any, schema: Any, features_done: frozenset[str] = _SIMPLE_FEATURES
 ) -> str | None:
     """Why a table with this protocol, configuration and (Arrow) schema must be merged, or
@@ -210,7 +210,7 @@ def write_files(
     schema = pa.schema(table.schema().to_arrow())
     # Files only added (a group of new keys) honour deletion vectors; replaced ones would not.
     done = _SIMPLE_FEATURES if candidates is not None else VECTOR_FEATURES
-    reason = _unsupported(table.protocol(), metadata.configuration, schema, done)
+    reason = unsupported_by(table.protocol(), metadata.configuration, schema, done)
     if reason is not None:
         raise RewriteUnsupported(reason)
     partition_by = list(metadata.partition_columns)
@@ -223,8 +223,10 @@ def write_files(
     kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
     if key is not None and candidates is not None:
         keys = data.column(key)
-        holding = _holding(candidates, keys, key)
-        read = list(_POOL.map(lambda f: _read(path / unquote(f["path"]), file_schema), holding))
+        holding = files_holding(candidates, keys, key)
+        read = list(
+            FILE_POOL.map(lambda f: read_file(path / unquote(f["path"]), file_schema), holding)
+        )
         if read:
             rows = pa.concat_tables(read)
             hit = pc.is_in(rows.column(key), value_set=keys)  # one hash set for every file
@@ -234,7 +236,7 @@ def write_files(
                 start += part.num_rows
                 if not pc.any(hits).as_py():
                     continue  # its range holds a key of the group, its rows do not
-                bucket = _bucket_of(file)
+                bucket = bucket_of(file)
                 touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
                 rest = part.filter(pc.invert(hits))
                 if rest.num_rows:
@@ -255,7 +257,7 @@ def write_buckets(
         for part in (new, *alone)
         if part.num_rows
     ]
-    adds = _POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts)
+    adds = FILE_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts)
     return [(added, rows) for added, (_, rows) in zip(adds, parts, strict=True)]
 
 
@@ -319,7 +321,7 @@ def rewrite(
     )
 
 
-def _holding(files: Any, keys: Any, key: str) -> list[dict[str, Any]]:
+def files_holding(files: Any, keys: Any, key: str) -> list[dict[str, Any]]:
     """The rows of ``files`` (the footprint's candidates) whose key range holds at least one
     of ``keys`` (a file without statistics holds them all, perhaps)."""
     import numpy as np
@@ -341,12 +343,12 @@ def _holding(files: Any, keys: Any, key: str) -> list[dict[str, Any]]:
     return out
 
 
-def _bucket_of(file: dict[str, Any]) -> str | None:
+def bucket_of(file: dict[str, Any]) -> str | None:
     value = file.get(f"partition.{BUCKET_COLUMN}")
     return None if value is None else str(value)
 
 
-def _read(file: Path, schema: Any) -> Any:
+def read_file(file: Path, schema: Any) -> Any:
     """A data file's rows with exactly ``schema``'s columns (a column added to the table since
     the file was written is null in it)."""
     import pyarrow as pa
