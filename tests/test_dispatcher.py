@@ -484,6 +484,31 @@ async def test_a_full_lane_that_base_moves_onto_a_waiting_batch_runs(
     ]
 
 
+async def test_a_full_lane_that_base_moves_past_its_running_batch_still_runs_one_at_a_time(
+    scripted: type[Scripted],
+) -> None:
+    d = make_dispatcher(scripted)
+    scripted.gate = asyncio.Event()
+    peer = Peer()
+    d.submit(peer, frame(0))
+    await eventually(lambda: len(scripted.calls) == 1)  # batch 0 is in receive()
+    for seq in range(1, MAX_LANE_PENDING + 1):
+        d.submit(peer, frame(seq))
+    # The client has batch 0 acknowledged elsewhere (a failover): base moves the lane onto
+    # batch 1 while batch 0 still runs here. This frame is one too many and is refused.
+    d.submit(peer, frame(MAX_LANE_PENDING + 1, base=1))
+    assert peer.answers(MAX_LANE_PENDING + 1) == ["error"]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [ctx.seq for _, ctx in scripted.calls] == [0], "a second receive() of the lane ran"
+    scripted.gate.set()
+    await peer.wait_for("ack", MAX_LANE_PENDING)
+    assert [ctx.seq for _, ctx in scripted.calls] == list(range(MAX_LANE_PENDING + 1))
+    assert [peer.answers(seq) for seq in range(MAX_LANE_PENDING + 1)] == [["ack"]] * (
+        MAX_LANE_PENDING + 1
+    )
+
+
 def test_a_stream_id_outside_the_allowed_characters_is_refused(dispatcher: Dispatcher) -> None:
     with pytest.raises(ServerError) as info:
         dispatcher.open("a b", "r", None)
@@ -810,6 +835,33 @@ async def test_an_idempotent_receiver_is_retried_on_the_node_quickly_with_a_risi
     assert (await peer.wait_for("error", 0))["code"] == "SCHEMA_MISMATCH"
     assert len(Scripted.calls) == 1
     assert d.stats.node_retries == 4
+
+
+class PatientIdempotent(IdempotentScripted):
+    node_retries = 7
+
+
+async def test_the_node_waits_at_most_a_second_between_retries_of_an_idempotent_receiver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d = make_dispatcher(PatientIdempotent)
+    Scripted.errors = {0: [OverloadedError("busy")] * 7}
+    waits: list[float] = []
+    sleep = asyncio.sleep
+
+    async def no_wait(delay: float, result: Any = None) -> Any:
+        if delay > 0:  # the backoff; the test's own waits are loop turns
+            waits.append(delay)
+        return await sleep(0, result)
+
+    monkeypatch.setattr(asyncio, "sleep", no_wait)
+    peer = Peer()
+    d.submit(peer, frame(0))
+    await peer.wait_for("ack", 0)
+    # Doubling from 0.05 s, capped at 1 s: a receiver with many node retries does not keep
+    # its lane waiting for seconds between two of them.
+    assert waits == pytest.approx([0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+    assert len(Scripted.calls) == 8 and d.stats.node_retries == 7
 
 
 async def test_a_receiver_that_is_not_idempotent_is_run_once_per_delivery(

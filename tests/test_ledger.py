@@ -8,7 +8,13 @@ import asyncio
 import pytest
 
 from deltaflow.client.ledger import CommitPosition, Ledger, Watermark, locate
-from deltaflow.errors import DataStreamerError, FailedItem, SchemaError, ServerError
+from deltaflow.errors import (
+    DataStreamerError,
+    FailedItem,
+    SchemaError,
+    ServerError,
+    is_retriable,
+)
 
 
 def test_a_failed_stream_lists_exactly_the_recorded_items_in_source_order() -> None:
@@ -122,3 +128,21 @@ def test_an_error_naming_no_valid_item_is_kept_for_the_whole_batch(item: object)
     assert reasons == [str(exc), str(exc)]
     plain = ValueError("not from a node")
     assert locate(plain, ["a"], [0], partition=0, key_of=str) == (plain, [str(plain)])
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ServerError("item #0 of the batch: commit failed", details={"item": 0}, retriable=False),
+        SchemaError("item #0 of the batch: no column v", details={"item": 0}, retriable=True),
+    ],
+)
+def test_an_item_named_by_its_source_position_keeps_the_nodes_retry_decision(
+    exc: ServerError,
+) -> None:
+    # The node decided for this one error, against its class's default: the stream must not
+    # resend a batch the node called final, nor give up on one it called worth another try.
+    located, _ = locate(exc, ["a", "b"], [4, 5], partition=0, key_of=str)
+    assert located.args[0].startswith("source item #4 (key 'a'): ")
+    assert is_retriable(located) is exc.retriable
+    assert is_retriable(located) is not type(exc).retriable
