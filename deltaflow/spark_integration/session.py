@@ -47,7 +47,7 @@ LOCAL_FILE_SETTINGS: Final = {
     "spark.delta.logStore.file.impl": "org.apache.spark.sql.delta.storage.LocalLogStore",
     # Delta writes each version's checksum file through Spark's checkpoint file manager.
     "spark.sql.streaming.checkpointFileManagerClass": (
-        "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
     ),
     # No ".crc" side file (and its chmod) for every file the driver writes.
     "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
