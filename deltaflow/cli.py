@@ -55,8 +55,12 @@ def _serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         spark=SparkConfig(
             master=args.spark_master,
+            app_name=f"deltaflow-{args.node_id}",  # one application per node, by its name
             driver_memory=args.driver_memory,
             java_options=args.driver_java_options,
+            max_cores=args.spark_max_cores,
+            executor_memory=args.spark_executor_memory,
+            executor_wait=args.spark_executor_wait,
         ),
         spark_writer=args.spark_writer,
     )
@@ -215,7 +219,18 @@ def _node_default(name: str) -> Any:
     """A node setting's default, as ``NodeConfig`` declares it (its one home)."""
     from .server import NodeConfig
 
-    [default] = [f.default for f in dataclasses.fields(NodeConfig) if f.name == name]
+    return _field_default(NodeConfig, name)
+
+
+def _spark_default(name: str) -> Any:
+    """A Spark setting's default, as ``SparkConfig`` declares it."""
+    from .spark_integration.session import SparkConfig
+
+    return _field_default(SparkConfig, name)
+
+
+def _field_default(cls: Any, name: str) -> Any:
+    [default] = [f.default for f in dataclasses.fields(cls) if f.name == name]
     return default
 
 
@@ -259,7 +274,29 @@ def main(argv: list[str] | None = None) -> int:
         help="spark engine: the node writes the files and commits them through Spark's Delta "
         "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
     )
-    serve.add_argument("--driver-memory", default="2g", help="embedded Spark driver heap")
+    serve.add_argument(
+        "--driver-memory",
+        default=_spark_default("driver_memory"),
+        help="embedded Spark driver heap (default %(default)s)",
+    )
+    serve.add_argument(
+        "--spark-max-cores",
+        type=int,
+        default=_spark_default("max_cores"),
+        help="spark:// masters: the cores this node's application takes at most "
+        "(default %(default)s)",
+    )
+    serve.add_argument(
+        "--spark-executor-memory",
+        default=_spark_default("executor_memory"),
+        help="spark:// masters: each executor's heap (default %(default)s)",
+    )
+    serve.add_argument(
+        "--spark-executor-wait",
+        type=float,
+        default=_spark_default("executor_wait"),
+        help="spark:// masters: seconds to wait at start for an executor (default %(default)s)",
+    )
     serve.add_argument(
         "--driver-java-options",
         default=None,

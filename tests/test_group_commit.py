@@ -353,7 +353,8 @@ async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
         await asyncio.to_thread(  # and the write below, due a checkpoint (altered by Spark:
             spark.sql,  # delta-rs would add a table feature Spark cannot read)
             f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = "
-            f"'{due}', 'delta.logRetentionDuration' = 'interval 0 seconds')",
+            f"'{due}', 'delta.logRetentionDuration' = 'interval 0 seconds', "
+            "'delta.deletedFileRetentionDuration' = 'interval 0 seconds')",
         )
         with at_fault_point("checkpointing", blocked):
             try:  # the write is acknowledged while its checkpoint is written

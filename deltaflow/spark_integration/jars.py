@@ -1,7 +1,9 @@
 """Resolve Delta Lake's JVM jars from Maven Central into a local cache, once.
 
-Spark finds Delta through two jars (``delta-spark_<scala>`` and ``delta-storage``) whose
-version must match the installed ``delta-spark`` Python package. They are fetched with Maven
+Spark finds Delta through two jars (``delta-spark`` and ``delta-storage``) whose version must
+match the installed ``delta-spark`` Python package. Since Delta 4.1 the ``delta-spark`` jar is
+built per Spark minor and Scala version (``delta-spark_4.2_2.13``); before, per Scala version
+(``delta-spark_2.12``). Both are read from the installed pyspark. They are fetched with Maven
 (``mvn dependency:copy``) when it is installed, else straight from Maven Central over HTTPS
 with the published SHA-1 checked, into ``$DELTAFLOW_JARS_DIR`` (default
 ``~/.cache/deltaflow/jars``). ``deltaflow jars`` does it ahead of time.
@@ -10,6 +12,8 @@ with the published SHA-1 checked, into ``$DELTAFLOW_JARS_DIR`` (default
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import itertools
 import logging
 import os
 import shutil
@@ -23,7 +27,8 @@ __all__ = ["delta_artifacts", "ensure_jars", "jars_dir"]
 log = logging.getLogger(__name__)
 
 MAVEN_CENTRAL = "https://repo1.maven.org/maven2"
-SCALA_BINARY = "2.12"  # pyspark 3.5 is built for Scala 2.12
+#: The first Delta release whose jar names carry the Spark minor version.
+_PER_SPARK_MINOR = (4, 1)
 
 
 def jars_dir() -> Path:
@@ -31,13 +36,37 @@ def jars_dir() -> Path:
     return Path(os.environ.get("DELTAFLOW_JARS_DIR", default)).expanduser().resolve()
 
 
+def scala_binary() -> str:
+    """The Scala binary version (``2.13``) the installed pyspark is built for, read from the
+    ``scala-library`` jar it ships; by its major version if that is missing."""
+    spec = importlib.util.find_spec("pyspark")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        for jar in (Path(location) / "jars").glob("scala-library-*.jar"):
+            return ".".join(jar.stem.removeprefix("scala-library-").split(".")[:2])
+    return "2.13" if _release(metadata.version("pyspark")) >= (4, 0) else "2.12"
+
+
 def delta_artifacts() -> list[tuple[str, str, str]]:
-    """(group, artifact, version) of the jars matching the installed delta-spark."""
+    """(group, artifact, version) of the jars matching the installed delta-spark and pyspark."""
     version = metadata.version("delta-spark")
-    return [
-        ("io.delta", f"delta-spark_{SCALA_BINARY}", version),
-        ("io.delta", "delta-storage", version),
-    ]
+    scala = scala_binary()
+    if _release(version) >= _PER_SPARK_MINOR:
+        spark = ".".join(str(n) for n in _release(metadata.version("pyspark"))[:2])
+        artifact = f"delta-spark_{spark}_{scala}"
+    else:
+        artifact = f"delta-spark_{scala}"
+    return [("io.delta", artifact, version), ("io.delta", "delta-storage", version)]
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string (``4.2.0.dev1`` -> ``(4, 2, 0)``)."""
+    numbers = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+    return tuple(numbers)
 
 
 def _jar_name(artifact: str, version: str) -> str:

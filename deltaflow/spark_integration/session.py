@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -47,7 +48,7 @@ LOCAL_FILE_SETTINGS: Final = {
     "spark.delta.logStore.file.impl": "org.apache.spark.sql.delta.storage.LocalLogStore",
     # Delta writes each version's checksum file through Spark's checkpoint file manager.
     "spark.sql.streaming.checkpointFileManagerClass": (
-        "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager"
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager"
     ),
     # No ".crc" side file (and its chmod) for every file the driver writes.
     "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
@@ -80,6 +81,13 @@ class SparkConfig:
         java_options: JVM options of the embedded driver (``spark.driver.extraJavaOptions``),
             applied only by the call that starts the JVM. None (default): none, except that the
             Spark engine's direct writer picks :data:`DIRECT_WRITER_JAVA_OPTIONS`; ``""``: none.
+        max_cores: on a standalone cluster (``spark://``), the cores this node's application
+            takes at most (``spark.cores.max``), so that several nodes share the cluster instead
+            of the first taking every core. Default 1.
+        executor_memory: on a standalone cluster, each executor's heap. Default ``"1g"``.
+        executor_wait: on a standalone cluster, seconds to wait at start for the first
+            executor; a cluster with no room for one fails the start with an error saying so.
+            Default 60.
         extra: any further Spark settings.
     """
 
@@ -88,6 +96,9 @@ class SparkConfig:
     driver_memory: str = "2g"
     shuffle_partitions: int = 4
     java_options: str | None = None
+    max_cores: int = 1
+    executor_memory: str = "1g"
+    executor_wait: float = 60.0
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -95,6 +106,13 @@ class SparkConfig:
             raise UsageError("SparkConfig.master must be set, e.g. 'local[*]'")
         if self.shuffle_partitions < 1:
             raise UsageError("SparkConfig.shuffle_partitions must be >= 1")
+        if self.max_cores < 1 or not self.executor_wait > 0:
+            raise UsageError("SparkConfig.max_cores must be >= 1 and executor_wait > 0")
+
+    @property
+    def standalone(self) -> bool:
+        """Whether the master is a Spark standalone cluster (``spark://``)."""
+        return self.master.startswith("spark://")
 
 
 def get_spark(config: SparkConfig | None = None) -> Any:
@@ -146,6 +164,12 @@ def get_spark(config: SparkConfig | None = None) -> Any:
                 # Adaptive query execution re-plans between stages to even out a cluster's
                 # skew; on one machine it only adds planning to every commit's jobs.
                 settings["spark.sql.adaptive.enabled"] = "false"
+            if config.standalone:
+                # A bounded share: one application per node, each of its executors as large
+                # as its cores, so several nodes fit on one cluster.
+                settings["spark.cores.max"] = str(config.max_cores)
+                settings["spark.executor.cores"] = str(config.max_cores)
+                settings["spark.executor.memory"] = config.executor_memory
             settings.update(LOCAL_FILE_SETTINGS)
             settings["spark.jars"] = ",".join(str(p) for p in ensure_jars())
             settings["spark.driver.memory"] = config.driver_memory
@@ -158,5 +182,30 @@ def get_spark(config: SparkConfig | None = None) -> Any:
         session = builder.getOrCreate()
         if not config.master.startswith("sc://"):
             session.sparkContext.setLogLevel("ERROR")
+        if config.standalone:
+            _wait_for_an_executor(session, config)
         _session = session
         return session
+
+
+def executor_count(session: Any) -> int:
+    """The executors the session's application holds now (the driver not counted)."""
+    infos = session.sparkContext._jsc.sc().statusTracker().getExecutorInfos()
+    return max(len(infos) - 1, 0)
+
+
+def _wait_for_an_executor(session: Any, config: SparkConfig) -> None:
+    """Blocking: wait until the cluster gives the application an executor; else stop the
+    application and fail, saying why (a job would otherwise wait for one forever)."""
+    deadline = time.monotonic() + config.executor_wait
+    while executor_count(session) < 1:
+        if time.monotonic() > deadline:
+            session.stop()
+            raise UsageError(
+                f"the Spark cluster {config.master} gave this node no executor within "
+                f"{config.executor_wait:g} s: no worker has {config.max_cores} free core(s) and "
+                f"{config.executor_memory} free memory for it (other applications, such as "
+                "other nodes, may hold them). Add workers, or lower --spark-max-cores / "
+                "--spark-executor-memory"
+            )
+        time.sleep(0.2)

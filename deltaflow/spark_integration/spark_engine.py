@@ -304,14 +304,19 @@ class SparkTableEngine(TableEngine):
         # Each kind of action is read by Delta's own JSON mapper in one call: a py4j round trip
         # per action would cost more than the commit.
         mapper = delta.util.JsonUtils.mapper()
-        mutable = jvm.scala.collection.mutable
-        buffer = mutable.ArrayBuffer()
+        types = mapper.getTypeFactory()
+        reflect = jvm.py4j.reflection.ReflectionUtil
+        buffer = jvm.scala.collection.mutable.ArrayBuffer()
         for kind, listed in _action_json(actions).items():
-            array_type = jvm.py4j.reflection.ReflectionUtil.classForName(
-                f"[Lorg.apache.spark.sql.delta.actions.{kind};"
+            list_type = types.constructCollectionType(
+                reflect.classForName("java.util.ArrayList"),
+                reflect.classForName(f"org.apache.spark.sql.delta.actions.{kind}"),
             )
-            parsed = mapper.readValue(listed, array_type)
-            getattr(buffer, "$plus$plus$eq")(mutable.WrappedArray.make(parsed))
+            parsed = mapper.readValue(listed, list_type)
+            # JavaConverters is in Scala 2.12 and 2.13 alike (WrappedArray is not in 2.13).
+            getattr(buffer, "$plus$plus$eq")(
+                jvm.scala.collection.JavaConverters.asScalaBuffer(parsed)
+            )
         # A streaming update, not a "manual update": Delta derives the version's checksum file
         # from the previous one only for the former (else a Spark job rebuilds the table's
         # state every commit), and other writers read protocol and metadata from it.
@@ -330,9 +335,8 @@ class SparkTableEngine(TableEngine):
             self._checkpoint_hook = [h for h in found if h.getClass().getName() == _CHECKPOINT_HOOK]
         for hook in self._checkpoint_hook:
             getattr(hooks, "$minus$eq")(hook)
-        committed = txn.commit(buffer, operation)
-        if txn.needsCheckpoint():
-            self.checkpoints_due[path] = int(committed)
+        committed = txn.commit(buffer.toList(), operation)  # an immutable Seq for Scala 2.13
+        self._note_checkpoint(path, int(committed))
 
     def checkpoint(self, table: str, path: Path, version: int) -> None:
         try:

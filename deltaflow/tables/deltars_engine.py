@@ -37,8 +37,6 @@ from .merge_on_read import MergeOnRead, has_deletion_vectors
 from .rewrite import RewriteUnsupported, rewrite
 from .settings import (
     BUCKET_COLUMN,
-    CHECKPOINT_INTERVAL,
-    PROP_CHECKPOINT_INTERVAL,
     TableSettings,
     with_layout,
 )
@@ -271,19 +269,6 @@ class DeltaRsTableEngine(TableEngine):
                 .execute()
             )
             return None
-
-    def _note_checkpoint(self, path: Path, version: int | None) -> None:
-        """After a group's commit, under the lock: record a checkpoint due if the commit's
-        ``version`` (None: read from the log) reached the table's interval (written outside the
-        lock, see ``checkpoint``). A known version spares reading the table's state again while
-        the table is held; the interval is the table's, as of the commit's read."""
-        target = self.log.opened(path)
-        if target is None or version is None:
-            target = self.log.latest(path)
-            version = int(target.version())
-        configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
-        if version > 0 and version % (int(configured or 0) or CHECKPOINT_INTERVAL) == 0:
-            self.checkpoints_due[path] = version
 
     def checkpoint(self, table: str, path: Path, version: int) -> None:
         with map_deltars_errors(table, self.node_id):

@@ -41,7 +41,12 @@ from .merge_on_read import (
 )
 from .rewrite import RewriteUnsupported
 from .rows import to_arrow_rows
-from .settings import PROP_EXPIRED_LOG_CLEANUP, TableSettings
+from .settings import (
+    CHECKPOINT_INTERVAL,
+    PROP_CHECKPOINT_INTERVAL,
+    PROP_EXPIRED_LOG_CLEANUP,
+    TableSettings,
+)
 from .staging import Staged
 from .statistics import EngineStatistics
 
@@ -182,6 +187,19 @@ class TableEngine:
         target.create_checkpoint()
         if target.metadata().configuration.get(PROP_EXPIRED_LOG_CLEANUP, "true") != "false":
             target.cleanup_metadata()
+
+    def _note_checkpoint(self, path: Path, version: int | None) -> None:
+        """After a group's commit, while held: record a checkpoint due if the commit's
+        ``version`` (None: read from the log) reached the table's interval (written after the
+        table is released, see ``checkpoint``). A known version spares reading the table's
+        state again; the interval is the table's, as of the commit's read."""
+        target = self.log.opened(path)
+        if target is None or version is None:
+            target = self.log.latest(path)
+            version = int(target.version())
+        configured = target.metadata().configuration.get(PROP_CHECKPOINT_INTERVAL)
+        if version > 0 and version % (int(configured or 0) or CHECKPOINT_INTERVAL) == 0:
+            self.checkpoints_due[path] = version
 
     def write(self, group: GroupWrite) -> None:
         """Blocking, with the table held: apply ``group`` to the existing table in one commit
