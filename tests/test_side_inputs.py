@@ -22,7 +22,7 @@ from deltaflow.server import Node, NodeConfig, NodeState
 from deltaflow.server.side_inputs import SideInputStore, load_side_inputs
 from deltaflow.testing import SIDE_INPUT_FILE_ENV, NodeProcess, check_stamped, stamped_value
 
-from .support import StartCluster
+from .support import Eventually, StartCluster
 
 FILE = "deltaflow.testing.FileSideInput"
 FAILING = "deltaflow.testing.FailingSideInput"
@@ -374,7 +374,7 @@ class Recovering(SideInput):
 
 
 async def test_a_failed_retrieval_is_retried_with_doubling_waits_until_it_succeeds(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, eventually: Eventually
 ) -> None:
     Recovering.calls = []
     store = SideInputStore(
@@ -384,6 +384,8 @@ async def test_a_failed_retrieval_is_retried_with_doubling_waits_until_it_succee
         await store.start()
         try:
             await store.wait_ready(10)
+            # The watcher may serve the new version before the retrieval counts its publish.
+            await eventually(lambda: store.statistics()[0].published == 1, "the publish counted")
         finally:
             await store.stop()
     assert store.get("recovering") == b"up"
