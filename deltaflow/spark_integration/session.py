@@ -40,8 +40,8 @@ DIRECT_WRITER_JAVA_OPTIONS: Final = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 #: native library, its local file system starts a process for every ``chmod`` and, through
 #: ``FileContext``, for every ``readlink`` of a rename: those processes took most of a Delta
 #: commit's time (log entry and checksum file). With these, a commit starts one ``chmod`` per
-#: file. Safe here because every deltaflow commit holds the table's cross-process lock
-#: (``lock.py``): the default ``HDFSLogStore`` does not make put-if-absent atomic across
+#: file. Safe here because every deltaflow commit holds the table's commit atomicity
+#: (``tables/atomicity.py``): the default ``HDFSLogStore`` does not make put-if-absent atomic across
 #: processes on a local file system either.
 LOCAL_FILE_SETTINGS: Final = {
     # Delta's log store over Hadoop's FileSystem (exists, then rename) instead of FileContext.
@@ -58,13 +58,20 @@ _session: Any = None
 
 
 def require_spark() -> Any:
-    """Import pyspark, or fail with what to install."""
+    """Import pyspark 4, or fail with what to install (the session's settings name Spark 4
+    classes: on Spark 3 every Delta commit would be far slower, not refused)."""
     try:
         import pyspark
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise ImportError(
             "deltaflow's table engine needs PySpark and Delta: pip install 'deltaflow[spark]'"
         ) from exc
+    major = pyspark.__version__.split(".")[0]
+    if not major.isdigit() or int(major) < 4:
+        raise ImportError(
+            f"deltaflow's Spark session needs pyspark 4 (tested: 4.2.0 with delta-spark 4.4.0), "
+            f"found pyspark {pyspark.__version__}: pip install 'deltaflow[spark]'"
+        )
     return pyspark
 
 
