@@ -115,23 +115,25 @@ def _spark_type(arrow_type: Any) -> Any:
 def create_delta_table(
     spark: Any, path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
 ) -> None:
-    """Blocking: create the empty table at ``path`` through Spark (the caller holds the lock).
+    """Blocking: create the empty table at ``path`` through Spark (the caller holds the lock),
+    by SQL: a Spark Connect server runs it too (Delta's ``DeltaTable`` builder needs the Delta
+    Connect plugin there).
 
     Args:
         schema: the data columns (Arrow); the bucket column is added for a bucketed table.
     """
-    from delta.tables import DeltaTable
-    from pyspark.sql.types import StructField, StructType
-
     full, partition_by = with_layout(schema, settings)
-    struct = StructType([StructField(f.name, _spark_type(f.type), True) for f in full])
+    columns = ", ".join(f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in full)
+    sql = f"CREATE TABLE delta.{_quote(str(path))} ({columns}) USING DELTA"
+    if partition_by:
+        sql += f" PARTITIONED BY ({', '.join(_quote(c) for c in partition_by)})"
+    properties = ", ".join(
+        f"{_literal(name)} = {_literal(value)}" for name, value in settings.properties().items()
+    )
+    if properties:
+        sql += f" TBLPROPERTIES ({properties})"
     with map_spark_errors(table, node):
-        builder = DeltaTable.create(spark).location(str(path)).addColumns(struct)
-        if partition_by:
-            builder = builder.partitionedBy(*partition_by)
-        for name, value in settings.properties().items():
-            builder = builder.property(name, value)
-        builder.execute()
+        spark.sql(sql)
 
 
 class SparkTableEngine(TableEngine):
