@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from deltaflow import Delete, StreamerOptions
 from deltaflow.server import Node
 from deltaflow.spark_integration import SparkConfig
@@ -200,3 +202,11 @@ async def holding(warehouse: Path, table: str) -> AsyncIterator[None]:
         yield
     finally:
         lock.__exit__(None, None, None)
+
+
+@pytest.fixture(params=EVERY_ENGINE, name="engine")
+def every_engine(request: pytest.FixtureRequest) -> str:
+    """Every table test runs against both engines, the Spark engine's two writers, and both
+    engines' merge-on-read (tables with deletion vectors): their semantics must be
+    identical. A table test module imports it to override conftest's one-engine default."""
+    return str(request.param)

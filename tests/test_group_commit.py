@@ -25,9 +25,9 @@ from deltaflow.tables.flock import table_lock
 from deltaflow.testing import at_fault_point
 
 from .support import (
-    EVERY_ENGINE,
     OPTIONS,
     assert_table,
+    every_engine,  # noqa: F401 - this module's engine fixture
     expected,
     read_all,
     read_delta,
@@ -36,14 +36,6 @@ from .support import (
     upsert,
     workload,
 )
-
-
-@pytest.fixture(params=EVERY_ENGINE)
-def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, the Spark engine's two writers, and both
-    engines' merge-on-read (tables with deletion vectors): their semantics must be
-    identical."""
-    return str(request.param)
 
 
 async def test_group_commit_applies_many_batches_per_commit(

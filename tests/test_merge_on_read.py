@@ -18,23 +18,15 @@ from deltaflow.tables.merge_on_read import MERGE_FILES_AT
 from deltaflow.testing import at_fault_point
 
 from .support import (
-    EVERY_ENGINE,
     TEST_SPARK,
     commit_actions,
+    every_engine,  # noqa: F401 - this module's engine fixture
     read_all,
     read_delta,
     read_spark,
     table_engine,
     upsert,
 )
-
-
-@pytest.fixture(params=EVERY_ENGINE)
-def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, the Spark engine's two writers, and both
-    engines' merge-on-read (tables with deletion vectors): their semantics must be
-    identical."""
-    return str(request.param)
 
 
 async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: str) -> None:

@@ -18,15 +18,14 @@ import deltaflow
 from deltaflow.engines import create_table
 from deltaflow.testing import at_fault_point
 
-from .support import EVERY_ENGINE, read_all, read_delta, read_spark, table_engine, upsert
-
-
-@pytest.fixture(params=EVERY_ENGINE)
-def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, the Spark engine's two writers, and both
-    engines' merge-on-read (tables with deletion vectors): their semantics must be
-    identical."""
-    return str(request.param)
+from .support import (
+    every_engine,  # noqa: F401 - this module's engine fixture
+    read_all,
+    read_delta,
+    read_spark,
+    table_engine,
+    upsert,
+)
 
 
 def removes(path: Path, version: int) -> int:

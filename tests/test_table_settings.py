@@ -20,23 +20,15 @@ from deltaflow.tables import BUCKET_COLUMN, read_table_settings
 from deltaflow.tables.settings import TableSettings
 
 from .support import (
-    EVERY_ENGINE,
     TEST_SPARK,
     engine_options,
+    every_engine,  # noqa: F401 - this module's engine fixture
     holding,
     read_all,
     read_spark,
     table_engine,
     upsert,
 )
-
-
-@pytest.fixture(params=EVERY_ENGINE)
-def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, the Spark engine's two writers, and both
-    engines' merge-on-read (tables with deletion vectors): their semantics must be
-    identical."""
-    return str(request.param)
 
 
 async def test_explicit_create_stores_schema_layout_and_settings(

@@ -20,24 +20,16 @@ from deltaflow.server import Node
 from deltaflow.tables import BUCKET_COLUMN
 
 from .support import (
-    EVERY_ENGINE,
     OPTIONS,
     StartCluster,
     assert_table,
     commit_actions,
+    every_engine,  # noqa: F401 - this module's engine fixture
     expected,
     read_all,
     read_delta,
     workload,
 )
-
-
-@pytest.fixture(params=EVERY_ENGINE)
-def engine(request: pytest.FixtureRequest) -> str:
-    """Every table test runs against both engines, the Spark engine's two writers, and both
-    engines' merge-on-read (tables with deletion vectors): their semantics must be
-    identical."""
-    return str(request.param)
 
 
 def source_of(kind: str, items: list[Any]) -> Any:
