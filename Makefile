@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
 STAMP := $(VENV)/.installed
+# A second environment with only `deltaflow[connect]` (pyspark-client, no JVM): the Spark
+# Connect tests run a node from it.
+CONNECT_VENV  ?= .venv-connect
+CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
 .PHONY: setup demo test bench bench-transport mutation breaks lint clean
 
@@ -14,7 +18,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-setup: $(STAMP)
+$(CONNECT_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(CONNECT_VENV)
+	$(CONNECT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CONNECT_VENV)/bin/python -m pip install --quiet -e '.[connect]'
+	touch $@
+
+setup: $(STAMP) $(CONNECT_STAMP)
 	$(VENV)/bin/deltaflow jars >/dev/null
 
 demo: setup
@@ -45,4 +55,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) $(CONNECT_VENV) .pytest_cache .mypy_cache .ruff_cache mutants

@@ -384,10 +384,16 @@ def run_deltaflow(
     arrow: bool = False,
     writer: str = "direct",
     vectors: bool = False,
+    spark: str = "local",
 ) -> Run:
     """One client streaming all rows to two nodes.
 
     Args:
+        spark: where the node processes' Spark runs (``layout="process"`` only): ``local``
+            (``local[*]`` in each node), ``cluster`` (a standalone master and 2-core worker
+            started for the run, one core per node) or ``connect`` (a Spark Connect server
+            started for the run on ``local[*]``; the nodes have no JVM and apply every group
+            by SQL).
         vectors: the table gets deletion vectors (merge-on-read with the delta-rs engine).
         writer: the Spark engine's writer (``direct`` or ``sql``: a Spark MERGE per group).
         arrow: the source yields Arrow record batches of ``ARROW_BATCH_ROWS`` rows (the form
@@ -471,7 +477,7 @@ def run_deltaflow(
 
     async def main() -> Run:
         address, statistics, stop = await _start_two_nodes(
-            warehouse, engine, buckets, layout, writer, vectors
+            warehouse, engine, buckets, layout, writer, vectors, spark
         )
         try:
             if layout == "process":  # the nodes' JVMs come to speed untimed, as above
@@ -568,22 +574,44 @@ class NodeCounts:
         return low
 
 
+def _start_spark(warehouse: Path, spark: str) -> tuple[str, list[str], Any]:
+    """Blocking: the nodes' ``--spark-master``, their further flags, and the servers started
+    for them (None for ``local``), their logs beside the warehouse."""
+    from deltaflow.testing.spark_servers import ConnectServer, SparkCluster
+
+    directory = warehouse.parent / f"{warehouse.name}-spark"
+    if spark == "cluster":
+        cluster = SparkCluster(directory, cores=2, memory="4g").start()
+        return cluster.url, ["--spark-max-cores", "1", "--spark-executor-memory", "1g"], cluster
+    if spark == "connect":
+        server = ConnectServer(directory, master="local[*]", driver_memory="2g").start()
+        return server.url, [], server
+    return "local[*]", [], None
+
+
 async def _start_two_nodes(
-    warehouse: Path, engine: str, buckets: int | None, layout: str, writer: str, vectors: bool
+    warehouse: Path,
+    engine: str,
+    buckets: int | None,
+    layout: str,
+    writer: str,
+    vectors: bool,
+    spark: str = "local",
 ) -> tuple[str, Callable[[], Awaitable[NodeCounts]], Callable[[], Awaitable[None]]]:
     """Two nodes: the first one's address, how to read (commits, commit seconds, largest
     group rows) summed over both, and how to stop them."""
     if layout == "process":
         from deltaflow.testing import NodeProcess, wait_for_members
 
-        extra = ["--engine", engine, "--spark-writer", writer]
+        master, extra, servers = await asyncio.to_thread(_start_spark, warehouse, spark)
+        extra += ["--engine", engine, "--spark-writer", writer]
         if vectors:
             extra.append("--deletion-vectors")
         if buckets is not None:
             extra += ["--table-buckets", str(buckets)]
-        first = await NodeProcess("node-1", warehouse, extra=extra, spark_master="local[*]").start()
+        first = await NodeProcess("node-1", warehouse, extra=extra, spark_master=master).start()
         second = NodeProcess(
-            "node-2", warehouse, peers=[first.address], extra=extra, spark_master="local[*]"
+            "node-2", warehouse, peers=[first.address], extra=extra, spark_master=master
         )
         procs = [first, await second.start()]
 
@@ -604,6 +632,8 @@ async def _start_two_nodes(
         async def stop_procs() -> None:
             for proc in reversed(procs):
                 await proc.stop()
+            if servers is not None:
+                await asyncio.to_thread(servers.stop)
 
         await wait_for_members([proc.address for proc in procs])
         return first.address, scraped, stop_procs
@@ -787,18 +817,24 @@ class Variant:
     limit: Callable[[int], int | None] = lambda _total: None
 
 
-def _dv_variant(engine: str, kind: str, **options: Any) -> Variant:
-    """Nodes as processes and a table with deletion vectors (merge-on-read), with ``options``
-    of :func:`run_deltaflow`: ``deltaflow-<engine>-<kind>-dv``."""
-    name = f"deltaflow-{engine}-{kind}-dv"
+def _procs_variant(engine: str, kind: str, **options: Any) -> Variant:
+    """Nodes as processes, with ``options`` of :func:`run_deltaflow`:
+    ``deltaflow-<engine>-<kind>``."""
+    name = f"deltaflow-{engine}-{kind}"
     table = name.replace("-", "_")
-    return Variant(
-        name,
-        table,
-        lambda w, n: run_deltaflow(
-            w, n, engine, table=table, layout="process", vectors=True, **options
-        ),
-    )
+    options["layout"] = "process"
+    return Variant(name, table, lambda w, n: run_deltaflow(w, n, engine, table=table, **options))
+
+
+def _dv_variant(engine: str, kind: str, **options: Any) -> Variant:
+    """A table with deletion vectors (merge-on-read): ``deltaflow-<engine>-<kind>-dv``."""
+    return _procs_variant(engine, f"{kind}-dv", vectors=True, **options)
+
+
+def _spark_variant(kind: str, **options: Any) -> Variant:
+    """The Spark engine with the Arrow source (``writer``, ``spark``):
+    ``deltaflow-spark-<kind>``."""
+    return _procs_variant("spark", kind, arrow=True, **options)
 
 
 VARIANTS: Final = (
@@ -853,6 +889,13 @@ VARIANTS: Final = (
             w, n, "delta-rs", table="deltaflow_delta_rs_arrow_procs", layout="process", arrow=True
         ),
     ),
+    # The Spark engine elsewhere than in the node: a standalone cluster (both writers: the
+    # SQL writer's MERGEs run on its executor) and a Spark Connect server (SQL only), beside
+    # the SQL writer in the node for comparison.
+    _spark_variant("sql-arrow-procs", writer="sql"),
+    _spark_variant("cluster-arrow-procs", spark="cluster"),
+    _spark_variant("cluster-sql-arrow-procs", writer="sql", spark="cluster"),
+    _spark_variant("connect-arrow-procs", spark="connect"),
     _dv_variant("spark", "arrow-procs", arrow=True),  # the Arrow source
     _dv_variant("delta-rs", "arrow-procs", arrow=True),
     _dv_variant("spark", "paced", rate=PACED_RATE),  # the dict source, paced

@@ -5,6 +5,7 @@ test modules import; nothing imports this file."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -14,9 +15,42 @@ import pytest
 from blockbuster import blockbuster_ctx
 
 from deltaflow.server import Node, NodeConfig, start_local_nodes
-from deltaflow.spark_integration import get_spark
+from deltaflow.spark_integration import SparkConfig, get_spark
+from deltaflow.testing.spark_servers import ConnectServer, SparkCluster
 
-from .support import TEST_RECEIVERS, TEST_SPARK, Eventually, StartCluster, T, Within, engine_options
+from .support import (
+    SPARK_SERVERS,
+    TEST_RECEIVERS,
+    TEST_SPARK,
+    Eventually,
+    StartCluster,
+    T,
+    Within,
+    engine_options,
+)
+
+#: The Connect server's share of ``spark_cluster``: the cluster tests' nodes take the rest.
+CONNECT_SHARE = {
+    "spark.cores.max": "1",
+    "spark.executor.cores": "1",
+    "spark.executor.memory": "1g",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``DELTAFLOW_TEST_ENGINES=spark,spark-sql``: only the tests run on those engines (the
+    table tests again on a standalone cluster, see ``test_spark_cluster.py``)."""
+    engines = os.environ.get("DELTAFLOW_TEST_ENGINES")
+    if not engines:
+        return
+    wanted = set(engines.split(","))
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        on = params.params.get("engine") if params is not None else None
+        (keep if on in wanted else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 @pytest.fixture
@@ -54,6 +88,30 @@ def spark() -> Any:
     return get_spark(TEST_SPARK)
 
 
+@pytest.fixture(scope="session")
+def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
+    """A standalone Spark master and one worker (4 cores, 4 GiB) on 127.0.0.1, for the run:
+    the Spark Connect server's jobs and the cluster tests' nodes share it."""
+    with SparkCluster(tmp_path_factory.mktemp("spark-cluster"), cores=4, memory="4g") as cluster:
+        yield cluster.start()
+
+
+@pytest.fixture(scope="session")
+def connect_server(
+    spark: Any, spark_cluster: SparkCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ConnectServer]:
+    """A Spark Connect server with Delta on 127.0.0.1, its jobs on ``spark_cluster`` (one
+    core of it), for the run; the ``spark-connect`` engine's settings point at it. After the
+    classic session (``spark``): a Connect client's gRPC in a process keeps a classic driver
+    from starting after it."""
+    directory = tmp_path_factory.mktemp("spark-connect")
+    with ConnectServer(directory, master=spark_cluster.url, settings=CONNECT_SHARE) as server:
+        server.start()
+        SPARK_SERVERS["connect"] = SparkConfig(master=server.url, shuffle_partitions=2)
+        yield server
+        SPARK_SERVERS.pop("connect")
+
+
 @pytest.fixture
 def warehouse(tmp_path: Path) -> Path:
     return tmp_path / "warehouse"
@@ -76,11 +134,11 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
     async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[Node]:
         config.setdefault("receivers", TEST_RECEIVERS)
         config.update(engine_options(config.pop("engine", "spark")))
+        config.setdefault("spark", TEST_SPARK)
         base = NodeConfig(
             node_id="node-1",
             warehouse=warehouse,
             port=0,
-            spark=TEST_SPARK,
             heartbeat_interval=0.2,
             # Generous: in-process nodes share the test's event loop with Spark-heavy work,
             # and a stall must not look like a dead peer (failover has its own tests with

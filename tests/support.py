@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +24,16 @@ from deltaflow.tables.engine import TableEngine
 
 T = TypeVar("T")
 
-TEST_SPARK = SparkConfig(master="local[2]", shuffle_partitions=2, driver_memory="2g")
+#: The classic Spark of the run: ``local[2]``, or the standalone cluster named by
+#: ``DELTAFLOW_TEST_SPARK_MASTER`` (``test_spark_cluster.py`` runs the table tests so, one core).
+TEST_SPARK = SparkConfig(
+    master=os.environ.get("DELTAFLOW_TEST_SPARK_MASTER", "local[2]"),
+    shuffle_partitions=2,
+    driver_memory="2g",
+    max_cores=1,
+    executor_memory="1g",
+    app_name="deltaflow-tests",
+)
 TEST_RECEIVERS = (
     "deltaflow.testing.Echo",
     "deltaflow.testing.EchoStream",
@@ -39,7 +49,10 @@ TEST_RECEIVERS = (
 )
 #: Every engine as tests name them (:func:`engine_options`): a table test module runs on all
 #: of them by overriding the ``engine`` fixture with these as its parameters.
-EVERY_ENGINE = ("spark", "spark-sql", "delta-rs", "spark-dv", "delta-rs-dv")
+EVERY_ENGINE = ("spark", "spark-sql", "delta-rs", "spark-dv", "delta-rs-dv", "spark-connect")
+#: The Spark settings of engines on servers the tests start (``"connect"``: the Spark Connect
+#: server), filled in by the fixtures that start them.
+SPARK_SERVERS: dict[str, SparkConfig] = {}
 
 #: The ``within`` fixture: ``await within(awaitable, seconds, what)``.
 Within = Callable[[Awaitable[T], float, str], Awaitable[T]]
@@ -51,8 +64,12 @@ StartCluster = Callable[..., Awaitable[list[Node]]]
 
 def engine_options(engine: str) -> dict[str, Any]:
     """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
-    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, or ``spark-dv`` and
-    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read)."""
+    ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, ``spark-dv`` and
+    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), or ``spark-connect`` (the
+    Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT)."""
+    if engine == "spark-connect":
+        assert "connect" in SPARK_SERVERS, "spark-connect needs the connect_server fixture"
+        return {"engine": "spark", "spark": SPARK_SERVERS["connect"]}
     if engine == "spark-sql":
         return {"engine": "spark", "spark_writer": "sql"}
     if engine.endswith("-dv"):
@@ -123,6 +140,39 @@ def commit_actions(path: Path, version: int) -> tuple[str, list[dict[str, Any]]]
     return node, files
 
 
+def commit_writers(path: Path) -> dict[str, str]:
+    """Each commit's writer: the deltaflow node (from its lane marks) -> the engine that wrote
+    it (Delta's ``engineInfo``), by the ``deltalake`` reader."""
+    from deltalake import DeltaTable
+
+    return {
+        json.loads(h["userMetadata"])["deltaflow"]["node"]: h.get("engineInfo", "")
+        for h in DeltaTable(str(path)).history()
+        if h.get("userMetadata")
+    }
+
+
+async def append_ids(client: Any, table: str, n: int, options: StreamerOptions) -> Any:
+    """Stream ids ``0..n-1`` through the AppendRows receiver: a duplicate would show."""
+    return await client.stream_data(
+        [{"id": i} for i in range(n)],
+        key="id",
+        receiver="deltaflow.testing.AppendRows",
+        receiver_args={"table": table},
+        options=options,
+    )
+
+
+def assert_appended_once(path: Path, n: int, *, committed_by: str) -> None:
+    """Ids ``0..n-1`` each in the table once, and ``committed_by`` made a commit of it (a node
+    that crashed after its commit and before its ack)."""
+    from deltalake import DeltaTable
+
+    assert committed_by in commit_writers(path)
+    ids = [r["id"] for r in DeltaTable(str(path)).to_pyarrow_table().to_pylist()]
+    assert len(ids) == n and set(ids) == set(range(n))
+
+
 # -- the table tests' workload ---------------------------------------------------------------
 
 #: The client options of the table tests: small pages, several batches of a partition in flight.
@@ -172,9 +222,8 @@ async def table_engine(
     kwargs = {"deletion_vectors": options.get("deletion_vectors", False), **kwargs}
     if options["engine"] == "spark":
         writer = options.get("spark_writer", "direct")
-        eng = SparkTableEngine(
-            warehouse, node_id=node_id, spark=TEST_SPARK, writer=writer, **kwargs
-        )
+        spark = options.get("spark", TEST_SPARK)
+        eng = SparkTableEngine(warehouse, node_id=node_id, spark=spark, writer=writer, **kwargs)
     else:
         eng = DeltaRsTableEngine(warehouse, node_id=node_id, **kwargs)
     await eng.start()
@@ -209,4 +258,6 @@ def every_engine(request: pytest.FixtureRequest) -> str:
     """Every table test runs against both engines, the Spark engine's two writers, and both
     engines' merge-on-read (tables with deletion vectors): their semantics must be
     identical. A table test module imports it to override conftest's one-engine default."""
+    if request.param == "spark-connect":
+        request.getfixturevalue("connect_server")  # started once, on first use
     return str(request.param)

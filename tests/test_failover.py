@@ -20,7 +20,7 @@ from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
 from deltaflow.testing import NodeProcess, free_port
 
-from .support import read_delta, read_spark
+from .support import append_ids, assert_appended_once, read_delta, read_spark
 
 pytestmark = [
     pytest.mark.slow,
@@ -177,25 +177,11 @@ async def test_a_crash_between_commit_and_ack_is_not_applied_twice(cluster: Clus
     client = await cluster.wait_members(3)
     n = 60_000
     async with client:
-        summary = await client.stream_data(
-            [{"id": i} for i in range(n)],
-            key="id",
-            receiver="deltaflow.testing.AppendRows",
-            receiver_args={"table": "crash"},
-            options=OPTIONS,
-        )
+        summary = await append_ids(client, "crash", n, OPTIONS)
     assert summary.items_acked == n
     # It did crash, right after its commit (it must have exited by now).
     assert await asyncio.wait_for(crashing.wait(), 30) == -9
-    table = DeltaTable(str(cluster.warehouse / "crash"))
-    writers = {
-        json.loads(h["userMetadata"])["deltaflow"]["node"]
-        for h in table.history()
-        if h.get("userMetadata")
-    }
-    assert "node-3" in writers  # its commit landed before the crash
-    ids = [r["id"] for r in table.to_pyarrow_table().to_pylist()]
-    assert len(ids) == n and set(ids) == set(range(n))
+    assert_appended_once(cluster.warehouse / "crash", n, committed_by="node-3")
     await cluster.start("node-3")  # heal for the next test
 
 

@@ -80,7 +80,9 @@ async def test_interleaved_streams_in_one_group_equal_one_by_one_application(
     assert commits < grouped  # batches of both streams shared commits
 
 
-@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
+@pytest.mark.parametrize(
+    "engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv", "spark-connect"], indirect=True
+)
 async def test_a_group_prepared_before_another_node_applied_part_of_it_applies_only_the_rest(
     warehouse: Path, engine: str
 ) -> None:

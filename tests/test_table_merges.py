@@ -34,7 +34,9 @@ def removes(path: Path, version: int) -> int:
     return sum("remove" in json.loads(line) for line in lines)
 
 
-@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"])
+@pytest.mark.parametrize(
+    "engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv", "spark-connect"], indirect=True
+)
 async def test_a_table_partitioned_by_other_columns_keeps_them(
     spark: Any, warehouse: Path, engine: str
 ) -> None:
@@ -207,7 +209,9 @@ async def test_rewrite_reads_older_files_and_keeps_exactly_once(
     assert rows == {i: ("a", None) for i in range(100)} | {3: ("c", 9)}
 
 
-@COPY_ON_WRITE
+@pytest.mark.parametrize(
+    "engine", ["spark", "spark-sql", "delta-rs", "spark-connect"], indirect=True
+)
 async def test_deletes_of_keys_no_file_holds_still_record_their_marks(
     spark: Any, warehouse: Path, engine: str
 ) -> None:
@@ -251,7 +255,7 @@ async def test_a_writer_committing_between_files_and_commit_loses_nothing(
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
 
 
-@COPY_ON_WRITE
+@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-connect"], indirect=True)
 async def test_tables_with_constraints_are_merged_and_keep_them(
     spark: Any, warehouse: Path, engine: str
 ) -> None:

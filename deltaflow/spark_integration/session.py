@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,7 +24,9 @@ __all__ = [
     "DEFAULT_MASTER",
     "DIRECT_WRITER_JAVA_OPTIONS",
     "LOCAL_FILE_SETTINGS",
+    "SQL_SETTINGS",
     "SparkConfig",
+    "connect_session",
     "get_spark",
     "require_spark",
 ]
@@ -30,6 +34,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER: Final = "local[*]"
+#: A Spark Connect URL's port when it names none.
+CONNECT_DEFAULT_PORT: Final = 15002
 #: The driver JVM's options when nodes commit with the direct writer: the JVM then runs Delta's
 #: commit code and little else, so the C1 compiler alone (a fraction of C2's compile work, which
 #: competes with the node's Python for the CPU in the first minutes of a node's life) and the
@@ -53,8 +59,28 @@ LOCAL_FILE_SETTINGS: Final = {
     # No ".crc" side file (and its chmod) for every file the driver writes.
     "spark.hadoop.fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
 }
+#: Session-level SQL settings, for the embedded driver and every Spark Connect session alike.
+SQL_SETTINGS: Final = {
+    "spark.databricks.delta.snapshotPartitions": "2",
+    # A MERGE source here is a staging Parquet file written once and never changed, so Delta
+    # need not copy it before its two passes (saves a Spark job per commit).
+    "spark.databricks.delta.merge.materializeSource": "none",
+    # A group whose MERGE or INSERT changes no row (deletes of keys no file holds) must still
+    # commit, with its lane marks, so that the batch sent again is skipped; Delta skips such
+    # commits by default.
+    "spark.databricks.delta.skipRecordingEmptyCommits": "false",
+    "spark.sql.session.timeZone": "UTC",
+    # Data files written by the nodes (pyarrow) and by delta-rs use the proleptic Gregorian
+    # calendar, as Spark 3+ does, but carry no Spark version, so Spark refuses their dates
+    # before 1582 and timestamps before 1900 unless told so.
+    "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
+    "spark.sql.parquet.int96RebaseModeInRead": "CORRECTED",
+    "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
+    "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
+}
 _lock = threading.Lock()
 _session: Any = None
+_connect_sessions: dict[str, Any] = {}
 
 
 def require_spark() -> Any:
@@ -117,6 +143,11 @@ class SparkConfig:
             raise UsageError("SparkConfig.max_cores must be >= 1 and executor_wait > 0")
 
     @property
+    def connect(self) -> bool:
+        """Whether the master is a Spark Connect server (``sc://``): no driver JVM here."""
+        return self.master.startswith("sc://")
+
+    @property
     def standalone(self) -> bool:
         """Whether the master is a Spark standalone cluster (``spark://``)."""
         return self.master.startswith("spark://")
@@ -125,74 +156,112 @@ class SparkConfig:
 def get_spark(config: SparkConfig | None = None) -> Any:
     """The process's SparkSession with Delta, created on first call (blocking, seconds).
 
-    Later calls return the same session whatever ``config`` says.
+    One classic session per process (its driver JVM): later calls for a cluster or ``local``
+    master return it whatever ``config`` says. A Spark Connect URL (``sc://``) gets its own
+    session per URL, beside the classic one: a Connect session is a client, not a driver.
     """
     global _session
+    config = config or SparkConfig()
+    if config.connect:
+        with _lock:
+            if config.master not in _connect_sessions:
+                _connect_sessions[config.master] = connect_session(config)
+            return _connect_sessions[config.master]
     with _lock:
         if _session is not None:
             return _session
-        config = config or SparkConfig()
         require_spark()
         from pyspark.sql import SparkSession
 
+        from .jars import ensure_jars
+
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        builder = SparkSession.builder.appName(config.app_name)
+        builder = SparkSession.builder.appName(config.app_name).master(config.master)
         settings: dict[str, str] = {
             "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
             "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-            "spark.sql.shuffle.partitions": str(config.shuffle_partitions),
-            "spark.default.parallelism": str(config.shuffle_partitions),
-            "spark.databricks.delta.snapshotPartitions": "2",
-            # A MERGE source here is a staging Parquet file written once and never changed, so
-            # Delta need not copy it before its two passes (saves a Spark job per commit).
-            "spark.databricks.delta.merge.materializeSource": "none",
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
-            "spark.sql.session.timeZone": "UTC",
-            # Data files written by the nodes (pyarrow) and by delta-rs use the proleptic
-            # Gregorian calendar, as Spark 3+ does, but carry no Spark version, so Spark
-            # refuses their dates before 1582 and timestamps before 1900 unless told so.
-            "spark.sql.parquet.datetimeRebaseModeInRead": "CORRECTED",
-            "spark.sql.parquet.int96RebaseModeInRead": "CORRECTED",
-            "spark.sql.parquet.datetimeRebaseModeInWrite": "CORRECTED",
-            "spark.sql.parquet.int96RebaseModeInWrite": "CORRECTED",
+            **SQL_SETTINGS,
+            **_sizes(config),
+            "spark.default.parallelism": str(config.shuffle_partitions),
+            **LOCAL_FILE_SETTINGS,
+            "spark.jars": ",".join(str(p) for p in ensure_jars()),
+            "spark.driver.memory": config.driver_memory,
         }
-        if config.master.startswith("sc://"):
-            builder = builder.remote(config.master)
-        else:
-            from .jars import ensure_jars
-
-            builder = builder.master(config.master)
-            if config.master.startswith("local"):
-                # Keep the embedded driver on loopback: no traffic leaves the machine.
-                os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-                settings["spark.driver.host"] = "127.0.0.1"
-                settings["spark.driver.bindAddress"] = "127.0.0.1"
-                # Adaptive query execution re-plans between stages to even out a cluster's
-                # skew; on one machine it only adds planning to every commit's jobs.
-                settings["spark.sql.adaptive.enabled"] = "false"
-            if config.standalone:
-                # A bounded share: one application per node, each of its executors as large
-                # as its cores, so several nodes fit on one cluster.
-                settings["spark.cores.max"] = str(config.max_cores)
-                settings["spark.executor.cores"] = str(config.max_cores)
-                settings["spark.executor.memory"] = config.executor_memory
-            settings.update(LOCAL_FILE_SETTINGS)
-            settings["spark.jars"] = ",".join(str(p) for p in ensure_jars())
-            settings["spark.driver.memory"] = config.driver_memory
-            if config.java_options:
-                settings["spark.driver.extraJavaOptions"] = config.java_options
+        if config.master.startswith("local"):
+            # Keep the embedded driver on loopback: no traffic leaves the machine.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            settings["spark.driver.host"] = "127.0.0.1"
+            settings["spark.driver.bindAddress"] = "127.0.0.1"
+            # Adaptive query execution re-plans between stages to even out a cluster's
+            # skew; on one machine it only adds planning to every commit's jobs.
+            settings["spark.sql.adaptive.enabled"] = "false"
+        if config.standalone:
+            # A bounded share: one application per node, each of its executors as large
+            # as its cores, so several nodes fit on one cluster.
+            settings["spark.cores.max"] = str(config.max_cores)
+            settings["spark.executor.cores"] = str(config.max_cores)
+            settings["spark.executor.memory"] = config.executor_memory
+        if config.java_options:
+            settings["spark.driver.extraJavaOptions"] = config.java_options
         settings.update(config.extra)
         for k, v in settings.items():
             builder = builder.config(k, v)
         log.info("starting Spark (%s)", config.master)
         session = builder.getOrCreate()
-        if not config.master.startswith("sc://"):
-            session.sparkContext.setLogLevel("ERROR")
+        session.sparkContext.setLogLevel("ERROR")
         if config.standalone:
             _wait_for_an_executor(session, config)
         _session = session
         return session
+
+
+def connect_session(config: SparkConfig) -> Any:
+    """Blocking: a new session on the Spark Connect server ``config.master`` (``sc://``), with
+    deltaflow's SQL settings; its SQL conf is its own (the server keeps one per session).
+
+    Made by the Connect client's own builder: pyspark's generic one would mark the whole
+    process as Connect-only (``SPARK_CONNECT_MODE_ENABLED``), and a classic session beside it
+    would then break.
+
+    Raises:
+        UsageError: the server cannot be reached (says where and what to check).
+    """
+    require_spark()
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    _check_listening(config.master)
+    builder = ConnectSession.builder.remote(config.master)
+    for name, value in {**SQL_SETTINGS, **_sizes(config), **config.extra}.items():
+        builder = builder.config(name, value)
+    try:
+        session = builder.create()
+        session.sql("SELECT 1").collect()  # the client connects lazily: fail here, not later
+    except Exception as exc:
+        raise UsageError(
+            f"cannot reach the Spark Connect server {config.master}: {type(exc).__name__}: "
+            f"{str(exc)[:300]}. Is it running (deltaflow spark-connect) and listening there?"
+        ) from exc
+    return session
+
+
+def _check_listening(url: str, timeout: float = 10.0) -> None:
+    """Fail at once when nothing listens at a Connect URL: the Connect client would retry
+    its first call for minutes."""
+    address = urllib.parse.urlsplit(url.split(";")[0].replace("sc://", "http://", 1))
+    host, port = address.hostname or "localhost", address.port or CONNECT_DEFAULT_PORT
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise UsageError(
+            f"cannot reach the Spark Connect server {url}: nothing accepts connections at "
+            f"{host}:{port} ({exc}). Start one (deltaflow spark-connect) or fix the URL"
+        ) from exc
+
+
+def _sizes(config: SparkConfig) -> dict[str, str]:
+    return {"spark.sql.shuffle.partitions": str(config.shuffle_partitions)}
 
 
 def executor_count(session: Any) -> int:

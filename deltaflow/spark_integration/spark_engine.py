@@ -14,10 +14,13 @@ Two writers apply a group in one commit (``writer``):
 
 The direct writer falls back to the SQL one for groups it cannot apply: tables with features
 it does not implement (column mapping, constraints, generated columns, ...:
-:func:`.rewrite.write_files`), keys of more than one column or of a type without ranges,
-and Spark Connect sessions (no driver JVM to commit through).
+:func:`.rewrite.write_files`) and keys of more than one column or of a type without ranges.
 
-Tables are created with Delta's table builder (columns, the bucket partition column and
+On a Spark Connect server (``sc://``) every group is applied by the SQL writer: the node has
+no driver JVM to commit through. The server reads the staging file by its path, so it must
+see the warehouse at the same path as the node. Each table has its own Connect session.
+
+Tables are created by SQL ``CREATE TABLE`` (columns, the bucket partition column and
 deltaflow's table properties), and may have deletion vectors: the replaced rows are then
 marked instead of their files rewritten (by the direct writer's merge-on-read, or by the SQL
 writer's MERGE).
@@ -25,6 +28,7 @@ writer's MERGE).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -48,7 +52,7 @@ from ..tables.settings import (
     TableSettings,
     with_layout,
 )
-from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, get_spark
+from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, connect_session, get_spark
 
 __all__ = ["SPARK_WRITERS", "SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
@@ -160,8 +164,9 @@ class SparkTableEngine(TableEngine):
         super().__init__(warehouse, **kwargs)
         if writer not in SPARK_WRITERS:
             raise ValueError(f"writer must be one of {SPARK_WRITERS}, got {writer!r}")
-        self.spark_config = spark
-        self.writer = writer
+        self.spark_config = spark or SparkConfig()
+        # Over Spark Connect only SQL reaches the server's Delta (see the module docstring).
+        self.writer = "sql" if self.spark_config.connect else writer
         self.spark: Any = None
         self._sessions: dict[str, Any] = {}
         self._checkpoint_hook: list[Any] | None = None  # Delta's CheckpointHook, _commit_files
@@ -170,7 +175,7 @@ class SparkTableEngine(TableEngine):
         return self.writer == "direct" and settings.deletion_vectors
 
     def _start_engine(self) -> None:
-        config = self.spark_config or SparkConfig()
+        config = self.spark_config
         if self.writer == "direct" and config.java_options is None:
             config = dataclasses.replace(config, java_options=DIRECT_WRITER_JAVA_OPTIONS)
         self.spark = get_spark(config)
@@ -201,8 +206,19 @@ class SparkTableEngine(TableEngine):
         # A session per table: its SQL conf (commit metadata) is not shared with the commits
         # other tables run at the same time on other threads.
         if table not in self._sessions:
-            self._sessions[table] = self.spark.newSession()
+            self._sessions[table] = (
+                connect_session(self.spark_config)
+                if self.spark_config.connect
+                else self.spark.newSession()
+            )
         return self._sessions[table]
+
+    async def stop(self) -> None:
+        await super().stop()
+        if self.spark_config.connect:  # each ends its session on the server
+            sessions, self._sessions = list(self._sessions.values()), {}
+            for session in sessions:
+                await asyncio.to_thread(session.stop)
 
     def describe(self, table: str, path: Path) -> TableDescription:
         try:
@@ -345,6 +361,9 @@ class SparkTableEngine(TableEngine):
             super().checkpoint(table, path, version)
             return
         except Exception as exc:  # noqa: BLE001 - a Delta feature delta-rs cannot write
+            if self.spark_config.connect:  # no driver JVM here: the next SQL commit's Delta does
+                log.warning("table %s: no checkpoint at version %d (%s)", table, version, exc)
+                return
             log.debug("table %s: checkpoint by Spark (delta-rs: %s)", table, exc)
         session = self._session(table)
         jvm = session._jvm

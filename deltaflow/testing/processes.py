@@ -29,6 +29,8 @@ class NodeProcess:
     Args:
         extra: further ``deltaflow serve`` arguments (``--engine``, ``--receiver``...).
         spark_master: ``--spark-master`` (one core by default: tests run several nodes).
+        python: the interpreter to run it with (another environment's, say one with only
+            ``deltaflow[connect]``); this one's by default.
     """
 
     def __init__(
@@ -41,12 +43,13 @@ class NodeProcess:
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
         spark_master: str = "local[1]",
+        python: str = sys.executable,
     ) -> None:
         self.node_id = node_id
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.args = [
-            sys.executable,
+            python,
             "-m",
             "deltaflow.cli",
             "serve",
