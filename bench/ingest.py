@@ -895,7 +895,7 @@ VARIANTS: Final = (
     _spark_variant("sql-arrow-procs", writer="sql"),
     _spark_variant("cluster-arrow-procs", spark="cluster"),
     _spark_variant("cluster-sql-arrow-procs", writer="sql", spark="cluster"),
-    _spark_variant("connect-arrow-procs", spark="connect"),
+    _spark_variant("connect-arrow-procs", writer="sql", spark="connect"),  # SQL, as always there
     _dv_variant("spark", "arrow-procs", arrow=True),  # the Arrow source
     _dv_variant("delta-rs", "arrow-procs", arrow=True),
     _dv_variant("spark", "paced", rate=PACED_RATE),  # the dict source, paced
@@ -1005,15 +1005,7 @@ def print_ratios(results: list[Result]) -> None:
             print(f"  {a} / {b} rows/s: {by[a].rows_per_s / by[b].rows_per_s:8.2f}x")
 
     print("ratios:")
-    for spark_variant in (
-        "deltaflow-spark",
-        "deltaflow-spark-sql",
-        "deltaflow-spark-flat",
-        "deltaflow-spark-procs",
-        "deltaflow-spark-arrow",
-        "deltaflow-spark-arrow-procs",
-        "deltaflow-spark-arrow-procs-dv",
-    ):
+    for spark_variant in (n for n in by if n.startswith("deltaflow-spark") and "-paced" not in n):
         ratio(spark_variant, "naive-spark-merge")
         ratio(spark_variant, "microbatch-spark")
         ratio(spark_variant, "bulk-spark")
