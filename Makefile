@@ -18,13 +18,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# A real S3-compatible server for the object-storage tests: versitygw, pinned, built by Go
+# (about 1.5 minutes once; docs/object-storage.md says why this one).
+VERSITYGW_VERSION := v1.8.0
+VERSITYGW := .tools/versitygw-$(VERSITYGW_VERSION)/versitygw
+
+$(VERSITYGW):
+	GOBIN=$(CURDIR)/$(dir $@) go install github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
+
 $(CONNECT_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(CONNECT_VENV)
 	$(CONNECT_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(CONNECT_VENV)/bin/python -m pip install --quiet -e '.[connect]'
 	touch $@
 
-setup: $(STAMP) $(CONNECT_STAMP)
+setup: $(STAMP) $(CONNECT_STAMP) $(VERSITYGW)
 	$(VENV)/bin/deltaflow jars >/dev/null
 
 demo: setup
@@ -55,4 +63,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(CONNECT_VENV) .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) $(CONNECT_VENV) .tools .pytest_cache .mypy_cache .ruff_cache mutants

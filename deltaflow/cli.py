@@ -1,4 +1,6 @@
-"""The ``deltaflow`` command: ``serve`` a node, ``cluster status``, run the ``demo``."""
+"""The ``deltaflow`` command: ``serve`` a node, ``cluster status``, run the ``demo``,
+``table`` maintenance; ``jars``, ``spark-connect`` and ``store check`` are in
+:mod:`.cli_infrastructure`."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from .cli_infrastructure import add_infrastructure_commands
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
 from .spark_integration.spark_engine import SPARK_WRITERS
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
@@ -198,36 +201,6 @@ def _table(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _jars(args: argparse.Namespace) -> int:
-    from .spark_integration.jars import ensure_jars
-
-    for jar in ensure_jars():
-        print(jar)
-    return 0
-
-
-def _spark_connect(args: argparse.Namespace) -> int:
-    """Become a Spark Connect server with Delta (``spark-submit``, in this process's place)."""
-    from .spark_integration.servers import connect_server_command, spark_env
-
-    command = connect_server_command(
-        host=args.host,
-        port=args.port,
-        master=args.master,
-        driver_memory=args.driver_memory,
-        settings=dict(args.conf),
-    )
-    sys.stdout.flush()
-    os.execve(command[0], command, spark_env(args.host))
-
-
-def _setting(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    return name, value
 
 
 def _name_and_bound(text: str) -> tuple[str, int]:
@@ -468,29 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("--driver-memory", default="2g")
     create.set_defaults(func=_table)
 
-    jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
-    jars.set_defaults(func=_jars)
-
-    connect = sub.add_parser(
-        "spark-connect",
-        help="run a Spark Connect server with Delta from the installed pyspark, for nodes "
-        "started with --spark-master sc://HOST:PORT",
-    )
-    connect.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    connect.add_argument("--port", type=int, default=15002, help="default %(default)s")
-    connect.add_argument(
-        "--master", default="local[*]", help="where its jobs run: local[*] or spark://HOST:PORT"
-    )
-    connect.add_argument("--driver-memory", default=_spark_default("driver_memory"))
-    connect.add_argument(
-        "--conf",
-        type=_setting,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a further Spark setting (repeatable), e.g. spark.cores.max=2",
-    )
-    connect.set_defaults(func=_spark_connect)
+    add_infrastructure_commands(sub, _spark_default("driver_memory"))
 
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from blockbuster import blockbuster_ctx
 
 from deltaflow.server import Node, NodeConfig, start_local_nodes
 from deltaflow.spark_integration import SparkConfig, get_spark
+from deltaflow.testing.object_store import S3Server
 from deltaflow.testing.spark_servers import ConnectServer, SparkCluster
 
 from .support import (
@@ -94,6 +96,20 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
     the Spark Connect server's jobs and the cluster tests' nodes share it."""
     with SparkCluster(tmp_path_factory.mktemp("spark-cluster"), cores=4, memory="4g") as cluster:
         yield cluster.start()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """The S3-compatible server ``make setup`` installs (versitygw), on 127.0.0.1, for the
+    run; each test gets a fresh bucket from ``bucket``."""
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        yield server.start()
+
+
+@pytest.fixture
+def bucket(s3_server: S3Server) -> str:
+    """A fresh bucket on ``s3_server``: its ``s3://`` URI."""
+    return s3_server.create_bucket(f"t-{uuid.uuid4().hex[:16]}")
 
 
 @pytest.fixture(scope="session")

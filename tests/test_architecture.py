@@ -47,6 +47,17 @@ FORBIDDEN = {
         "deltaflow.spark_integration",
         "deltaflow.engines",
     ),
+    "deltaflow.storage": (
+        "deltaflow.client",
+        "deltaflow.server",
+        "deltaflow.receivers",
+        "deltaflow.tables",
+        "deltaflow.spark_integration",
+        "deltaflow.engines",
+        "deltaflow.testing",
+        "deltaflow.cli",
+        "deltaflow.demo",
+    ),
     "deltaflow.tables": (
         "deltaflow.client",
         "deltaflow.server",

@@ -7,6 +7,8 @@ Connect URL (``sc://...``) when configured. Delta's jars come from the local cac
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -165,7 +167,9 @@ def get_spark(config: SparkConfig | None = None) -> Any:
     if config.connect:
         with _lock:
             if config.master not in _connect_sessions:
-                _connect_sessions[config.master] = connect_session(config)
+                session = _connect_sessions[config.master] = connect_session(config)
+                # Registered after the client's own exit handler, so it runs before it.
+                atexit.register(_close_channel, session)
             return _connect_sessions[config.master]
     with _lock:
         if _session is not None:
@@ -237,6 +241,7 @@ def connect_session(config: SparkConfig) -> Any:
         builder = builder.config(name, value)
     try:
         session = builder.create()
+        _bound_retries(session.client)
         session.sql("SELECT 1").collect()  # the client connects lazily: fail here, not later
     except Exception as exc:
         raise UsageError(
@@ -244,6 +249,25 @@ def connect_session(config: SparkConfig) -> Any:
             f"{str(exc)[:300]}. Is it running (deltaflow spark-connect) and listening there?"
         ) from exc
     return session
+
+
+def _bound_retries(client: Any) -> None:
+    """Retry a failed call for seconds, not the Connect client's default ten minutes: a commit
+    retried that long would hold its table, and a process whose server is gone would take
+    that long to exit (the client's exit handler calls the server). A call that still fails
+    fails its commit, which deltaflow retries like any other."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    bounded = DefaultPolicy(max_retries=5, initial_backoff=50, max_backoff=4000)
+    policies = client.get_retry_policies()
+    client.set_retry_policies([bounded if isinstance(p, DefaultPolicy) else p for p in policies])
+
+
+def _close_channel(session: Any) -> None:
+    """At exit: close a Connect session's channel without calling the server (the client's own
+    exit handler would, and wait on a server that may be gone)."""
+    with contextlib.suppress(Exception):
+        session.client.close()
 
 
 def _check_listening(url: str, timeout: float = 10.0) -> None:

@@ -9,74 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .processes import free_port
+from .servers import ServerProcesses, listening
 
 __all__ = ["ConnectServer", "SparkCluster"]
 
 _HOST = "127.0.0.1"
-
-
-class _Servers:
-    """Processes started in their own process groups, their output in ``directory``."""
-
-    #: Seconds a server has to become ready.
-    start_timeout = 120.0
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def _start(self, name: str, command: Sequence[str], env: dict[str, str]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.directory / f"{name}.log", "wb") as out:
-            self.procs[name] = subprocess.Popen(
-                list(command), stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def _until(self, ready: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout
-        while not ready():
-            exited = [n for n, p in self.procs.items() if p.poll() is not None]
-            if exited or time.monotonic() > deadline:
-                why = f"{', '.join(exited)} exited" if exited else f"{self.start_timeout:g} s"
-                raise RuntimeError(f"no {what} ({why}): {self.logs()}")
-            time.sleep(0.2)
-
-    def logs(self, tail: int = 2000) -> dict[str, str]:
-        """The end of each server's output."""
-        return {
-            name: (self.directory / f"{name}.log").read_text(errors="replace")[-tail:]
-            for name in self.procs
-        }
-
-    def stop(self) -> None:
-        """SIGTERM each process group, SIGKILL what is left after 20 s."""
-        for proc in reversed(self.procs.values()):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _json(url: str) -> dict[str, Any]:
@@ -91,7 +35,7 @@ def _answers(read: Callable[[], object]) -> bool:
         return False
 
 
-class SparkCluster(_Servers):
+class SparkCluster(ServerProcesses):
     """A standalone master and one worker offering ``cores`` and ``memory``.
 
     ``url`` is the master (``spark://127.0.0.1:PORT``); :meth:`status` and
@@ -127,7 +71,7 @@ class SparkCluster(_Servers):
         return _json(f"http://{_HOST}:{self.worker_port}/json/")
 
 
-class ConnectServer(_Servers):
+class ConnectServer(ServerProcesses):
     """A Spark Connect server with Delta, by ``deltaflow spark-connect``; ``url`` is
     ``sc://127.0.0.1:PORT``. Its jobs run on ``master`` (``local[2]``, or a
     :class:`SparkCluster`'s ``url``)."""
@@ -157,9 +101,5 @@ class ConnectServer(_Servers):
         for name, value in self.settings.items():
             command += ["--conf", f"{name}={value}"]
         self._start("connect", command, dict(os.environ))
-        self._until(self._listening, "Spark Connect server")
+        self._until(lambda: listening(_HOST, self.port), "Spark Connect server")
         return self
-
-    def _listening(self) -> bool:
-        with socket.socket() as s:
-            return s.connect_ex((_HOST, self.port)) == 0

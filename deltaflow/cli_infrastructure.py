@@ -1,0 +1,114 @@
+"""The ``deltaflow`` subcommands about what surrounds the nodes: ``jars`` (Delta's jars),
+``spark-connect`` (a Spark Connect server with Delta) and ``store check`` (an object store's
+conditional writes)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_infrastructure_commands"]
+
+
+def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
+    """Add the subcommands to ``sub`` (the ``deltaflow`` parser's subparsers)."""
+    jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
+    jars.set_defaults(func=_jars)
+
+    store = sub.add_parser("store", help="check an object store for deltaflow's tables")
+    ssub = store.add_subparsers(dest="store_command", required=True)
+    check = ssub.add_parser(
+        "check", help="check that a store honours conditional writes (commits rely on them)"
+    )
+    check.add_argument("uri", help="a location on the store, e.g. s3://bucket/warehouse")
+    check.add_argument(
+        "--storage-option",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a store setting (repeatable), e.g. AWS_ENDPOINT_URL=http://127.0.0.1:7070; the "
+        "AWS_* environment variables are read too",
+    )
+    check.set_defaults(func=_store_check)
+
+    connect = sub.add_parser(
+        "spark-connect",
+        help="run a Spark Connect server with Delta from the installed pyspark, for nodes "
+        "started with --spark-master sc://HOST:PORT",
+    )
+    connect.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    connect.add_argument("--port", type=int, default=15002, help="default %(default)s")
+    connect.add_argument(
+        "--master", default="local[*]", help="where its jobs run: local[*] or spark://HOST:PORT"
+    )
+    connect.add_argument("--driver-memory", default=driver_memory)
+    connect.add_argument(
+        "--conf",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a further Spark setting (repeatable), e.g. spark.cores.max=2",
+    )
+    connect.set_defaults(func=_spark_connect)
+
+
+def _jars(args: argparse.Namespace) -> int:
+    from .spark_integration.jars import ensure_jars
+
+    for jar in ensure_jars():
+        print(jar)
+    return 0
+
+
+def _store_check(args: argparse.Namespace) -> int:
+    """Check that a store honours conditional writes, as commits on it need."""
+    from obstore.exceptions import BaseError
+
+    from .storage import check_conditional_writes
+
+    try:
+        check = check_conditional_writes(args.uri, dict(args.storage_option))
+    except BaseError as exc:  # its first line names the problem; the rest is debug detail
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"deltaflow: cannot check the store {args.uri}: {reason}", file=sys.stderr)
+        return 2
+    print(f"store {check.uri}:")
+    print(f"  create of an existing key refused:   {_yes(check.create_refused)}")
+    print(f"  write on a stale ETag refused:       {_yes(check.stale_etag_refused)}")
+    print(f"  racing creates of one key:           {check.winners} of {check.racers} won")
+    if not check.ok:
+        print("deltaflow: this store does not honour conditional writes; commits to tables on "
+              "it could be lost: " + "; ".join(check.problems()), file=sys.stderr)  # fmt: skip
+        return 2
+    print("conditional writes: OK")
+    return 0
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def _spark_connect(args: argparse.Namespace) -> int:
+    """Become a Spark Connect server with Delta (``spark-submit``, in this process's place)."""
+    from .spark_integration.servers import connect_server_command, spark_env
+
+    command = connect_server_command(
+        host=args.host,
+        port=args.port,
+        master=args.master,
+        driver_memory=args.driver_memory,
+        settings=dict(args.conf),
+    )
+    sys.stdout.flush()
+    os.execve(command[0], command, spark_env(args.host))
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value

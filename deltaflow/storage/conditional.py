@@ -1,0 +1,117 @@
+"""Whether an object store honours conditional writes, the property every commit to a table
+on it relies on: with no lock any two hosts share, a Delta commit is safe only if creating
+``_delta_log/<version>.json`` fails when another writer created it first.
+
+The check writes a few small objects under ``<uri>/.deltaflow/checks/<random>/`` and deletes
+them: a create of an existing key must be refused, a write conditional on a stale ETag must be
+refused, and of ``racers`` writers creating one key at once exactly one must win.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .stores import open_store
+
+__all__ = ["ConditionalWriteCheck", "check_conditional_writes"]
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionalWriteCheck:
+    """What the store did.
+
+    Attributes:
+        uri: the store location checked.
+        create_refused: a create (``If-None-Match: *``) of an existing key was refused.
+        stale_etag_refused: an overwrite conditional on a stale ETag (``If-Match``) was refused.
+        racers: writers that raced to create one key.
+        winners: how many of them the store let create it (must be 1).
+    """
+
+    uri: str
+    create_refused: bool
+    stale_etag_refused: bool
+    racers: int
+    winners: int
+
+    @property
+    def ok(self) -> bool:
+        return self.create_refused and self.stale_etag_refused and self.winners == 1
+
+    def problems(self) -> list[str]:
+        """What is wrong, each in a sentence (empty when :attr:`ok`)."""
+        found = []
+        if not self.create_refused:
+            found.append("a create of an existing key (If-None-Match: *) overwrote it")
+        if not self.stale_etag_refused:
+            found.append("a write conditional on a stale ETag (If-Match) was accepted")
+        if self.winners != 1:
+            found.append(f"{self.winners} of {self.racers} racing creates of one key succeeded")
+        return found
+
+
+def check_conditional_writes(
+    uri: str, options: Mapping[str, str] | None = None, *, racers: int = 16
+) -> ConditionalWriteCheck:
+    """Blocking: check the store at ``uri`` (see the module docstring).
+
+    Raises:
+        obstore.exceptions.BaseError: the store could not be reached or written at all.
+    """
+    import obstore
+    from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+    store = open_store(uri, options)
+    base = f".deltaflow/checks/{uuid.uuid4().hex}"
+    written = [f"{base}/created", f"{base}/raced"]
+    try:
+        first = obstore.put(store, written[0], b"1", mode="create")
+        try:
+            obstore.put(store, written[0], b"2", mode="create")
+            create_refused = False
+        except AlreadyExistsError:
+            create_refused = True
+        # The key now holds "1" (or "2" on a store that overwrote): make its ETag stale first.
+        current = obstore.put(store, written[0], b"3", mode="overwrite")
+        stale = first["e_tag"] if first["e_tag"] != current["e_tag"] else "stale-etag"
+        try:
+            obstore.put(store, written[0], b"4", mode={"e_tag": stale})
+            stale_etag_refused = False
+        except PreconditionError:
+            stale_etag_refused = True
+        winners = _race(store, written[1], racers)
+    finally:
+        for path in written:
+            try:
+                obstore.delete(store, path)
+            except Exception:  # noqa: BLE001 - best effort: a few bytes under .deltaflow/checks
+                pass
+    return ConditionalWriteCheck(uri, create_refused, stale_etag_refused, racers, winners)
+
+
+def _race(store: Any, path: str, racers: int) -> int:
+    """How many of ``racers`` threads, released at once, create ``path``."""
+    import obstore
+    from obstore.exceptions import BaseError
+
+    start = threading.Barrier(racers)
+    won: list[int] = []
+
+    def racer(i: int) -> None:
+        start.wait()
+        try:
+            obstore.put(store, path, str(i).encode(), mode="create")
+            won.append(i)
+        except BaseError:  # refused: already exists, or S3's 409 for a create in progress
+            pass
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(won)

@@ -1,0 +1,112 @@
+"""Object storage: the real S3-compatible server the setup installs (versitygw), and
+``deltaflow store check``, which tells a store that honours conditional writes (the property
+commits without a shared lock rely on) from one that does not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltaflow.storage import ConditionalWriteCheck
+from deltaflow.testing import free_port
+from deltaflow.testing.object_store import S3Server
+
+pytestmark = pytest.mark.slow
+
+
+def _s3(server: S3Server) -> Any:
+    import boto3
+
+    options = server.storage_options
+    return boto3.client(
+        "s3",
+        endpoint_url=server.endpoint,
+        aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"],
+        region_name=options["AWS_REGION"],
+    )
+
+
+def _status(call: Any) -> int:
+    """The HTTP status of an S3 call: 200, or the error's."""
+    from botocore.exceptions import ClientError
+
+    try:
+        call()
+        return 200
+    except ClientError as exc:
+        return int(exc.response["ResponseMetadata"]["HTTPStatusCode"])
+
+
+def test_the_s3_server_honours_conditional_writes(s3_server: S3Server, bucket: str) -> None:
+    """Checked with an S3 client of its own (boto3), independent of deltaflow: if the server
+    the setup installed ever stopped honouring them, the object-storage tests could pass on a
+    store where commits are lost, so this fails first."""
+    s3, name = _s3(s3_server), bucket.removeprefix("s3://")
+    first = s3.put_object(Bucket=name, Key="k", Body=b"1", IfNoneMatch="*")["ETag"]
+    assert _status(lambda: s3.put_object(Bucket=name, Key="k", Body=b"2", IfNoneMatch="*")) == 412
+    s3.put_object(Bucket=name, Key="k", Body=b"3")
+    assert _status(lambda: s3.put_object(Bucket=name, Key="k", Body=b"4", IfMatch=first)) == 412
+    assert s3.get_object(Bucket=name, Key="k")["Body"].read() == b"3"
+
+    start, statuses = threading.Barrier(16), []
+
+    def racer() -> None:
+        start.wait()
+        statuses.append(
+            _status(lambda: s3.put_object(Bucket=name, Key="raced", Body=b"x", IfNoneMatch="*"))
+        )
+
+    threads = [threading.Thread(target=racer) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses.count(200) == 1, statuses
+
+
+def test_store_check_passes_on_the_server_and_shows_no_secret(
+    s3_server: S3Server, bucket: str
+) -> None:
+    options = [f"--storage-option={k}={v}" for k, v in s3_server.storage_options.items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "deltaflow.cli", "store", "check", f"{bucket}/warehouse", *options],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "racing creates of one key:           1 of 16 won" in done.stdout
+    assert "conditional writes: OK" in done.stdout
+    assert s3_server.secret_key not in done.stdout + done.stderr
+    # It cleans up after itself: nothing left under the location it checked.
+    listed = _s3(s3_server).list_objects_v2(Bucket=bucket.removeprefix("s3://"))
+    assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+
+
+def test_a_store_without_conditional_writes_is_described_as_unsafe() -> None:
+    check = ConditionalWriteCheck("s3://b/w", create_refused=False, stale_etag_refused=True,
+                                  racers=16, winners=16)  # fmt: skip
+    assert not check.ok
+    assert check.problems() == [
+        "a create of an existing key (If-None-Match: *) overwrote it",
+        "16 of 16 racing creates of one key succeeded",
+    ]
+
+
+def test_store_check_names_the_store_it_cannot_reach(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    options = [f"--storage-option=AWS_ENDPOINT_URL=http://127.0.0.1:{port}",
+               "--storage-option=AWS_ALLOW_HTTP=true", "--storage-option=AWS_REGION=us-east-1",
+               "--storage-option=AWS_ACCESS_KEY_ID=k", "--storage-option=AWS_SECRET_ACCESS_KEY=s",
+               "--storage-option=AWS_MAX_RETRIES=0"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "deltaflow.cli", "store", "check", "s3://nowhere/w", *options],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("deltaflow: cannot check the store s3://nowhere/w: ")
+    assert "Traceback" not in done.stderr
