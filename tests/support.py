@@ -49,7 +49,15 @@ TEST_RECEIVERS = (
 )
 #: Every engine as tests name them (:func:`engine_options`): a table test module runs on all
 #: of them by overriding the ``engine`` fixture with these as its parameters.
-EVERY_ENGINE = ("spark", "spark-sql", "delta-rs", "spark-dv", "delta-rs-dv", "spark-connect")
+EVERY_ENGINE = (
+    "spark",
+    "spark-sql",
+    "delta-rs",
+    "spark-dv",
+    "delta-rs-dv",
+    "spark-connect",
+    "spark-connect-dv",
+)
 #: The Spark settings of engines on servers the tests start (``"connect"``: the Spark Connect
 #: server), filled in by the fixtures that start them.
 SPARK_SERVERS: dict[str, SparkConfig] = {}
@@ -65,15 +73,16 @@ StartCluster = Callable[..., Awaitable[list[Node]]]
 def engine_options(engine: str) -> dict[str, Any]:
     """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
     ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, ``spark-dv`` and
-    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), or ``spark-connect`` (the
-    Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT)."""
+    ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), ``spark-connect`` (the
+    Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT) and
+    ``spark-connect-dv`` (the server's MERGE on tables with deletion vectors)."""
+    if engine.endswith("-dv"):
+        return {**engine_options(engine.removesuffix("-dv")), "deletion_vectors": True}
     if engine == "spark-connect":
         assert "connect" in SPARK_SERVERS, "spark-connect needs the connect_server fixture"
         return {"engine": "spark", "spark": SPARK_SERVERS["connect"]}
     if engine == "spark-sql":
         return {"engine": "spark", "spark_writer": "sql"}
-    if engine.endswith("-dv"):
-        return {"engine": engine.removesuffix("-dv"), "deletion_vectors": True}
     return {"engine": engine}
 
 
@@ -258,6 +267,6 @@ def every_engine(request: pytest.FixtureRequest) -> str:
     """Every table test runs against both engines, the Spark engine's two writers, and both
     engines' merge-on-read (tables with deletion vectors): their semantics must be
     identical. A table test module imports it to override conftest's one-engine default."""
-    if request.param == "spark-connect":
+    if str(request.param).startswith("spark-connect"):
         request.getfixturevalue("connect_server")  # started once, on first use
     return str(request.param)
