@@ -186,8 +186,7 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
-            **SQL_SETTINGS,
-            **_sizes(config),
+            **_session_settings(config),
             "spark.default.parallelism": str(config.shuffle_partitions),
             **LOCAL_FILE_SETTINGS,
             "spark.jars": ",".join(str(p) for p in ensure_jars()),
@@ -237,7 +236,7 @@ def connect_session(config: SparkConfig) -> Any:
 
     _check_listening(config.master)
     builder = ConnectSession.builder.remote(config.master)
-    for name, value in {**SQL_SETTINGS, **_sizes(config), **config.extra}.items():
+    for name, value in {**_session_settings(config), **config.extra}.items():
         builder = builder.config(name, value)
     try:
         session = builder.create()
@@ -284,8 +283,9 @@ def _check_listening(url: str, timeout: float = 10.0) -> None:
         ) from exc
 
 
-def _sizes(config: SparkConfig) -> dict[str, str]:
-    return {"spark.sql.shuffle.partitions": str(config.shuffle_partitions)}
+def _session_settings(config: SparkConfig) -> dict[str, str]:
+    """The SQL settings every deltaflow session gets, classic or Connect."""
+    return {**SQL_SETTINGS, "spark.sql.shuffle.partitions": str(config.shuffle_partitions)}
 
 
 def executor_count(session: Any) -> int:
