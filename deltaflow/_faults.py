@@ -5,14 +5,22 @@ configured.
 N-th table commit lands and before the batches in it are acknowledged: the "crash between
 commit and ack" that exactly-once must survive.
 
+``DELTAFLOW_FAULT_TICK_BEFORE_WRITE=SECONDS`` holds every group's write until the next
+multiple of SECONDS of wall-clock time: node processes on one machine then commit to a table on
+the same tick, the race optimistic commits on an object store must win or retry safely.
+``DELTAFLOW_FAULT_STOP_BEFORE_WRITE=N`` makes a node process SIGSTOP itself the N-th time a
+group is about to be written, with its lane marks read: an owner paused mid-commit (a long GC
+pause, a frozen VM) that another node replaces, and that resumes when sent SIGCONT.
+
 In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point instead, on the
 thread that reaches it: ``before_commit`` is reached once a group's data files are written
 and before the commit that adds them (another writer committing there is the race the commit
 must detect); ``before_listing`` before a group lists the live files it may touch, after the
-lane marks (and the files' deletion vectors) were read; ``prepared`` once a group is prepared
-and before it waits for the table's lock (another node committing there may change what the
-group must apply); ``taken`` once a group is taken off the table's queue, before
-it is prepared (an error raised there stands for a bug in the committer).
+lane marks (and the files' deletion vectors) were read; ``before_write`` once a group's lane
+marks were read for the last time and its commit version chosen, before the engine writes it;
+``prepared`` once a group is prepared and before it waits for the table's lock (another node
+committing there may change what the group must apply); ``taken`` once a group is taken off the
+table's queue, before it is prepared (an error raised there stands for a bug in the committer).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["fault_point", "set_action"]
@@ -41,10 +50,18 @@ def fault_point(name: str) -> None:
     action = _actions.get(name)
     if action is not None:
         action()
-    limit = os.environ.get(f"DELTAFLOW_FAULT_KILL_{name.upper()}")
-    if not limit:
-        return
-    with _lock:
-        _counts[name] = _counts.get(name, 0) + 1
-        if _counts[name] >= int(limit):
-            os.kill(os.getpid(), signal.SIGKILL)
+    point = name.upper()
+    tick = os.environ.get(f"DELTAFLOW_FAULT_TICK_{point}")
+    if tick:
+        period = float(tick)
+        time.sleep(period - time.time() % period)
+    for kind, sig in (("KILL", signal.SIGKILL), ("STOP", signal.SIGSTOP)):
+        limit = os.environ.get(f"DELTAFLOW_FAULT_{kind}_{point}")
+        if not limit:
+            continue
+        with _lock:
+            key = f"{kind} {name}"
+            _counts[key] = _counts.get(key, 0) + 1
+            reached = _counts[key] == int(limit) if kind == "STOP" else _counts[key] >= int(limit)
+        if reached:
+            os.kill(os.getpid(), sig)

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .cli_infrastructure import add_infrastructure_commands
+from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
 from .spark_integration.spark_engine import SPARK_WRITERS
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
@@ -35,7 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         advertise=args.advertise,
-        warehouse=Path(args.warehouse),
+        warehouse=args.warehouse,
+        storage_options=dict(args.storage_option),
         peers=[p for p in (args.peers or "").split(",") if p],
         receivers=args.receiver or [],
         receiver_concurrency=dict(args.receiver_concurrency or []),
@@ -147,7 +148,7 @@ def _table_create(args: argparse.Namespace) -> int:
     if args.engine == "spark":
         spark = SparkConfig(master=args.spark_master, driver_memory=args.driver_memory)
     settings = create_table(
-        Path(args.warehouse),
+        warehouse_of(args),
         name,
         schema=args.schema,
         key=[k for k in (args.key or "").split(",") if k],
@@ -165,7 +166,7 @@ def _table(args: argparse.Namespace) -> int:
     from .tables import maintenance
     from .tables.settings import read_table_settings
 
-    warehouse = Path(args.warehouse)
+    warehouse = warehouse_of(args)
     if args.table_command == "create":
         _table_create(args)
     elif args.table_command == "optimize":
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=_node_default("port"))
     serve.add_argument("--advertise", help="host:port clients and peers reach this node at")
-    serve.add_argument("--warehouse", required=True, help="directory of the Delta tables")
+    add_warehouse(serve)
     serve.add_argument("--peers", help="other nodes as host:port,host:port")
     serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
     serve.add_argument(
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         ("show", "row count and first rows"),
     ):
         cmd = tsub.add_parser(name, help=text)
-        cmd.add_argument("--warehouse", required=True)
+        add_warehouse(cmd)
         cmd.add_argument("--table", required=True)
         cmd.add_argument("--limit", type=int, default=10)
         if name == "show":
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         "vacuum",
         help="delete files no version within the retention needs (keeps deletion vectors)",
     )
-    vacuum.add_argument("--warehouse", required=True)
+    add_warehouse(vacuum)
     vacuum.add_argument("--table", required=True)
     vacuum.add_argument(
         "--retention-hours",
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     create.add_argument("name", nargs="?", help="the table name")
     create.add_argument("--table", help="the table name (instead of NAME)")
-    create.add_argument("--warehouse", required=True)
+    add_warehouse(create)
     create.add_argument(
         "--schema", required=True, help="columns as 'id:long,name:string,price:decimal(10,2)'"
     )

@@ -9,7 +9,38 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["add_infrastructure_commands"]
+__all__ = ["add_infrastructure_commands", "add_storage_option", "add_warehouse", "warehouse_of"]
+
+
+def add_storage_option(parser: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable): an object store's settings."""
+    parser.add_argument(
+        "--storage-option",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an object store setting (repeatable), by delta-rs's names, e.g. "
+        "AWS_ENDPOINT_URL=http://127.0.0.1:7070; the AWS_* environment variables are read too",
+    )
+
+
+def add_warehouse(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    """``--warehouse`` (a directory or an object-store URI) and ``--storage-option``."""
+    parser.add_argument(
+        "--warehouse",
+        required=required,
+        help="where the Delta tables are: a directory, or s3://bucket/prefix (see "
+        "docs/object-storage.md)",
+    )
+    add_storage_option(parser)
+
+
+def warehouse_of(args: argparse.Namespace) -> Any:
+    """The warehouse the command names, as a location (a path, or a place on a store)."""
+    from .storage.paths import location
+
+    return location(args.warehouse, dict(args.storage_option))
 
 
 def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
@@ -23,15 +54,7 @@ def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
         "check", help="check that a store honours conditional writes (commits rely on them)"
     )
     check.add_argument("uri", help="a location on the store, e.g. s3://bucket/warehouse")
-    check.add_argument(
-        "--storage-option",
-        type=_setting,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a store setting (repeatable), e.g. AWS_ENDPOINT_URL=http://127.0.0.1:7070; the "
-        "AWS_* environment variables are read too",
-    )
+    add_storage_option(check)
     check.set_defaults(func=_store_check)
 
     connect = sub.add_parser(
@@ -68,21 +91,19 @@ def _store_check(args: argparse.Namespace) -> int:
     """Check that a store honours conditional writes, as commits on it need."""
     from obstore.exceptions import BaseError
 
-    from .storage import check_conditional_writes
+    from .storage.conditional import check_conditional_writes, first_line
 
     try:
         check = check_conditional_writes(args.uri, dict(args.storage_option))
-    except BaseError as exc:  # its first line names the problem; the rest is debug detail
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"deltaflow: cannot check the store {args.uri}: {reason}", file=sys.stderr)
+    except BaseError as exc:
+        print(f"deltaflow: cannot check the store {args.uri}: {first_line(exc)}", file=sys.stderr)
         return 2
     print(f"store {check.uri}:")
     print(f"  create of an existing key refused:   {_yes(check.create_refused)}")
     print(f"  write on a stale ETag refused:       {_yes(check.stale_etag_refused)}")
     print(f"  racing creates of one key:           {check.winners} of {check.racers} won")
     if not check.ok:
-        print("deltaflow: this store does not honour conditional writes; commits to tables on "
-              "it could be lost: " + "; ".join(check.problems()), file=sys.stderr)  # fmt: skip
+        print(f"deltaflow: {check.refusal()}", file=sys.stderr)
         return 2
     print("conditional writes: OK")
     return 0

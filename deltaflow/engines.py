@@ -10,11 +10,11 @@ when it is chosen.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from .errors import UsageError
 from .receivers.base import check_table_name
+from .storage.paths import Location, location
 from .tables.atomicity import atomicity_for
 from .tables.log import is_table
 from .tables.settings import DEFAULT_BUCKETS, TableSettings, parse_schema
@@ -55,7 +55,7 @@ def check_engine(name: str) -> str:
 
 def new_engine(
     name: str,
-    warehouse: Path,
+    warehouse: Location,
     *,
     spark: SparkConfig | None = None,
     spark_writer: str | None = None,
@@ -77,7 +77,7 @@ def new_engine(
 
 
 def create_table(
-    warehouse: Path | str,
+    warehouse: Location | str,
     name: str,
     *,
     schema: Any,
@@ -126,7 +126,7 @@ def create_table(
         schema_evolution=allow_schema_evolution,
         deletion_vectors=deletion_vectors,
     )
-    warehouse = Path(warehouse)
+    warehouse = location(warehouse)
     path = warehouse / name
     with atomicity_for(warehouse).hold(name):
         if is_table(path):
@@ -134,7 +134,9 @@ def create_table(
         if engine == SPARK:
             from .spark_integration.session import get_spark
             from .spark_integration.spark_engine import create_delta_table as create_spark
+            from .spark_integration.spark_engine import require_local_warehouse
 
+            require_local_warehouse(warehouse)
             create_spark(get_spark(spark), path, data_schema, settings, table=name, node="cli")
         else:
             from .tables.deltars_engine import create_delta_table as create_rs

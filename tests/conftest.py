@@ -17,10 +17,12 @@ from blockbuster import blockbuster_ctx
 
 from deltaflow.server import Node, NodeConfig, start_local_nodes
 from deltaflow.spark_integration import SparkConfig, get_spark
+from deltaflow.storage.paths import Location, location
 from deltaflow.testing.object_store import S3Server
 from deltaflow.testing.spark_servers import ConnectServer, SparkCluster
 
 from .support import (
+    ON_S3,
     SPARK_SERVERS,
     TEST_RECEIVERS,
     TEST_SPARK,
@@ -129,7 +131,13 @@ def connect_server(
 
 
 @pytest.fixture
-def warehouse(tmp_path: Path) -> Path:
+def warehouse(tmp_path: Path, request: pytest.FixtureRequest) -> Location:
+    """The test's warehouse: a fresh directory, or for an engine of ``support.ON_S3`` a
+    prefix in a fresh bucket of the S3 server."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("engine") in ON_S3:
+        server: S3Server = request.getfixturevalue("s3_server")
+        return location(f"{request.getfixturevalue('bucket')}/warehouse", server.storage_options)
     return tmp_path / "warehouse"
 
 

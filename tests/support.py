@@ -9,18 +9,22 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+import deltaflow
 from deltaflow import Delete, StreamerOptions
 from deltaflow.server import Node
 from deltaflow.spark_integration import SparkConfig
 from deltaflow.spark_integration.spark_engine import SparkTableEngine
+from deltaflow.storage.paths import Location, StorePath, storage_options
 from deltaflow.tables.deltars_engine import DeltaRsTableEngine
 from deltaflow.tables.engine import TableEngine
+from deltaflow.testing import NodeProcess, free_port
 
 T = TypeVar("T")
 
@@ -57,7 +61,11 @@ EVERY_ENGINE = (
     "delta-rs-dv",
     "spark-connect",
     "spark-connect-dv",
+    "delta-rs-s3",
+    "delta-rs-s3-dv",
 )
+#: The engines whose warehouse is a bucket on the S3 server (the ``warehouse`` fixture).
+ON_S3 = frozenset({"delta-rs-s3", "delta-rs-s3-dv"})
 #: The Spark settings of engines on servers the tests start (``"connect"``: the Spark Connect
 #: server), filled in by the fixtures that start them.
 SPARK_SERVERS: dict[str, SparkConfig] = {}
@@ -74,8 +82,10 @@ def engine_options(engine: str) -> dict[str, Any]:
     """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
     ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, ``spark-dv`` and
     ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), ``spark-connect`` (the
-    Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT) and
-    ``spark-connect-dv`` (the server's MERGE on tables with deletion vectors)."""
+    Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT),
+    ``spark-connect-dv`` (the server's MERGE on tables with deletion vectors), ``delta-rs-s3``
+    and ``delta-rs-s3-dv`` (delta-rs on a warehouse in a bucket of the S3 server: optimistic
+    commits)."""
     if engine.endswith("-dv"):
         return {**engine_options(engine.removesuffix("-dv")), "deletion_vectors": True}
     if engine == "spark-connect":
@@ -83,6 +93,8 @@ def engine_options(engine: str) -> dict[str, Any]:
         return {"engine": "spark", "spark": SPARK_SERVERS["connect"]}
     if engine == "spark-sql":
         return {"engine": "spark", "spark_writer": "sql"}
+    if engine in ON_S3:
+        return {"engine": "delta-rs"}
     return {"engine": engine}
 
 
@@ -107,20 +119,31 @@ async def echo_stream(
 # -- reading tables --------------------------------------------------------------------------
 
 
+def open_table(path: Location, version: int | None = None) -> Any:
+    """The ``deltalake`` reader's table at ``path`` (a directory, or a place on the S3 server)."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(path), version=version, storage_options=storage_options(path))
+
+
 def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
     """The table as {key: row}, read by delta-rs (independent of Spark), through its query
     engine, which applies deletion vectors."""
     import pyarrow as pa
-    from deltalake import DeltaTable, QueryBuilder
+    from deltalake import QueryBuilder
 
-    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    reader = QueryBuilder().register("t", open_table(path)).execute("SELECT * FROM t")
     rows = pa.table(reader.read_all()).to_pylist()
     table = {row[key]: row for row in rows}
     assert len(table) == len(rows), "duplicate keys in the table"
     return table
 
 
-def read_spark(spark: Any, path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+def read_spark(spark: Any, path: Location, key: str = "id") -> dict[Any, dict[str, Any]]:
+    """The table as {key: row}, read by Spark; on the S3 server by delta-rs (the tests' Spark
+    has no S3 connector)."""
+    if isinstance(path, StorePath):
+        return read_delta(path, key)
     rows = [r.asDict() for r in spark.read.format("delta").load(str(path)).collect()]
     table = {row[key]: row for row in rows}
     assert len(table) == len(rows), "duplicate keys in the table"
@@ -131,9 +154,9 @@ def read_all(path: Path) -> list[dict[str, Any]]:
     """Every row through delta-rs's query engine, which applies deletion vectors (its
     ``to_pyarrow_table`` refuses tables that have them)."""
     import pyarrow as pa
-    from deltalake import DeltaTable, QueryBuilder
+    from deltalake import QueryBuilder
 
-    reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
+    reader = QueryBuilder().register("t", open_table(path)).execute("SELECT * FROM t")
     return sorted(pa.table(reader.read_all()).to_pylist(), key=lambda r: r["id"])
 
 
@@ -152,11 +175,10 @@ def commit_actions(path: Path, version: int) -> tuple[str, list[dict[str, Any]]]
 def commit_writers(path: Path) -> dict[str, str]:
     """Each commit's writer: the deltaflow node (from its lane marks) -> the engine that wrote
     it (Delta's ``engineInfo``), by the ``deltalake`` reader."""
-    from deltalake import DeltaTable
 
     return {
         json.loads(h["userMetadata"])["deltaflow"]["node"]: h.get("engineInfo", "")
-        for h in DeltaTable(str(path)).history()
+        for h in open_table(path).history()
         if h.get("userMetadata")
     }
 
@@ -175,10 +197,9 @@ async def append_ids(client: Any, table: str, n: int, options: StreamerOptions) 
 def assert_appended_once(path: Path, n: int, *, committed_by: str) -> None:
     """Ids ``0..n-1`` each in the table once, and ``committed_by`` made a commit of it (a node
     that crashed after its commit and before its ack)."""
-    from deltalake import DeltaTable
 
     assert committed_by in commit_writers(path)
-    ids = [r["id"] for r in DeltaTable(str(path)).to_pyarrow_table().to_pylist()]
+    ids = [r["id"] for r in open_table(path).to_pyarrow_table().to_pylist()]
     assert len(ids) == n and set(ids) == set(range(n))
 
 
@@ -210,8 +231,11 @@ def expected(items: list[Any]) -> dict[int, dict[str, Any]]:
     return state
 
 
-def assert_table(spark: Any, path: Path, want: dict[int, dict[str, Any]]) -> None:
-    for reader in (read_delta(path), read_spark(spark, path)):
+def assert_table(spark: Any, path: Location, want: dict[int, dict[str, Any]]) -> None:
+    """The table holds ``want``, as delta-rs and Spark read it (delta-rs only on the S3
+    server: the tests' Spark has no S3 connector)."""
+    on_disk = not isinstance(path, StorePath)
+    for reader in (read_delta(path), *([read_spark(spark, path)] if on_disk else [])):
         assert set(reader) == set(want)
         for k, row in want.items():
             assert reader[k]["name"] == row["name"], k
@@ -251,7 +275,10 @@ async def upsert(
 @contextlib.asynccontextmanager
 async def holding(warehouse: Path, table: str) -> AsyncIterator[None]:
     """The table's commit lock held by the test (as another writer would), taken off the
-    event loop; released when the block ends."""
+    event loop; released when the block ends. A warehouse on a store has no lock: the test is
+    skipped there (commits on a store are optimistic)."""
+    if isinstance(warehouse, StorePath):
+        pytest.skip("a warehouse on object storage has no commit lock (optimistic commits)")
     from deltaflow.tables.flock import table_lock
 
     lock = table_lock(warehouse, table)
@@ -270,3 +297,113 @@ def every_engine(request: pytest.FixtureRequest) -> str:
     if str(request.param).startswith("spark-connect"):
         request.getfixturevalue("connect_server")  # started once, on first use
     return str(request.param)
+
+
+# -- node processes ---------------------------------------------------------------------------
+
+#: Flags of the failover tests' node processes: fast failure detection, the AppendRows receiver.
+NODE_FLAGS = (
+    "--receiver",
+    "deltaflow.testing.AppendRows",
+    "--heartbeat-interval",
+    "0.3",
+    "--failure-timeout",
+    "3.0",
+    "--driver-memory",
+    "1g",
+)
+#: Client options of the failover tests: quick, patient retries.
+FAILOVER_OPTIONS = StreamerOptions(
+    retry_initial_backoff=0.05, retry_max_backoff=1.0, retry_limit=40
+)
+
+
+class Cluster:
+    """Node processes (:class:`deltaflow.testing.NodeProcess`) on 127.0.0.1 sharing one
+    warehouse: a directory, or an ``s3://`` URI with the store's settings in ``env``.
+
+    Args:
+        env: environment of every node; ``scratch``: a directory under which each node gets
+            its own ``TMPDIR`` (nodes then share no local path).
+    """
+
+    def __init__(
+        self,
+        warehouse: Path | str,
+        count: int = 3,
+        flags: Sequence[str] = NODE_FLAGS,
+        *,
+        env: dict[str, str] | None = None,
+        scratch: Path | None = None,
+    ) -> None:
+        self.warehouse = warehouse
+        self.flags = list(flags)
+        self.env = dict(env or {})
+        self.scratch = scratch
+        self.ports = {f"node-{i}": free_port() for i in range(1, count + 1)}
+        self.nodes: dict[str, NodeProcess] = {}
+
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports.values()]
+
+    async def start(self, node_id: str, env: dict[str, str] | None = None) -> NodeProcess:
+        peers = [a for n, a in zip(self.ports, self.addresses(), strict=True) if n != node_id]
+        environment = {**self.env, **(env or {})}
+        if self.scratch is not None:
+            own = self.scratch / node_id
+            own.mkdir(parents=True, exist_ok=True)
+            environment["TMPDIR"] = str(own)
+        node = NodeProcess(
+            node_id,
+            self.warehouse,  # type: ignore[arg-type]
+            peers=peers,
+            port=self.ports[node_id],
+            extra=self.flags,
+            env=environment,
+        )
+        self.nodes[node_id] = node
+        return await node.start()
+
+    async def restart(self, node_id: str, env: dict[str, str]) -> NodeProcess:
+        """Stop ``node_id`` and start it again with ``env`` added (a fault to inject)."""
+        await self.nodes[node_id].stop()
+        return await self.start(node_id, env=env)
+
+    async def append_ids(self, table: str, n: int, options: StreamerOptions) -> Any:
+        """Once every node is a member: ids ``0..n-1`` through AppendRows; the summary."""
+        client = await self.wait_members(len(self.ports))
+        async with client:
+            return await append_ids(client, table, n, options)
+
+    async def start_all(self) -> Cluster:
+        await asyncio.gather(*(self.start(n) for n in self.ports))
+        return self
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.stop() for n in self.nodes.values()))
+
+    async def wait_members(self, count: int, via: str = "node-1") -> deltaflow.Client:
+        """A client whose map shows ``count`` live nodes (polls: the nodes are other processes)."""
+        deadline = time.monotonic() + 60
+        while True:
+            client = deltaflow.connect([self.nodes[via].address])
+            await client.start()
+            if len(set(client.partition_map.owners)) == count:
+                return client
+            await client.close()
+            assert time.monotonic() < deadline, f"cluster never reached {count} members"
+            await asyncio.sleep(0.2)
+
+
+class KillAt:
+    """An ``on_ack`` hook that SIGKILLs ``victim`` once ``at`` items are acknowledged."""
+
+    def __init__(self, victim: NodeProcess, at: int) -> None:
+        self.victim, self.at, self.acked = victim, at, 0
+        self.killed_at: float | None = None
+
+    def __call__(self, items: list[Any]) -> None:
+        self.acked += len(items)
+        if self.killed_at is None and self.acked >= self.at:
+            self.victim.kill()
+            self.killed_at = time.monotonic()

@@ -16,11 +16,17 @@ import pytest_asyncio
 from deltalake import DeltaTable
 
 import deltaflow
-from deltaflow import StreamerOptions
 from deltaflow.partitioning import partition_of
-from deltaflow.testing import NodeProcess, free_port
 
-from .support import append_ids, assert_appended_once, read_delta, read_spark
+from .support import FAILOVER_OPTIONS as OPTIONS
+from .support import (
+    NODE_FLAGS,
+    Cluster,
+    KillAt,
+    assert_appended_once,
+    read_delta,
+    read_spark,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,77 +34,13 @@ pytestmark = [
     pytest.mark.timeout(900),  # three JVMs on two cores: cluster start-up counts in the first
 ]
 
-NODE_FLAGS = [
-    "--receiver",
-    "deltaflow.testing.AppendRows",
-    "--heartbeat-interval",
-    "0.3",
-    "--failure-timeout",
-    "3.0",
-    "--driver-memory",
-    "1g",
-]
-OPTIONS = StreamerOptions(retry_initial_backoff=0.05, retry_max_backoff=1.0, retry_limit=40)
-
-
-class Cluster:
-    def __init__(
-        self, warehouse: Path, count: int = 3, flags: tuple[str, ...] = tuple(NODE_FLAGS)
-    ) -> None:
-        self.warehouse = warehouse
-        self.flags = list(flags)
-        self.ports = {f"node-{i}": free_port() for i in range(1, count + 1)}
-        self.nodes: dict[str, NodeProcess] = {}
-
-    def addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.ports.values()]
-
-    async def start(self, node_id: str, env: dict[str, str] | None = None) -> NodeProcess:
-        peers = [a for n, a in zip(self.ports, self.addresses(), strict=True) if n != node_id]
-        node = NodeProcess(
-            node_id,
-            self.warehouse,
-            peers=peers,
-            port=self.ports[node_id],
-            extra=self.flags,
-            env=env,
-        )
-        self.nodes[node_id] = node
-        return await node.start()
-
-    async def wait_members(self, count: int, via: str = "node-1") -> deltaflow.Client:
-        """A client whose map shows ``count`` live nodes (polls: the nodes are other processes)."""
-        deadline = time.monotonic() + 60
-        while True:
-            client = deltaflow.connect([self.nodes[via].address])
-            await client.start()
-            if len(set(client.partition_map.owners)) == count:
-                return client
-            await client.close()
-            assert time.monotonic() < deadline, f"cluster never reached {count} members"
-            await asyncio.sleep(0.2)
-
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("failover") / "warehouse")
-    await asyncio.gather(*(c.start(n) for n in c.ports))
+    await c.start_all()
     yield c
-    await asyncio.gather(*(n.stop() for n in c.nodes.values()))
-
-
-class KillAt:
-    """An ``on_ack`` hook that SIGKILLs ``victim`` once ``at`` items are acknowledged."""
-
-    def __init__(self, victim: NodeProcess, at: int) -> None:
-        self.victim, self.at, self.acked = victim, at, 0
-        self.killed_at: float | None = None
-
-    def __call__(self, items: list[Any]) -> None:
-        self.acked += len(items)
-        if self.killed_at is None and self.acked >= self.at:
-            self.victim.kill()
-            self.killed_at = time.monotonic()
+    await c.stop()
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -172,12 +114,9 @@ async def test_appends_through_a_sigkill_land_exactly_once(cluster: Cluster) -> 
 
 
 async def test_a_crash_between_commit_and_ack_is_not_applied_twice(cluster: Cluster) -> None:
-    await cluster.nodes["node-3"].stop()
-    crashing = await cluster.start("node-3", env={"DELTAFLOW_FAULT_KILL_AFTER_COMMIT": "1"})
-    client = await cluster.wait_members(3)
+    crashing = await cluster.restart("node-3", env={"DELTAFLOW_FAULT_KILL_AFTER_COMMIT": "1"})
     n = 60_000
-    async with client:
-        summary = await append_ids(client, "crash", n, OPTIONS)
+    summary = await cluster.append_ids("crash", n, OPTIONS)
     assert summary.items_acked == n
     # It did crash, right after its commit (it must have exited by now).
     assert await asyncio.wait_for(crashing.wait(), 30) == -9

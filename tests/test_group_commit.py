@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
@@ -29,6 +28,7 @@ from .support import (
     assert_table,
     every_engine,  # noqa: F401 - this module's engine fixture
     expected,
+    open_table,
     read_all,
     read_delta,
     read_spark,
@@ -343,7 +343,7 @@ async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
 
     async with table_engine(engine, warehouse) as eng:
         await upsert(eng, "checkpointed", [{"id": 0, "v": 0.0}, {"id": 1, "v": 0.0}])
-        due = DeltaTable(str(path)).version() + 2  # after the next two commits: this one,
+        due = open_table(path).version() + 2  # after the next two commits: this one,
         await asyncio.to_thread(  # and the write below, due a checkpoint (altered by Spark:
             spark.sql,  # delta-rs would add a table feature Spark cannot read)
             f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = "
@@ -367,7 +367,7 @@ async def test_a_checkpoint_is_written_after_its_commit_outside_the_table_lock(
     assert eng.stats.checkpoints == 1 and eng.stats.checkpoint_seconds > 0  # stop() waited
     assert checkpoint.is_file()
     assert not (path / "_delta_log" / f"{0:020d}.json").exists()  # expired: cleaned up
-    assert DeltaTable(str(path)).version() == due + 1
+    assert open_table(path).version() == due + 1
     # delta-rs writes the checkpoint for either engine; both read the table through it.
     assert [(r["id"], r["v"]) for r in read_all(path)] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     assert {k: r["v"] for k, r in read_spark(spark, path).items()} == {0: 0.0, 1: 1.0, 2: 2.0}

@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from deltalake import DeltaTable, QueryBuilder
+from deltalake import QueryBuilder
 
 from deltaflow.engines import create_table
 from deltaflow.tables.merge_on_read import MERGE_FILES_AT
@@ -21,6 +21,7 @@ from .support import (
     TEST_SPARK,
     commit_actions,
     every_engine,  # noqa: F401 - this module's engine fixture
+    open_table,
     read_all,
     read_delta,
     read_spark,
@@ -44,12 +45,12 @@ async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: 
         spark=TEST_SPARK,
     )
     path = warehouse / "dv"
-    assert DeltaTable(str(path)).metadata().configuration["delta.enableDeletionVectors"] == "true"
+    assert open_table(path).metadata().configuration["delta.enableDeletionVectors"] == "true"
     async with table_engine(engine, warehouse) as eng:
         await upsert(eng, "dv", [{"id": i, "name": "a"} for i in range(100)])
-        written = {a["path"] for a in commit_actions(path, DeltaTable(str(path)).version())[1]}
+        written = {a["path"] for a in commit_actions(path, open_table(path).version())[1]}
         await upsert(eng, "dv", [{"id": 1, "name": "b"}, {"id": 2}], frozenset({1}))
-    last = DeltaTable(str(path))
+    last = open_table(path)
     if engine == "spark-sql" or engine.startswith("spark-connect"):
         # Spark's MERGE marked the replaced rows instead of rewriting their files.
         metrics = last.history(1)[0]["operationMetrics"]
@@ -79,7 +80,7 @@ async def test_merge_on_read_after_a_restart_from_a_checkpoint(
         await upsert(eng, "restarted", [{"id": i, "name": "a"} for i in range(100)])
         await upsert(eng, "restarted", [{"id": i, "name": "b"} for i in range(50)])
         await upsert(eng, "restarted", [{"id": 200, "name": "a"}])  # the vectors' commit is gone
-    table = DeltaTable(str(path))
+    table = open_table(path)
     table.create_checkpoint()
     for version in range(table.version()):
         (path / "_delta_log" / f"{version:020d}.json").unlink()
@@ -90,7 +91,7 @@ async def test_merge_on_read_after_a_restart_from_a_checkpoint(
     want = {i: "c" if i < 25 else "b" if i < 50 else "a" for i in [*range(99), 200]}
     assert {k: r["name"] for k, r in read_delta(path).items()} == want
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
-    live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
+    live = pa.table(open_table(path).get_add_actions(flatten=True)).column("path").to_pylist()
     assert len(live) == len(set(live))
 
 
@@ -107,7 +108,7 @@ async def test_merge_on_read_keeps_a_bucket_to_a_few_files(
             rows = [{"id": (round_ * 97 + i * 41) % 2000, "name": f"r{round_}"} for i in range(60)]
             await upsert(eng, "long", rows)
             want |= {r["id"]: r["name"] for r in rows}
-            live = DeltaTable(str(path)).get_add_actions(flatten=True).num_rows
+            live = open_table(path).get_add_actions(flatten=True).num_rows
             assert live < 2 * MERGE_FILES_AT, (round_, live)
     assert {k: r["name"] for k, r in read_delta(path).items()} == want
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
@@ -136,7 +137,7 @@ async def test_merge_on_read_sees_a_vector_written_outside_deltaflow(
     want = {i: "b" if i == 2 else "a" for i in range(10) if i != 7}
     assert {k: r["name"] for k, r in read_delta(path).items()} == want
     assert {k: r["name"] for k, r in read_spark(spark, path).items()} == want
-    live = pa.table(DeltaTable(str(path)).get_add_actions(flatten=True)).column("path").to_pylist()
+    live = pa.table(open_table(path).get_add_actions(flatten=True)).column("path").to_pylist()
     assert len(live) == len(set(live))
 
 
@@ -152,7 +153,7 @@ async def test_a_key_without_ranges_is_merged_on_a_table_with_deletion_vectors(
             await (await eng.stage("floats", ["x"], rows, frozenset()))
         rows = [{"x": 0.5, "name": "c"}]
         await (await eng.stage("floats", ["x"], rows, frozenset({0})))
-    reader = QueryBuilder().register("t", DeltaTable(str(warehouse / "floats")))
+    reader = QueryBuilder().register("t", open_table(warehouse / "floats"))
     got = {
         r["x"]: r["name"]
         for r in pa.table(reader.execute("SELECT * FROM t").read_all()).to_pylist()

@@ -4,9 +4,11 @@ commits without a shared lock rely on) from one that does not."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 
 from deltaflow.storage import ConditionalWriteCheck
 from deltaflow.testing import free_port
-from deltaflow.testing.object_store import S3Server
+from deltaflow.testing.object_store import S3Server, UnconditionalS3
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +87,66 @@ def test_store_check_passes_on_the_server_and_shows_no_secret(
     # It cleans up after itself: nothing left under the location it checked.
     listed = _s3(s3_server).list_objects_v2(Bucket=bucket.removeprefix("s3://"))
     assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+
+
+@pytest.fixture
+def unconditional(s3_server: S3Server, tmp_path: Path) -> Iterator[UnconditionalS3]:
+    """The S3 server behind a proxy that drops conditional headers: a store that overwrites."""
+    with UnconditionalS3(tmp_path / "proxy", s3_server) as store:
+        yield store.start()
+
+
+def _deltaflow(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deltaflow.cli", *args],
+        capture_output=True, text=True, timeout=120, check=False, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_a_store_without_conditional_writes_is_found_out_and_refused(
+    unconditional: UnconditionalS3, bucket: str, tmp_path: Path
+) -> None:
+    """On a store that lets a create overwrite, ``store check`` says what it did wrong, and a
+    node will not start on it: it would lose commits without anyone noticing."""
+    env = unconditional.storage_options
+    checked = _deltaflow("store", "check", f"{bucket}/warehouse", env=env)
+    assert checked.returncode == 2, checked.stdout + checked.stderr
+    assert "racing creates of one key:           16 of 16 won" in checked.stdout
+    assert checked.stderr.startswith(
+        f"deltaflow: the store {bucket}/warehouse does not honour conditional writes, so "
+        "commits to tables on it could be lost: a create of an existing key (If-None-Match: *) "
+        "overwrote it; a write conditional on a stale ETag (If-Match) was accepted; 16 of 16 "
+        "racing creates of one key succeeded"
+    )
+    served = _deltaflow(
+        "serve", "--node-id", "n1", "--port", str(free_port()), "--engine", "delta-rs",
+        "--warehouse", f"{bucket}/warehouse", env={**env, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    assert served.returncode != 0
+    assert "does not honour conditional writes" in served.stderr, served.stderr[-2000:]
+    assert "ready on" not in served.stdout
+    assert unconditional.server.secret_key not in served.stdout + served.stderr
+    # Nothing was written: the node stopped before the cluster record or any table.
+    listed = _s3(unconditional.server).list_objects_v2(Bucket=bucket.removeprefix("s3://"))
+    assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+
+
+def test_the_spark_engine_and_side_inputs_are_refused_on_a_store(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Not yet safe there (docs/object-storage.md): each says so and what to use instead."""
+    base = ["serve", "--node-id", "n1", "--port", str(free_port()),
+            "--warehouse", f"{bucket}/warehouse"]  # fmt: skip
+    env = {**s3_server.storage_options, "TMPDIR": str(tmp_path)}
+    spark = _deltaflow(*base, "--engine", "spark", env=env)
+    assert spark.returncode != 0
+    assert "the spark engine cannot commit safely to" in spark.stderr, spark.stderr[-2000:]
+    assert "use --engine delta-rs" in spark.stderr
+    sides = _deltaflow(
+        *base, "--engine", "delta-rs", "--side-input", "deltaflow.testing.FailingSideInput", env=env
+    )
+    assert sides.returncode != 0
+    assert "side inputs need a warehouse directory" in sides.stderr, sides.stderr[-2000:]
 
 
 def test_a_store_without_conditional_writes_is_described_as_unsafe() -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import reactivex
-from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
@@ -26,6 +25,7 @@ from .support import (
     commit_actions,
     every_engine,  # noqa: F401 - this module's engine fixture
     expected,
+    open_table,
     read_all,
     read_delta,
     workload,
@@ -143,7 +143,7 @@ async def test_group_touches_only_the_buckets_its_node_owns(
     # The bucket is the partition the client routed the row by (64 buckets, 64 partitions).
     assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 64) for r in rows)
     writers = set()
-    for version in range(1, DeltaTable(str(path)).version() + 1):
+    for version in range(1, open_table(path).version() + 1):
         node, files = commit_actions(path, version)
         if not files and not node:
             continue  # the table's creation (deletion vectors enabled in a commit of its own)

@@ -19,12 +19,12 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from ..errors import UsageError
+from ..storage.paths import Location, StorePath, location
 
 __all__ = [
     "CLUSTER_FILE",
@@ -74,8 +74,8 @@ class IdentityStore(Protocol):
 class FileIdentityStore:
     """The record as a file in a local or mounted warehouse directory."""
 
-    def __init__(self, warehouse: Path | str) -> None:
-        self.root = Path(warehouse).expanduser().resolve()
+    def __init__(self, warehouse: Location | str) -> None:
+        self.root = location(warehouse).expanduser().resolve()
         self.path = self.root / CLUSTER_FILE
 
     @property
@@ -93,6 +93,12 @@ class FileIdentityStore:
             created_at_ms=time.time_ns() // 1_000_000,
             created_by=node_id,
         )
+        if isinstance(self.path, StorePath):
+            try:  # a create-if-absent put: exactly one node of a race creates it
+                self.path.create(json.dumps(dataclasses.asdict(record)).encode())
+            except FileExistsError:
+                pass  # another node was first; its record is the cluster's
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex}.tmp")
         try:
@@ -136,7 +142,7 @@ class FileIdentityStore:
         return record
 
 
-def _malformed(path: Path, why: object) -> UsageError:
+def _malformed(path: Location, why: object) -> UsageError:
     return UsageError(
         f"the cluster identity file {path} is malformed ({why}); write it again from the "
         "'identity' in a running node's /v1/cluster answer, or delete it and restart every node "
@@ -144,8 +150,8 @@ def _malformed(path: Path, why: object) -> UsageError:
     )
 
 
-def identity_store(warehouse: Path | str) -> IdentityStore:
-    """The store for a warehouse location (a directory today)."""
+def identity_store(warehouse: Location | str) -> IdentityStore:
+    """The store for a warehouse location (a directory, or a prefix on an object store)."""
     return FileIdentityStore(warehouse)
 
 
@@ -197,7 +203,7 @@ class NodeIdentity:
 
 
 def load_identity(
-    warehouse: Path | str,
+    warehouse: Location | str,
     *,
     node_id: str,
     engine: str,

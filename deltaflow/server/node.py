@@ -24,6 +24,8 @@ from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SPARK_WRITERS
+from ..storage.conditional import require_conditional_writes
+from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
 from ..tables.engine_settings import (
     DEFAULT_MAX_GROUP_BYTES,
@@ -60,7 +62,12 @@ class NodeConfig:
 
     Attributes:
         node_id: unique, stable name of the node in the cluster.
-        warehouse: directory holding the Delta tables (one sub-directory each).
+        warehouse: where the Delta tables are (one sub-directory or prefix each): a local
+            directory, or an object-store URI such as ``s3://bucket/prefix`` (with the delta-rs
+            engine; see ``docs/object-storage.md``).
+        storage_options: for a warehouse on an object store, its endpoint and credentials by
+            delta-rs's option names (``AWS_ENDPOINT_URL``...); the standard environment
+            variables apply too. Never logged or shown in status.
         host: interface to listen on. Default ``127.0.0.1``.
         port: TCP port; 0 picks a free one. Default 7700.
         advertise: ``host:port`` clients and peers use to reach this node. Default: ``host`` and
@@ -110,7 +117,8 @@ class NodeConfig:
     """
 
     node_id: str
-    warehouse: Path
+    warehouse: Path | str | StorePath
+    storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     advertise: str | None = None
@@ -219,10 +227,11 @@ class Node:
         self.registry.register(TableUpsert, TABLE_RECEIVER_NAME)
         self.registry.register(DeadLetter, DEAD_LETTER_RECEIVER_NAME)
         self.registry.register_names(config.receivers)
+        self.warehouse = location(config.warehouse, config.storage_options)
         self.engine: TableEngine
         self.engine = new_engine(
             config.engine,
-            Path(config.warehouse),
+            self.warehouse,
             spark=config.spark,
             spark_writer=config.spark_writer,
             node_id=config.node_id,
@@ -232,8 +241,14 @@ class Node:
         classes = load_side_inputs([*config.side_inputs, *side_inputs])
         self.side_inputs: SideInputStore | None = None
         if classes:
+            if isinstance(self.warehouse, StorePath):
+                raise UsageError(
+                    f"side inputs need a warehouse directory: their leases and versions are "
+                    f"files, not yet objects on a store ({self.warehouse}); run this node "
+                    "without side inputs, or on a local or mounted warehouse"
+                )
             self.side_inputs = SideInputStore(
-                Path(config.warehouse),
+                self.warehouse,
                 node_id=config.node_id,
                 classes=classes,
                 lease=config.side_input_lease,
@@ -308,9 +323,14 @@ class Node:
         if self.state is not NodeState.CREATED:
             raise UsageError(f"node {self.node_id} was already started")
         try:
+            if isinstance(self.warehouse, StorePath):
+                # No lock guards commits on a store: its conditional writes must hold.
+                await asyncio.to_thread(
+                    require_conditional_writes, str(self.warehouse), self.warehouse.storage_options
+                )
             identity = await asyncio.to_thread(
                 load_identity,
-                self.config.warehouse,
+                self.warehouse,
                 node_id=self.node_id,
                 engine=self.config.engine,
                 partitions=self.config.partitions,

@@ -37,11 +37,11 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 from .._faults import fault_point
-from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
+from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError, UsageError
+from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
 from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
@@ -116,8 +116,20 @@ def _spark_type(arrow_type: Any) -> Any:
     return from_arrow_type(arrow_type)
 
 
+def require_local_warehouse(warehouse: Location) -> None:
+    """Raises UsageError for a warehouse on an object store: Spark's released Delta commits to
+    S3 with no conditional write, so two writers racing can overwrite each other's commits
+    (docs/object-storage.md); the delta-rs engine commits there safely."""
+    if isinstance(warehouse, StorePath):
+        raise UsageError(
+            f"the spark engine cannot commit safely to {warehouse} yet: Delta's S3 log store "
+            "makes no conditional write, so two writers can overwrite each other's commits "
+            "(docs/object-storage.md); use --engine delta-rs for a warehouse on object storage"
+        )
+
+
 def create_delta_table(
-    spark: Any, path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
+    spark: Any, path: Location, schema: Any, settings: TableSettings, *, table: str, node: str
 ) -> None:
     """Blocking: create the empty table at ``path`` through Spark (the caller holds the lock),
     by SQL: a Spark Connect server runs it too (Delta's ``DeltaTable`` builder needs the Delta
@@ -155,13 +167,14 @@ class SparkTableEngine(TableEngine):
 
     def __init__(
         self,
-        warehouse: Path,
+        warehouse: Location | str,
         *,
         spark: SparkConfig | None = None,
         writer: str = "direct",
         **kwargs: Any,
     ):
         super().__init__(warehouse, **kwargs)
+        require_local_warehouse(self.warehouse)
         if writer not in SPARK_WRITERS:
             raise ValueError(f"writer must be one of {SPARK_WRITERS}, got {writer!r}")
         self.spark_config = spark or SparkConfig()
@@ -220,7 +233,7 @@ class SparkTableEngine(TableEngine):
             for session in sessions:
                 await asyncio.to_thread(session.stop)
 
-    def describe(self, table: str, path: Path) -> TableDescription:
+    def describe(self, table: str, path: Location) -> TableDescription:
         try:
             return super().describe(table, path)
         except Exception as exc:  # noqa: BLE001 - a Delta feature delta-rs cannot read
@@ -237,12 +250,12 @@ class SparkTableEngine(TableEngine):
             properties=dict(detail["properties"] or {}),
         )
 
-    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None:
         create_delta_table(
             self._session(table), path, schema, settings, table=table, node=self.node_id
         )
 
-    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None:
         columns = ", ".join(
             f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in fields
         )
@@ -299,7 +312,7 @@ class SparkTableEngine(TableEngine):
         self,
         session: Any,
         table: str,
-        path: Path,
+        path: Location,
         actions: list[dict[str, Any]],
         metadata: str,
         version: int,
@@ -356,7 +369,7 @@ class SparkTableEngine(TableEngine):
         committed = txn.commit(buffer.toList(), operation)  # an immutable Seq for Scala 2.13
         self._note_checkpoint(path, int(committed))
 
-    def checkpoint(self, table: str, path: Path, version: int) -> None:
+    def checkpoint(self, table: str, path: Location, version: int) -> None:
         try:
             super().checkpoint(table, path, version)
             return
@@ -414,7 +427,7 @@ def _action_json(actions: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _merge_sql(
-    path: Path,
+    path: Location,
     key: Sequence[str],
     source: str,
     columns: Sequence[str],

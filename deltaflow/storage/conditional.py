@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import UsageError
 from .stores import open_store
 
-__all__ = ["ConditionalWriteCheck", "check_conditional_writes"]
+__all__ = ["ConditionalWriteCheck", "check_conditional_writes", "require_conditional_writes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,39 @@ class ConditionalWriteCheck:
         if self.winners != 1:
             found.append(f"{self.winners} of {self.racers} racing creates of one key succeeded")
         return found
+
+    def refusal(self) -> str:
+        """Why tables must not be written on this store (when it is not :attr:`ok`)."""
+        return (
+            f"the store {self.uri} does not honour conditional writes, so commits to tables on "
+            "it could be lost: " + "; ".join(self.problems())
+        )
+
+
+def require_conditional_writes(uri: str, options: Mapping[str, str] | None = None) -> None:
+    """Blocking: check the store (:func:`check_conditional_writes`) before writing tables on it.
+
+    Raises:
+        UsageError: it does not honour conditional writes, or cannot be reached.
+    """
+    from obstore.exceptions import BaseError
+
+    try:
+        check = check_conditional_writes(uri, options)
+    except BaseError as exc:
+        raise UsageError(f"cannot reach the store {uri}: {first_line(exc)}") from exc
+    if not check.ok:
+        raise UsageError(
+            check.refusal() + " (`deltaflow store check` tells what it does; a store with "
+            "strongly consistent conditional PUTs, such as S3, MinIO or versitygw, is needed)"
+        )
+
+
+def first_line(exc: BaseException) -> str:
+    """An object-store error's first line, which names the problem (the rest is debug
+    detail)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def check_conditional_writes(

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote, urlparse
 
+from ..storage.paths import Location
+
 __all__ = [
     "DeletionVectorError",
     "DvWriter",
@@ -109,7 +111,7 @@ def descriptor_id(descriptor: dict[str, Any]) -> str:
     return base if offset is None else f"{base}@{offset}"
 
 
-def file_of(table: Path, descriptor: dict[str, Any]) -> Path | None:
+def file_of(table: Location, descriptor: dict[str, Any]) -> Location | None:
     """The file holding the vector a descriptor of the table at ``table`` names (None for an
     inline vector)."""
     kind = descriptor.get("storageType")
@@ -126,7 +128,7 @@ def file_of(table: Path, descriptor: dict[str, Any]) -> Path | None:
     raise DeletionVectorError(f"deletion vector storage type {kind!r} is not supported")
 
 
-def read(table: Path, descriptor: dict[str, Any]) -> Any:
+def read(table: Location, descriptor: dict[str, Any]) -> Any:
     """The rows (``BitMap64``) a descriptor from the log of the table at ``table`` deletes."""
     size = int(descriptor.get("sizeInBytes", 0))
     file = file_of(table, descriptor)
@@ -156,13 +158,13 @@ class DvWriter:
     committing the descriptors, and only if :meth:`add` was called).
     """
 
-    table: Path
+    table: Location
     _id: uuid.UUID = field(default_factory=uuid.uuid4)
     _chunks: list[bytes] = field(default_factory=lambda: [bytes([_FORMAT_VERSION])])
     _offset: int = 1
 
     @property
-    def file(self) -> Path:
+    def file(self) -> Location:
         return self.table / f"deletion_vector_{self._id}.bin"
 
     def add(self, rows: Any) -> dict[str, Any]:

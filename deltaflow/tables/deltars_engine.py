@@ -25,13 +25,14 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
+from ..storage.paths import Location, create_exclusive, storage_options
 from .engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from .footprint import Footprint
+from .log import delta_table
 from .log import log_dir as delta_log_dir
 from .merge_on_read import MergeOnRead, has_deletion_vectors
 from .rewrite import RewriteUnsupported, rewrite
@@ -95,7 +96,7 @@ def _literal(value: Any) -> str:
 
 
 def create_delta_table(
-    path: Path, schema: Any, settings: TableSettings, *, table: str, node: str
+    path: Location, schema: Any, settings: TableSettings, *, table: str, node: str
 ) -> None:
     """Blocking: create the empty table at ``path`` with delta-rs (the caller holds the lock).
 
@@ -113,6 +114,7 @@ def create_delta_table(
             str(path),
             full,
             mode="error",
+            storage_options=storage_options(path),
             partition_by=partition_by or None,
             configuration=settings.properties(),
             # deltaflow.* keys are ours; delta-rs refuses keys it does not know without this.
@@ -121,7 +123,7 @@ def create_delta_table(
 
 
 def _create_with_deletion_vectors(
-    path: Path, schema: Any, partition_by: list[str], properties: dict[str, str]
+    path: Location, schema: Any, partition_by: list[str], properties: dict[str, str]
 ) -> None:
     """Create the table's first commit ourselves: delta-rs's own ways (creating with the
     property, or setting it afterwards) also add the ``variantType`` feature, which Delta 3.3
@@ -188,18 +190,18 @@ class DeltaRsTableEngine(TableEngine):
     def _start_engine(self) -> None:
         _require_deltalake()
 
-    def describe(self, table: str, path: Path) -> TableDescription:
+    def describe(self, table: str, path: Location) -> TableDescription:
         with map_deltars_errors(table, self.node_id):
             return super().describe(table, path)
 
-    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None:
         create_delta_table(path, schema, settings, table=table, node=self.node_id)
 
-    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
-        from deltalake import DeltaTable, Field
+    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None:
+        from deltalake import Field
 
         with map_deltars_errors(table, self.node_id):
-            DeltaTable(str(path)).alter.add_columns(
+            delta_table(path).alter.add_columns(
                 [Field.from_arrow(f.with_nullable(True)) for f in fields]
             )
 
@@ -218,7 +220,12 @@ class DeltaRsTableEngine(TableEngine):
         from deltalake import CommitProperties, PostCommitHookProperties, write_deltalake
 
         path, key, data, footprint = group.path, group.key, group.data, group.footprint
-        props = CommitProperties(custom_metadata={"userMetadata": group.metadata})
+        # Without a lock (object storage) a commit lands at exactly the version after the
+        # one its lane marks were checked at, or not at all: delta-rs must not rebase it.
+        retries = None if group.read_version is None else 0
+        props = CommitProperties(
+            custom_metadata={"userMetadata": group.metadata}, max_commit_retries=retries
+        )
         # The checkpoint is written after the lock is released (see TableEngine.checkpoint).
         hooks = PostCommitHookProperties(create_checkpoint=False)
         columns = [c for c in data.column_names if c != DELETE_COLUMN]
@@ -227,23 +234,25 @@ class DeltaRsTableEngine(TableEngine):
             merge_on_read = group.written is not None or listed
             if merge_on_read and len(key) == 1:
                 target, planned = self.log.planned(path)
+                self._check_read_version(group, planned)
                 if has_deletion_vectors(target):
                     try:
                         done = self._merge_on_read(group, target, planned)
                         return self._commit_merge_on_read(path, done, group.metadata, planned)
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", group.table, exc)
+            target = self.log.latest(path)
+            self._check_read_version(group, int(target.version()))
             if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(
-                    self.log.latest(path),
+                    target,
                     rows,
                     mode="append",
                     commit_properties=props,
                     post_commithook_properties=hooks,
                 )
                 return None
-            target = self.log.latest(path)
             if _copies_much(footprint, data.num_rows):
                 try:
                     rewrite(target, path, data, footprint, props, hooks)
@@ -270,12 +279,22 @@ class DeltaRsTableEngine(TableEngine):
             )
             return None
 
-    def checkpoint(self, table: str, path: Path, version: int) -> None:
+    def _check_read_version(self, group: GroupWrite, version: int) -> None:
+        """Raises CommitConflictError when the group's commit would not land at exactly the
+        version after the one its lane marks were checked at (see ``GroupWrite``)."""
+        if group.read_version is not None and version != group.read_version:
+            raise CommitConflictError(
+                f"table {group.table!r} is at version {version}, its lane marks were read at "
+                f"{group.read_version}: checking them again",
+                node=self.node_id,
+            )
+
+    def checkpoint(self, table: str, path: Location, version: int) -> None:
         with map_deltars_errors(table, self.node_id):
             super().checkpoint(table, path, version)
 
     def _commit_merge_on_read(
-        self, path: Path, done: MergeOnRead, metadata: str, planned: int
+        self, path: Location, done: MergeOnRead, metadata: str, planned: int
     ) -> int:
         """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) on table version
         ``planned`` by writing the next log entry directly (delta-rs's transaction API takes
@@ -296,27 +315,18 @@ class DeltaRsTableEngine(TableEngine):
         return version
 
 
-def commit_log_entry(path: Path, version: int, actions: list[dict[str, Any]]) -> None:
+def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:
     """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
-    other writer did (put-if-absent by a hard link, atomic on POSIX file systems: readers
-    never see a partial entry).
+    other writer did (:func:`.create_exclusive`: a hard link on disk, a create-if-absent put
+    on a store; readers never see a partial entry).
 
     Raises:
         CommitConflictError: the version exists (another writer's commit won).
     """
-    import os
-    import uuid
-
-    log_dir = delta_log_dir(path)
-    staged = log_dir / f".{version:020d}.json.{uuid.uuid4().hex}.tmp"
-    staged.write_text(
-        "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions), encoding="utf-8"
-    )
+    entry = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions)
     try:
-        os.link(staged, log_dir / f"{version:020d}.json")
+        create_exclusive(delta_log_dir(path) / f"{version:020d}.json", entry.encode())
     except FileExistsError as exc:
         raise CommitConflictError(
             f"table {path.name!r}: another writer committed version {version} first"
         ) from exc
-    finally:
-        staged.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,10 +27,12 @@ from typing import Any, ClassVar
 
 from ..columnar import DELETE_COLUMN
 from ..errors import SchemaError, UsageError
+from ..storage.paths import Location, StorePath, location
 from .atomicity import CommitAtomicity, atomicity_for
 from .committer import TableCommitter
 from .engine_settings import EngineSettings
 from .group import GroupWrite
+from .log import delta_table
 from .log_reader import LogReader
 from .marks import Mark
 from .merge_on_read import (
@@ -99,7 +102,7 @@ class TableEngine:
 
     def __init__(
         self,
-        warehouse: Path,
+        warehouse: Location | str,
         *,
         node_id: str,
         threads: int = 2,
@@ -116,18 +119,24 @@ class TableEngine:
                 "`deltaflow table create --engine spark --deletion-vectors`: every engine "
                 "writes to it then"
             )
-        self.warehouse = Path(warehouse)
+        self.warehouse: Location = location(warehouse)
         self.node_id = node_id
         self.stats = EngineStatistics()
         self.atomicity: CommitAtomicity = atomicity_for(self.warehouse)
         self.log = LogReader()
-        self.staging_dir = self.warehouse / ".deltaflow" / "staging" / node_id
+        # This node's own files (the Spark engine's staged groups): in a local warehouse,
+        # beside the tables; a node on an object store keeps them on its own disk.
+        self.staging_dir = (
+            Path(tempfile.gettempdir()) / f"deltaflow-{node_id}" / "staging"
+            if isinstance(self.warehouse, StorePath)
+            else self.warehouse / ".deltaflow" / "staging" / node_id
+        )
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
         self._tables: dict[str, TableCommitter] = {}
-        self._key_columns: dict[Path, KeyColumns] = {}  # merge-on-read, per table
+        self._key_columns: dict[Location, KeyColumns] = {}  # merge-on-read, per table
         # Tables whose last commit reached their checkpoint interval: the version to write a
         # checkpoint at, once the table is released (set by the engine's commit).
-        self.checkpoints_due: dict[Path, int] = {}
+        self.checkpoints_due: dict[Location, int] = {}
 
     async def start(self) -> None:
         """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
@@ -137,19 +146,18 @@ class TableEngine:
     def _prepare_warehouse(self) -> None:
         """Blocking: create the warehouse; remove the leftovers of this node's earlier run
         (other nodes may share the warehouse)."""
-        self.warehouse.mkdir(parents=True, exist_ok=True)
+        self.warehouse.mkdir(parents=True, exist_ok=True)  # nothing to do on a store
         shutil.rmtree(self.staging_dir, ignore_errors=True)
 
     def _start_engine(self) -> None:
         """Blocking: start the engine."""
 
-    def describe(self, table: str, path: Path) -> TableDescription:
+    def describe(self, table: str, path: Location) -> TableDescription:
         """Blocking: the schema, partition columns and properties of the table at ``path``,
         read from its log by delta-rs (milliseconds, where Spark takes most of a second)."""
         import pyarrow as pa
-        from deltalake import DeltaTable
 
-        dt = DeltaTable(str(path))
+        dt = delta_table(path)
         meta = dt.metadata()
         return TableDescription(
             schema=pa.schema(dt.schema().to_arrow()),
@@ -157,7 +165,7 @@ class TableEngine:
             properties=dict(meta.configuration),
         )
 
-    def create(self, table: str, path: Path, schema: Any, settings: TableSettings) -> None:
+    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None:
         """Blocking, with the table held: create the empty table at ``path``.
 
         Args:
@@ -167,11 +175,11 @@ class TableEngine:
         """
         raise NotImplementedError
 
-    def add_columns(self, table: str, path: Path, fields: Sequence[Any]) -> None:
+    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None:
         """Blocking, with the table held: add nullable columns (Arrow fields), one commit."""
         raise NotImplementedError
 
-    def checkpoint(self, table: str, path: Path, version: int) -> None:
+    def checkpoint(self, table: str, path: Location, version: int) -> None:
         """Blocking, while other commits may land: write the table's Delta checkpoint at
         ``version``. A commit that reaches the table's ``delta.checkpointInterval`` records
         its version in ``checkpoints_due`` instead of writing the checkpoint while held.
@@ -181,14 +189,12 @@ class TableEngine:
         table's ``delta.logRetentionDuration`` (unless ``delta.enableExpiredLogCleanup`` is
         false).
         """
-        from deltalake import DeltaTable
-
-        target = DeltaTable(str(path), version=version)
+        target = delta_table(path, version)
         target.create_checkpoint()
         if target.metadata().configuration.get(PROP_EXPIRED_LOG_CLEANUP, "true") != "false":
             target.cleanup_metadata()
 
-    def _note_checkpoint(self, path: Path, version: int | None) -> None:
+    def _note_checkpoint(self, path: Location, version: int | None) -> None:
         """After a group's commit, while held: record a checkpoint due if the commit's
         ``version`` (None: read from the log) reached the table's interval (written after the
         table is released, see ``checkpoint``). A known version spares reading the table's
@@ -212,7 +218,7 @@ class TableEngine:
         the table, and passes them in :attr:`.GroupWrite.written`."""
         return False
 
-    def live_files(self, path: Path) -> tuple[Any, int] | None:
+    def live_files(self, path: Location) -> tuple[Any, int] | None:
         """Blocking, with the table held: its live files and the version they are of
         (:meth:`.LogReader.live_files`)."""
         return self.log.live_files(path)
@@ -257,7 +263,7 @@ class TableEngine:
             group.written,
         )
 
-    def _landed(self, path: Path, done: MergeOnRead) -> None:
+    def _landed(self, path: Location, done: MergeOnRead) -> None:
         """A merge-on-read commit landed: forget the key columns of the files it removed."""
         memory = self._key_columns.get(path)
         if memory is not None:

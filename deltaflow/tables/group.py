@@ -4,9 +4,9 @@ handed to the engine as one typed write."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from ..storage.paths import Location
 from .footprint import Footprint
 from .rewrite import DataFile
 from .settings import TableSettings
@@ -37,15 +37,20 @@ class GroupWrite:
             the commit adds them instead of writing the rows again. An engine that applies the
             group another way leaves them unreferenced (``deltaflow table vacuum`` deletes
             them).
+        read_version: when set (commits without a lock, on an object store), the table
+            version whose lane marks the group was checked against: the engine commits at
+            exactly the next version, or raises ``CommitConflictError`` so the committer
+            checks again (a commit rebased over another writer's could apply a batch twice).
     """
 
     table: str
-    path: Path
+    path: Location
     key: list[str]
     data: Any
     metadata: str
     footprint: Footprint | None = None
     written: list[tuple[DataFile, Any]] | None = None
+    read_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
+from ..storage.paths import Location
 from .log import log_dir
 
 __all__ = ["LiveFiles"]
@@ -44,7 +44,7 @@ class LiveFiles:
     Blocking (file reads): use from a worker thread, under the table's commit lock.
     """
 
-    def __init__(self, path: Path, files: Any, version: int) -> None:
+    def __init__(self, path: Location, files: Any, version: int) -> None:
         import pyarrow as pa
 
         self._log_dir = log_dir(path)

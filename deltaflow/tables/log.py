@@ -1,48 +1,79 @@
-"""Where a table is, and where its Delta log is: the one place that spells ``_delta_log``."""
+"""Where a table is, and where its Delta log is: the one place that spells ``_delta_log``.
+
+A table's location is a local path or a :class:`~deltaflow.storage.StorePath` on an object
+store; both answer the same calls.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from ..errors import UsageError
 from ..receivers.base import check_table_name
+from ..storage.paths import Location, StorePath, storage_options
 
-__all__ = ["DELTA_LOG", "is_table", "latest_version", "log_dir", "table_path"]
+__all__ = [
+    "DELTA_LOG",
+    "commit_versions",
+    "delta_table",
+    "is_table",
+    "latest_version",
+    "log_dir",
+    "table_path",
+]
 
 #: The directory of a table that holds its Delta log.
 DELTA_LOG: Final = "_delta_log"
 
 
-def log_dir(path: Path) -> Path:
+def log_dir(path: Location) -> Location:
     """The Delta log directory of the table at ``path``."""
     return path / DELTA_LOG
 
 
-def is_table(path: Path) -> bool:
+def delta_table(path: Location, version: int | None = None) -> Any:
+    """The delta-rs table at ``path`` (at ``version``, else the latest), with the storage
+    options its location needs."""
+    from deltalake import DeltaTable
+
+    return DeltaTable(str(path), version=version, storage_options=storage_options(path))
+
+
+def is_table(path: Location) -> bool:
     """Whether a Delta table exists at ``path``."""
     return log_dir(path).is_dir()
 
 
-def table_path(warehouse: Path, table: str) -> Path:
+def table_path(warehouse: Location, table: str) -> Location:
     """The path of the existing table ``table`` under ``warehouse``.
 
     Raises:
         UsageError: a bad table name, or no Delta table by that name.
     """
-    path = Path(warehouse) / check_table_name(table)
+    path = warehouse / check_table_name(table)
     if not is_table(path):
         raise UsageError(f"no Delta table {table!r} under {warehouse}")
     return path
 
 
-def latest_version(path: Path) -> int:
+def latest_version(path: Location) -> int:
     """The highest commit version in the table's log directory (-1 if none)."""
-    try:
-        names = [p.name for p in log_dir(path).iterdir()]
-    except FileNotFoundError:
-        return -1
-    return max(
-        (int(n[:20]) for n in names if len(n) == 25 and n.endswith(".json") and n[:20].isdigit()),
-        default=-1,
+    return max(commit_versions(path), default=-1)
+
+
+def commit_versions(path: Location, after: int = -1) -> list[int]:
+    """The versions of the table's commit files above ``after``, in order (on a store, only
+    the keys after it are listed: the log only grows)."""
+    directory = log_dir(path)
+    if isinstance(directory, StorePath):
+        names = directory.names_after(f"{after:020d}.json" if after >= 0 else "")
+    else:
+        try:
+            names = [p.name for p in directory.iterdir()]
+        except FileNotFoundError:
+            return []
+    return sorted(
+        v
+        for n in names
+        if len(n) == 25 and n.endswith(".json") and n[:20].isdigit() and (v := int(n[:20])) > after
     )

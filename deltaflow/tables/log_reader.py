@@ -9,11 +9,11 @@ and brings it up to date by reading only the commits made since.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
+from ..storage.paths import Location
 from .live_files import LiveFiles
-from .log import latest_version
+from .log import delta_table, latest_version
 
 __all__ = ["LogReader"]
 
@@ -27,28 +27,26 @@ class LogReader:
     """
 
     def __init__(self) -> None:
-        self._open: dict[Path, Any] = {}  # delta-rs tables, see latest
-        self._live: dict[Path, LiveFiles] = {}  # their live files, see live_files
+        self._open: dict[Location, Any] = {}  # delta-rs tables, see latest
+        self._live: dict[Location, LiveFiles] = {}  # their live files, see live_files
 
-    def latest(self, path: Path) -> Any:
+    def latest(self, path: Location) -> Any:
         """The delta-rs table at ``path``, at its latest version. A commit asks twice (for its
         file statistics and its write): a listing finds the log unchanged the second time,
         far cheaper than delta-rs's own no-op update."""
-        from deltalake import DeltaTable
-
         table = self._open.get(path)
         if table is None:
-            table = self._open[path] = DeltaTable(str(path))
+            table = self._open[path] = delta_table(path)
         elif table.version() < latest_version(path):
             table.update_incremental()
         return table
 
-    def opened(self, path: Path) -> Any:
+    def opened(self, path: Location) -> Any:
         """The delta-rs table at ``path`` as last read, without reading the log (None if it
         was not read since the last :meth:`forget`)."""
         return self._open.get(path)
 
-    def live_files(self, path: Path) -> tuple[Any, int] | None:
+    def live_files(self, path: Location) -> tuple[Any, int] | None:
         """The table's live files with their statistics (``get_add_actions(flatten=True)``)
         and the version they are of, or None if they cannot be read (a table feature delta-rs
         does not read): the group is then merged.
@@ -70,7 +68,7 @@ class LogReader:
             return index.files, version
         return files, version
 
-    def planned(self, path: Path) -> tuple[Any, int]:
+    def planned(self, path: Location) -> tuple[Any, int]:
         """The delta-rs table (for its metadata, protocol and schema) and the version a commit
         is planned on, the latest. From the live files when they are kept (no commit since the
         table was read changed its metadata or protocol, or they would have declined), else by
@@ -84,16 +82,16 @@ class LogReader:
         table = self.latest(path)
         return table, int(table.version())
 
-    def keeps(self, path: Path) -> bool:
+    def keeps(self, path: Location) -> bool:
         """Whether the table's live files are kept (brought up to date, not listed afresh)."""
         return path in self._live
 
-    def forget(self, path: Path) -> None:
+    def forget(self, path: Location) -> None:
         """Read the table afresh next time (a write failed: its state is unknown)."""
         self._open.pop(path, None)
         self._live.pop(path, None)
 
-    def _kept(self, path: Path) -> LiveFiles | None:
+    def _kept(self, path: Location) -> LiveFiles | None:
         """The table's kept live files brought up to the latest commit, or None (and
         dropped) when there are none or they declined."""
         index = self._live.get(path)

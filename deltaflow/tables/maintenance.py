@@ -14,13 +14,13 @@ still names.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any, Final
 
 from ..errors import UsageError
+from ..storage.paths import Location
 from .atomicity import atomicity_for
+from .log import delta_table, table_path
 from .log import log_dir as delta_log_dir
-from .log import table_path
 
 __all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path", "vacuum"]
 
@@ -29,18 +29,16 @@ __all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path
 DEFAULT_RETENTION_HOURS: Final = 168
 
 
-def optimize(warehouse: Path, table: str, *, target_size: int | None = None) -> dict[str, Any]:
+def optimize(warehouse: Location, table: str, *, target_size: int | None = None) -> dict[str, Any]:
     """Compact the table's small files; returns delta-rs's metrics (files added/removed...)."""
-    from deltalake import DeltaTable
-
     path = table_path(warehouse, table)
-    with atomicity_for(Path(warehouse)).hold(table):
-        metrics = DeltaTable(str(path)).optimize.compact(target_size=target_size)
+    with atomicity_for(warehouse).hold(table):
+        metrics = delta_table(path).optimize.compact(target_size=target_size)
     return dict(metrics)
 
 
 def vacuum(
-    warehouse: Path,
+    warehouse: Location,
     table: str,
     *,
     retention_hours: int = DEFAULT_RETENTION_HOURS,
@@ -54,13 +52,11 @@ def vacuum(
     files of a commit that has not landed yet, so keep the retention well above a commit's
     duration.
     """
-    from deltalake import DeltaTable
-
     if retention_hours < 0:
         raise UsageError(f"retention_hours must be >= 0, got {retention_hours}")
     path = table_path(warehouse, table)
-    with atomicity_for(Path(warehouse)).hold(table):
-        unreferenced = DeltaTable(str(path)).vacuum(
+    with atomicity_for(warehouse).hold(table):
+        unreferenced = delta_table(path).vacuum(
             retention_hours=retention_hours,
             dry_run=True,
             enforce_retention_duration=False,
@@ -74,7 +70,7 @@ def vacuum(
     return doomed
 
 
-def _vector_files(path: Path) -> set[Path]:
+def _vector_files(path: Location) -> set[Location]:
     """Every deletion vector file the table's log names, in the commits and checkpoints still
     there: those of live files, and of removed ones a reader of an older version may need."""
     from .deletion_vectors import file_of
@@ -88,13 +84,11 @@ def _vector_files(path: Path) -> set[Path]:
     return {f.resolve() for f in files if f is not None}
 
 
-def history(warehouse: Path, table: str, *, limit: int = 20) -> list[dict[str, Any]]:
+def history(warehouse: Location, table: str, *, limit: int = 20) -> list[dict[str, Any]]:
     """The latest commits, newest first: version, time, operation, writing node, rows."""
 
-    from deltalake import DeltaTable
-
     rows = []
-    for h in DeltaTable(str(table_path(warehouse, table))).history(limit):
+    for h in delta_table(table_path(warehouse, table)).history(limit):
         meta = h.get("userMetadata")
         node = ""
         if isinstance(meta, str) and "deltaflow" in meta:
@@ -114,17 +108,17 @@ def history(warehouse: Path, table: str, *, limit: int = 20) -> list[dict[str, A
 
 
 def show(
-    warehouse: Path, table: str, *, limit: int = 10, all_columns: bool = False
+    warehouse: Location, table: str, *, limit: int = 10, all_columns: bool = False
 ) -> tuple[int, list[dict[str, Any]]]:
     """Row count and the first ``limit`` rows, without deltaflow's bucket column unless
     ``all_columns``. Reads tables with deletion vectors too (through delta-rs's query engine,
     which applies them)."""
     import pyarrow as pa
-    from deltalake import DeltaTable, QueryBuilder
+    from deltalake import QueryBuilder
 
     from .settings import BUCKET_COLUMN
 
-    dt = DeltaTable(str(table_path(warehouse, table)))
+    dt = delta_table(table_path(warehouse, table))
     names = [
         n for n in pa.schema(dt.schema().to_arrow()).names if all_columns or n != BUCKET_COLUMN
     ]

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Final
 
+from ..storage.paths import Location, open_input
 from .deletion_vectors import descriptor_id
-from .log import log_dir
+from .log import commit_versions, log_dir
 
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
 log = logging.getLogger(__name__)
 
 METADATA_KEY: Final = "deltaflow"
-_COMMIT_FILE = re.compile(r"^(\d{20})\.json$")
 
 #: (seq, k): the batch's sequence number and the write's ordinal within the batch.
 Mark = tuple[int, int]
@@ -42,7 +40,8 @@ class LaneMarks:
     Blocking (file reads): use from a worker thread, under the table's commit lock.
     """
 
-    def __init__(self, table_path: Path) -> None:
+    def __init__(self, table_path: Location) -> None:
+        self._table = table_path
         self._log_dir = log_dir(table_path)
         self._marks: dict[str, Mark] = {}
         self._scanned = -1
@@ -65,13 +64,7 @@ class LaneMarks:
         Returns whether one of them changed the table's metadata or protocol (its schema or
         properties, for instance): the caller then reads them again.
         """
-        if not self._log_dir.is_dir():
-            return False
-        versions = sorted(
-            int(m.group(1))
-            for name in _listdir(self._log_dir)
-            if (m := _COMMIT_FILE.match(name)) and int(m.group(1)) > self._scanned
-        )
+        versions = commit_versions(self._table, self._scanned)
         vectors_after = -1
         if self._scanned < 0 and versions and versions[0] > 0:
             # The first commits are gone: the vectors of older commits are in a checkpoint.
@@ -112,7 +105,7 @@ class LaneMarks:
         return out
 
 
-def _listdir(path: Path) -> list[str]:
+def _listdir(path: Location) -> list[str]:
     try:
         return [p.name for p in path.iterdir()]
     except FileNotFoundError:
@@ -123,7 +116,7 @@ _Vectors = dict[str, dict[str, Any]]
 
 
 def _read_commit(
-    path: Path,
+    path: Location,
 ) -> tuple[dict[str, Mark], bool, list[tuple[str, dict[str, Any]]], _Vectors]:
     """What one commit file records: its lane marks (empty if it has none); whether it has a
     ``metaData`` or ``protocol`` action; the files with deletion vectors it removes and the
@@ -154,7 +147,7 @@ def _read_commit(
     return lanes, metadata, removed, added
 
 
-def _checkpoint_vectors(log_dir: Path, into: _Vectors) -> int:
+def _checkpoint_vectors(log_dir: Location, into: _Vectors) -> int:
     """Read the deletion vectors of the live files the last checkpoint lists into ``into``;
     the checkpoint's version (-1 without one)."""
     try:
@@ -169,18 +162,18 @@ def _checkpoint_vectors(log_dir: Path, into: _Vectors) -> int:
     return version
 
 
-def commit_vectors(commit: Path) -> list[dict[str, Any]]:
+def commit_vectors(commit: Location) -> list[dict[str, Any]]:
     """The deletion vectors one commit file names, in its adds and its removes."""
     _, _, removed, added = _read_commit(commit)
     return [dv for _, dv in removed] + list(added.values())
 
 
-def checkpoint_vectors(checkpoint: Path, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:
+def checkpoint_vectors(checkpoint: Location, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:
     """The deletion vectors of the actions of ``kinds`` (``add``, ``remove``) a checkpoint
     file lists: (path, descriptor) pairs."""
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(checkpoint, columns=list(kinds)).to_pylist()
+    rows = pq.read_table(open_input(checkpoint), columns=list(kinds)).to_pylist()
     return [
         (action["path"], {k: v for k, v in action["deletionVector"].items() if v is not None})
         for row in rows

@@ -34,12 +34,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote
 
 from ..columnar import DELETE_COLUMN
 from ..errors import CommitConflictError
+from ..storage.paths import Location, open_input
 from .deletion_vectors import DvWriter, descriptor_id, read
 from .footprint import Footprint
 from .rewrite import (
@@ -184,7 +184,7 @@ def has_deletion_vectors(table: Any) -> bool:
 
 def write_merge_on_read(
     table: Any,
-    path: Path,
+    path: Location,
     data: Any,
     key: str,
     candidates: Any | None,
@@ -296,7 +296,7 @@ def write_merge_on_read(
 
 
 def write_group(
-    path: Path,
+    path: Location,
     data: Any,
     schema: Any,
     key: str,
@@ -332,7 +332,7 @@ def _tier_to_merge(files: list[dict[str, Any]]) -> set[str]:
     return {p for _, paths in lowest.values() for p in paths}
 
 
-def _deleted(table: Path, known: _Known, descriptor: dict[str, Any] | None) -> Any:
+def _deleted(table: Location, known: _Known, descriptor: dict[str, Any] | None) -> Any:
     """The rows a file's current vector deletes (kept beside its key column once read)."""
     from pyroaring import BitMap64
 
@@ -344,11 +344,10 @@ def _deleted(table: Path, known: _Known, descriptor: dict[str, Any] | None) -> A
     return known.deleted
 
 
-def _read_keys(file: Path, key: str) -> Any:
-    import pyarrow as pa
+def _read_keys(file: Location, key: str) -> Any:
     import pyarrow.parquet as pq
 
-    with pa.memory_map(str(file)) as source:
+    with open_input(file) as source:
         rows = pq.ParquetFile(source).read(columns=[key], use_threads=False)
     return rows.column(0).combine_chunks()
 

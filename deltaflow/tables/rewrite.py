@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 from urllib.parse import unquote
 
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
+from ..storage.paths import Location, open_input, open_output, size_of
 from .footprint import Footprint
 from .settings import BUCKET_COLUMN
 
@@ -186,7 +185,7 @@ def remove_action(f: DataFile, timestamp: int, dv: dict[str, Any] | None = None)
 
 
 def write_files(
-    table: Any, path: Path, data: Any, key: str | None, candidates: Any | None
+    table: Any, path: Location, data: Any, key: str | None, candidates: Any | None
 ) -> Rewrite:
     """Blocking, under the table's lock: write the files that apply the group ``data`` to
     ``table`` (delta-rs, at its latest version), nothing committed yet.
@@ -247,7 +246,7 @@ def write_files(
 
 
 def write_buckets(
-    path: Path, upserts: Any, kept: dict[str | None, list[Any]], schema: Any, key: str | None
+    path: Location, upserts: Any, kept: dict[str | None, list[Any]], schema: Any, key: str | None
 ) -> list[tuple[DataFile, Any]]:
     """Write the new files of a group: per bucket, the group's rows ``upserts`` and the rows
     ``kept`` from files it replaces (:func:`_files_per_bucket`); each file with its rows."""
@@ -263,7 +262,7 @@ def write_buckets(
 
 def rewrite(
     table: Any,
-    path: Path,
+    path: Location,
     data: Any,
     footprint: Footprint,
     commit_properties: Any,
@@ -348,13 +347,13 @@ def bucket_of(file: dict[str, Any]) -> str | None:
     return None if value is None else str(value)
 
 
-def read_file(file: Path, schema: Any) -> Any:
+def read_file(file: Location, schema: Any) -> Any:
     """A data file's rows with exactly ``schema``'s columns (a column added to the table since
     the file was written is null in it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with pa.memory_map(str(file)) as source:  # a path would be resolved as a URI first
+    with open_input(file) as source:
         rows = pq.ParquetFile(source).read(use_threads=False)
     if rows.schema.equals(schema):
         return rows
@@ -405,21 +404,19 @@ def _files_per_bucket(
     return out
 
 
-def _write_file(path: Path, rows: Any, bucket: str | None, key: str | None) -> DataFile:
+def _write_file(path: Location, rows: Any, bucket: str | None, key: str | None) -> DataFile:
     """Write ``rows`` as a new data file of the table at ``path``."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     directory = "" if bucket is None else f"{BUCKET_COLUMN}={bucket}/"
     relative = f"{directory}part-00000-{uuid.uuid4()}-c000.snappy.parquet"
     target = path / relative
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with pa.OSFile(str(target), "wb") as sink:
+    with open_output(target) as sink:
         if rows.num_rows < PLAIN_FILE_ROWS:
             pq.write_table(rows, sink, compression="none", use_dictionary=False)
         else:
             pq.write_table(rows, sink, compression="snappy")
-    return DataFile(relative, os.path.getsize(target), bucket, json.dumps(_stats(rows, key)))
+    return DataFile(relative, size_of(target), bucket, json.dumps(_stats(rows, key)))
 
 
 def _stats(rows: Any, key: str | None) -> dict[str, Any]:

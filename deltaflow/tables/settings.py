@@ -26,11 +26,13 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS
+
+if TYPE_CHECKING:
+    from ..storage.paths import Location
 
 __all__ = [
     "BUCKET_COLUMN",
@@ -255,17 +257,15 @@ def with_layout(schema: Any, settings: TableSettings) -> tuple[Any, list[str]]:
     return schema.append(pa.field(BUCKET_COLUMN, pa.int32())), [BUCKET_COLUMN]
 
 
-def read_table_settings(warehouse: Path | str, name: str) -> TableSettings:
+def read_table_settings(warehouse: Location, name: str) -> TableSettings:
     """The settings of an existing table, read with delta-rs (no JVM).
 
     Raises:
         UsageError: no such table.
     """
-    from deltalake import DeltaTable
+    from .log import delta_table, table_path
 
-    from .log import table_path
-
-    dt = DeltaTable(str(table_path(Path(warehouse), name)))
+    dt = delta_table(table_path(warehouse, name))
     columns = _column_names(dt.schema().to_arrow())
     return TableSettings.from_table(dt.metadata().configuration, columns)
 

@@ -2,7 +2,9 @@
 ``key=`` function that kills the process streaming.
 
 ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` (and ``DELTAFLOW_FAULT_KILL_<POINT>``) in a node's
-environment makes the node SIGKILL itself at a point instead (:mod:`deltaflow._faults`).
+environment makes the node SIGKILL itself at a point instead; ``DELTAFLOW_FAULT_STOP_<POINT>=N``
+SIGSTOP itself, once; ``DELTAFLOW_FAULT_TICK_<POINT>=SECONDS`` wait there for the next tick of
+the wall clock, which node processes share (:mod:`deltaflow._faults`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     is about to list the table's live files it may touch; the lane marks are read),
     ``before_commit`` (a group's data files are written, its commit not yet made; the Spark
     engine's direct writer and the delta-rs engine's copy-on-write and merge-on-read),
-    ``after_commit`` (the commit landed, its batches not yet acknowledged), ``taken`` (a
+    ``before_write`` (a group's marks were read for the last time, the engine is about to
+    write it), ``after_commit`` (the commit landed, its batches not yet acknowledged), ``taken`` (a
     group was taken off the table's queue, not yet prepared), ``prepared``
     (a group was prepared outside the table's lock and is about to wait for it),
     ``converting`` (a write's rows are about to be checked and converted for the queue) and

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from pathlib import Path
 from typing import Final
 
 from .processes import free_port
 from .servers import ServerProcesses, listening
 
-__all__ = ["VERSITYGW_VERSION", "S3Server", "versitygw_binary"]
+__all__ = ["VERSITYGW_VERSION", "S3Server", "UnconditionalS3", "versitygw_binary"]
 
 #: The versitygw release ``make setup`` installs (``go install ...@v1.8.0``).
 VERSITYGW_VERSION: Final = "v1.8.0"
@@ -90,3 +91,27 @@ class S3Server(ServerProcesses):
         )
         client.create_bucket(Bucket=name)
         return f"s3://{name}"
+
+
+class UnconditionalS3(ServerProcesses):
+    """A store that ignores conditional writes: :mod:`.unconditional`'s proxy in front of
+    ``server``, in a process of its own on 127.0.0.1. :attr:`storage_options` reach ``server``'s
+    buckets through it."""
+
+    def __init__(self, directory: Path, server: S3Server) -> None:
+        super().__init__(directory)
+        self.server = server
+        self.port = free_port()
+
+    @property
+    def storage_options(self) -> dict[str, str]:
+        return {**self.server.storage_options, "AWS_ENDPOINT_URL": f"http://{_HOST}:{self.port}"}
+
+    def start(self) -> UnconditionalS3:
+        command = [
+            sys.executable, "-m", "deltaflow.testing.unconditional",
+            "--upstream", self.server.endpoint, "--port", str(self.port),
+        ]  # fmt: skip
+        self._start("unconditional", command, {**os.environ, **self.server.storage_options})
+        self._until(lambda: listening(_HOST, self.port), "proxy ignoring conditional writes")
+        return self

@@ -1,0 +1,295 @@
+"""One table as a node knows it (its key, settings and schema as last read, the lane marks its
+log holds) and how one group is applied to it while its commit atomicity is held: writes the
+table already holds are dropped, the table is created or given new columns if needed, and the
+rest lands in one commit that also records the group's lane marks (:mod:`.marks`).
+
+:class:`.TableCommitter` adds when groups are taken and committed, and their retries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._faults import fault_point
+from ..columnar import DELETE_COLUMN
+from ..errors import CommitConflictError, SchemaError
+from .footprint import Footprint
+from .group import GroupWrite, PreparedGroup
+from .grouping import conform, last_per_key
+from .log import is_table, latest_version
+from .marks import LaneMarks
+from .rewrite import DataFile
+from .rows import INTERNAL_COLUMNS, no_evolution_text
+from .settings import BUCKET_COLUMN, TableSettings
+
+if TYPE_CHECKING:
+    from ..storage.paths import Location
+    from .atomicity import CommitAtomicity
+    from .engine_settings import EngineSettings
+    from .log_reader import LogReader
+    from .staging import Staged
+    from .statistics import EngineStatistics
+
+__all__ = ["Engine", "TableWriter"]
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What a committer needs of its table engine (:class:`.TableEngine` is one)."""
+
+    warehouse: Location
+    node_id: str
+    settings: EngineSettings
+    stats: EngineStatistics
+    atomicity: CommitAtomicity
+    log: LogReader
+    checkpoints_due: dict[Location, int]
+
+    def in_thread(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]: ...
+    def describe(self, table: str, path: Location) -> Any: ...
+    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None: ...
+    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None: ...
+    def checkpoint(self, table: str, path: Location, version: int) -> None: ...
+    def merges_on_read(self, settings: TableSettings) -> bool: ...
+    def write(self, group: GroupWrite) -> None: ...
+
+
+class TableWriter:
+    """One table on this node: what it knows of it, and the blocking calls that apply a group
+    to it while held (from a worker thread)."""
+
+    def __init__(self, engine: Engine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.path = engine.warehouse / name
+        self.key: list[str] | None = None  # the key this node's writes use
+        self.settings: TableSettings | None = None  # None until the table exists
+        self.schema: Any = None  # the data columns (no bucket), None until the table exists
+        self.partition_columns: tuple[str, ...] = ()
+        self.described_version = -1
+        self.marks = LaneMarks(self.path)
+        self._checking: list[Staged] = []  # the writes of the commit under way, see _commit
+
+    def describe_if_newer(self) -> bool:
+        """Blocking: read the table again if it has commits newer than the last read (an
+        operator may have changed its settings); whether it did."""
+        if latest_version(self.path) <= self.described_version:
+            return False
+        self.describe()
+        return True
+
+    def describe(self) -> None:
+        """Blocking: read the table's settings and schema (nothing if it does not exist)."""
+        if not is_table(self.path):
+            self.settings = self.schema = None
+            return
+        import pyarrow as pa
+
+        self.described_version = latest_version(self.path)
+        desc = self.engine.describe(self.name, self.path)
+        full = pa.schema(desc.schema)
+        self.settings = TableSettings.from_table(desc.properties, full.names)
+        self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
+        self.partition_columns = tuple(desc.partition_columns)
+        if self.settings.buckets and BUCKET_COLUMN not in desc.partition_columns:
+            log.warning("table %s: %s is not a partition column", self.name, BUCKET_COLUMN)
+
+    def plan(self, key: Sequence[str]) -> TableSettings:
+        """The settings a write with ``key`` is staged under (the table's, or the ones this
+        node would create it with).
+
+        Raises:
+            SchemaError: the write's key is not the table's.
+        """
+        settings = self.settings
+        if settings is not None and settings.managed:
+            if list(settings.key) != list(key):
+                how = f"merged on key {list(settings.key)}" if settings.key else "appended to"
+                raise SchemaError(
+                    f"table {self.name!r} is {how} (its deltaflow.key property); this write "
+                    f"{'appends' if not key else f'merges on {list(key)}'}",
+                    node=self.engine.node_id,
+                )
+        elif self.key is not None and self.key != list(key):
+            how = f"merged on key {self.key}" if self.key else "appended to"
+            raise SchemaError(
+                f"table {self.name!r} is {how} on this node; this write "
+                f"{'appends' if not key else f'merges on {list(key)}'}",
+                node=self.engine.node_id,
+            )
+        if self.key is None:
+            self.key = list(key)
+        if settings is not None:
+            return settings
+        return self.engine.settings.new_table(tuple(key))
+
+    def _group_rows(self, group: list[Staged]) -> Any:
+        """The group's rows in staging order, the last per key kept."""
+        import pyarrow as pa
+
+        data = pa.concat_tables([s.table for s in group], promote_options="permissive")
+        return last_per_key(data, self.key) if self.key else data
+
+    def _commit(self, group: list[Staged], prepared: PreparedGroup | None = None) -> int:
+        """Blocking, with the table held (see ``_commit_next``): drop writes the table
+        already holds, then create the table if needed and apply the rest in one commit that
+        also records the group's lane marks."""
+        # Another node may have created the table or changed its schema or settings.
+        if self.marks.refresh() or (self.settings is None and is_table(self.path)):
+            self.describe()
+        todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
+        self.engine.stats.batches_deduplicated += len(group) - len(todo)
+        if not todo:
+            return 0
+        self._checking = todo
+        if prepared is not None and (
+            len(todo) < prepared.batches
+            or prepared.settings is not self.settings
+            or prepared.schema is not self.schema
+        ):
+            # Some writes were abandoned or are applied already, or the table changed meanwhile.
+            prepared = None
+        lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+        metadata = LaneMarks.user_metadata(self.engine.node_id, lanes)
+        rows = self._commit_rows(todo, metadata, prepared)
+        self.marks.absorb(lanes)
+        fault_point("after_commit")
+        return rows
+
+    def _commit_rows(
+        self, group: list[Staged], metadata: str, prepared: PreparedGroup | None
+    ) -> int:
+        key = self.key or []
+        if prepared is not None:
+            return self._write(key, prepared.data, metadata, prepared.written, prepared.footprint)
+        data = self._group_rows(group)
+        if self.settings is None:
+            if all(data.column(DELETE_COLUMN).to_pylist()):
+                return 0  # only deletes, and no table: nothing exists to delete
+            self._create(data)
+        settings = self.settings
+        assert settings is not None
+        if settings.managed and list(settings.key) != key:
+            raise SchemaError(
+                f"table {self.name!r} was created with key {list(settings.key)} by another "
+                f"writer; these rows merge on {key}",
+                node=self.engine.node_id,
+            )
+        data = self._conform(data, recompute=any(s.buckets != settings.buckets for s in group))
+        return self._write(key, data, metadata, None)
+
+    def _write(
+        self,
+        key: list[str],
+        data: Any,
+        metadata: str,
+        written: list[tuple[DataFile, Any]] | None,
+        footprint: Footprint | None = None,
+    ) -> int:
+        """Blocking, while held: apply the conformed group ``data`` in one commit
+        (``footprint``: its :meth:`.Footprint.of`, if prepared beforehand)."""
+        assert self.settings is not None
+        if key:
+            if footprint is None:
+                footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
+            fault_point("before_listing")
+            listed = self.engine.log.live_files(self.path) if footprint.ranges else None
+            if listed is not None:
+                files, version = listed
+                # The files' deletion vectors, read from the log up to the same version (a
+                # writer outside deltaflow, not holding the table, may have committed since).
+                if self.marks.scanned < version:
+                    self.marks.refresh()
+                vectors = self.marks.vectors if self.marks.scanned == version else None
+                footprint = footprint.checked_against(files, vectors, version)
+                if footprint.fresh:
+                    footprint = None  # no key of the group can be in the table: appended
+        read_version = self._read_version() if self.engine.atomicity.optimistic else None
+        fault_point("before_write")
+        self.engine.write(
+            GroupWrite(self.name, self.path, key, data, metadata, footprint, written, read_version)
+        )
+        return int(data.num_rows)
+
+    def _read_version(self) -> int:
+        """Blocking, for an optimistic commit: the version the group's commit must follow.
+        The marks are read up to the latest version (the commits since the group was checked
+        included: this node's own table creation or new columns, or another writer's); a
+        batch of the group one of them applied, or a change of the table's schema or
+        settings, sends the group back to be checked again.
+
+        Raises:
+            CommitConflictError: the group must be checked again.
+        """
+        settings, schema = self.settings, self.schema
+        if self.marks.refresh():
+            self.describe()
+            if self.settings != settings or self.schema != schema:
+                raise CommitConflictError(
+                    f"table {self.name!r} changed its schema or settings meanwhile",
+                    node=self.engine.node_id,
+                )
+        if any(s.mark is not None and self.marks.applied(*s.mark) for s in self._checking):
+            raise CommitConflictError(
+                f"another writer applied a batch of this group to table {self.name!r}",
+                node=self.engine.node_id,
+            )
+        return self.marks.scanned
+
+    def _create(self, data: Any) -> None:
+        """Blocking, while held: create the table from the group's columns."""
+        import pyarrow as pa
+
+        settings = self.engine.settings.new_table(tuple(self.key or ()))
+        schema = pa.schema([f for f in data.schema if f.name not in INTERNAL_COLUMNS])
+        try:
+            self.engine.create(self.name, self.path, schema, settings)
+        except Exception as exc:
+            if is_table(self.path):  # another writer created it first (no lock on a store)
+                raise CommitConflictError(
+                    f"table {self.name!r} was created by another writer meanwhile",
+                    node=self.engine.node_id,
+                ) from exc
+            raise
+        self.engine.stats.tables_created += 1
+        log.info("created table %s (%s)", self.name, settings.describe())
+        self.describe()
+
+    def _conform(self, data: Any, *, recompute: bool, evolve: bool = True) -> Any:
+        """Blocking, while held (or, with ``evolve`` False, anywhere): the group conformed to
+        the table (:func:`.conform`), its new columns added first if the table allows schema
+        evolution.
+
+        Raises:
+            SchemaError: a column the table lacks (and may not add, or ``evolve`` is False),
+                or one whose type does not convert.
+        """
+        import pyarrow as pa
+
+        settings, schema = self.settings, self.schema
+        assert settings is not None and schema is not None
+        node = self.engine.node_id
+        new = [
+            f for f in data.schema if f.name not in schema.names and f.name not in INTERNAL_COLUMNS
+        ]
+        if new:
+            names = [f.name for f in new]
+            if not settings.schema_evolution or not evolve:
+                raise SchemaError(no_evolution_text(self.name, names), node=node)
+            untyped = [f.name for f in new if pa.types.is_null(f.type)]
+            if untyped:
+                raise SchemaError(
+                    f"new column(s) {untyped} of table {self.name!r} are null in every row, so "
+                    "their type cannot be inferred; send a non-null value",
+                    node=node,
+                    details={"column": untyped[0]},
+                )
+            self.engine.add_columns(self.name, self.path, new)
+            self.engine.stats.columns_added += len(new)
+            log.info("table %s: added columns %s", self.name, names)
+            self.describe()
+            schema = self.schema
+        return conform(data, schema, settings, table=self.name, node=node, recompute=recompute)
