@@ -33,7 +33,7 @@ $(CONNECT_STAMP): pyproject.toml
 	touch $@
 
 setup: $(STAMP) $(CONNECT_STAMP) $(VERSITYGW)
-	$(VENV)/bin/deltaflow jars >/dev/null
+	$(VENV)/bin/deltaflow jars --object-store >/dev/null
 
 demo: setup
 	$(PY) -m deltaflow.cli demo

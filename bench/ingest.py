@@ -385,8 +385,9 @@ def run_deltaflow(
     writer: str = "direct",
     vectors: bool = False,
     spark: str = "local",
+    nodes: int = 2,
 ) -> Run:
-    """One client streaming all rows to two nodes.
+    """One client streaming all rows to ``nodes`` nodes (two by default).
 
     Args:
         spark: where the node processes' Spark runs (``layout="process"`` only): ``local``
@@ -476,8 +477,8 @@ def run_deltaflow(
         )
 
     async def main() -> Run:
-        address, statistics, stop = await _start_two_nodes(
-            warehouse, engine, buckets, layout, writer, vectors, spark
+        address, statistics, stop = await _start_nodes(
+            warehouse, engine, buckets, layout, writer, vectors, spark, nodes
         )
         try:
             if layout == "process":  # the nodes' JVMs come to speed untimed, as above
@@ -589,7 +590,7 @@ def _start_spark(warehouse: Path, spark: str) -> tuple[str, list[str], Any]:
     return "local[*]", [], None
 
 
-async def _start_two_nodes(
+async def _start_nodes(
     warehouse: Path,
     engine: str,
     buckets: int | None,
@@ -597,9 +598,10 @@ async def _start_two_nodes(
     writer: str,
     vectors: bool,
     spark: str = "local",
+    count: int = 2,
 ) -> tuple[str, Callable[[], Awaitable[NodeCounts]], Callable[[], Awaitable[None]]]:
-    """Two nodes: the first one's address, how to read (commits, commit seconds, largest
-    group rows) summed over both, and how to stop them."""
+    """``count`` nodes: the first one's address, how to read (commits, commit seconds,
+    largest group rows) summed over them, and how to stop them."""
     if layout == "process":
         from deltaflow.testing import NodeProcess, wait_for_members
 
@@ -610,10 +612,13 @@ async def _start_two_nodes(
         if buckets is not None:
             extra += ["--table-buckets", str(buckets)]
         first = await NodeProcess("node-1", warehouse, extra=extra, spark_master=master).start()
-        second = NodeProcess(
-            "node-2", warehouse, peers=[first.address], extra=extra, spark_master=master
-        )
-        procs = [first, await second.start()]
+        others = [
+            NodeProcess(
+                f"node-{i}", warehouse, peers=[first.address], extra=extra, spark_master=master
+            )
+            for i in range(2, count + 1)
+        ]
+        procs = [first, *await asyncio.gather(*(proc.start() for proc in others))]
 
         async def scraped() -> NodeCounts:
             samples = [await _scrape(proc.address) for proc in procs]
@@ -642,7 +647,7 @@ async def _start_two_nodes(
     from deltaflow.spark_integration import SparkConfig
 
     nodes = await start_local_nodes(
-        2,
+        count,
         NodeConfig(
             node_id="node-1",
             warehouse=warehouse,
@@ -896,6 +901,9 @@ VARIANTS: Final = (
     _spark_variant("cluster-arrow-procs", spark="cluster"),
     _spark_variant("cluster-sql-arrow-procs", writer="sql", spark="cluster"),
     _spark_variant("connect-arrow-procs", writer="sql", spark="connect"),  # SQL, as always there
+    # Nodes into one table by count (the object-store bench, docs/object-storage.md).
+    _procs_variant("delta-rs", "1node-arrow-procs", arrow=True, nodes=1),
+    _procs_variant("delta-rs", "3node-arrow-procs", arrow=True, nodes=3),
     _dv_variant("spark", "arrow-procs", arrow=True),  # the Arrow source
     _dv_variant("delta-rs", "arrow-procs", arrow=True),
     _dv_variant("spark", "paced", rate=PACED_RATE),  # the dict source, paced
@@ -921,6 +929,15 @@ VARIANTS: Final = (
     Variant("bulk-delta-rs", "bulk_delta_rs", run_deltars_bulk),
 )
 BY_NAME: Final = {v.name: v for v in VARIANTS}
+#: The variants of a run on object storage (``--warehouse s3://...``): 1, 2 and 3 delta-rs
+#: nodes, Spark's two, and one bulk delta-rs MERGE into the same store.
+STORE_VARIANTS: Final = (
+    "deltaflow-delta-rs-1node-arrow-procs",
+    "deltaflow-delta-rs-arrow-procs",
+    "deltaflow-delta-rs-3node-arrow-procs",
+    "deltaflow-spark-arrow-procs",
+    "bulk-delta-rs",
+)
 
 
 def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
@@ -953,7 +970,7 @@ def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
 
 def count_table(path: Path) -> tuple[int, int]:
     """Rows and distinct ids of a Delta table, read with delta-rs (not Spark), through its
-    query engine, which applies deletion vectors."""
+    query engine, which applies deletion vectors (on a store, its settings from ``AWS_*``)."""
     import pyarrow as pa
     from deltalake import DeltaTable, QueryBuilder
 
@@ -1011,7 +1028,9 @@ def print_ratios(results: list[Result]) -> None:
         ratio(spark_variant, "bulk-spark")
     ratio("deltaflow-delta-rs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-procs", "bulk-delta-rs")
+    ratio("deltaflow-delta-rs-1node-arrow-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-arrow-procs", "bulk-delta-rs")
+    ratio("deltaflow-delta-rs-3node-arrow-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-arrow-procs-dv", "bulk-delta-rs")
     for name in by:
         if "-paced" in name:
@@ -1063,15 +1082,28 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def run_all(total: int, names: list[str], out_dir: Path, keep: bool) -> int:
-    """Parent: run each variant in its own subprocess, verify its table, print and save."""
+def run_all(total: int, names: list[str], out_dir: Path, keep: bool, store: bool = False) -> int:
+    """Parent: run each variant in its own subprocess, verify its table, print and save.
+    ``store``: the tables go to a bucket of an S3 server (versitygw) the run starts on
+    127.0.0.1; its settings reach the variants and their nodes through ``AWS_*`` variables."""
+    from deltaflow.storage.paths import location
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    warehouse = Path(tempfile.mkdtemp(prefix="deltaflow-bench-"))
+    scratch = Path(tempfile.mkdtemp(prefix="deltaflow-bench-"))
+    server = None
+    where = str(scratch)
+    if store:
+        from deltaflow.testing.object_store import S3Server
+
+        server = S3Server(scratch / "s3").start()
+        os.environ.update(server.storage_options)
+        where = server.create_bucket("deltaflow-bench") + "/warehouse"
+    warehouse = location(where)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"deltaflow ingest benchmark: {total:,} rows ({max(1, total // 2):,} distinct ids, "
         f"~{DELETE_FRACTION:.0%} deletes), {os.cpu_count()} cores, load {load}\n"
-        f"warehouse {warehouse}",
+        f"warehouse {where}" + (" (versitygw on 127.0.0.1)" if store else ""),
         flush=True,
     )
     results: list[Result] = []
@@ -1080,14 +1112,14 @@ def run_all(total: int, names: list[str], out_dir: Path, keep: bool) -> int:
     try:
         for name in names:
             variant = BY_NAME[name]
-            out = warehouse / f"{name}.json"
+            out = scratch / f"{name}.json"
             log = out_dir / f"ingest-{name}.log"
             print(f"running {name} ... ", end="", flush=True)
             t0 = time.monotonic()
             with log.open("w") as sink:
                 command = [sys.executable, __file__, "--variant", name, "--rows", str(total)]
                 proc = subprocess.run(
-                    [*command, "--warehouse", str(warehouse), "--out", str(out)],
+                    [*command, "--warehouse", where, "--out", str(out)],
                     stdout=sink,
                     stderr=subprocess.STDOUT,
                     check=False,
@@ -1117,10 +1149,12 @@ def run_all(total: int, names: list[str], out_dir: Path, keep: bool) -> int:
                 flush=True,
             )
     finally:
+        if server is not None:
+            server.stop()
         if keep:
-            print(f"kept {warehouse}")
+            print(f"kept {scratch}")
         else:
-            shutil.rmtree(warehouse, ignore_errors=True)
+            shutil.rmtree(scratch, ignore_errors=True)
     print(f"\ntotal benchmark time {time.monotonic() - began:.0f}s\n")
     if results:
         print_table(results)
@@ -1140,13 +1174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="N, rows to ingest")
     parser.add_argument(
         "--variants",
-        default=",".join(BY_NAME),
-        help="comma-separated variants to run (default: all)",
+        default=None,
+        help="comma-separated variants to run (default: all; on a store, the store's)",
     )
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where results go")
     parser.add_argument("--keep", action="store_true", help="keep the warehouse directory")
+    parser.add_argument(
+        "--warehouse",
+        help="s3://...: write the tables to object storage; the bench starts its own S3 server "
+        "(versitygw, on 127.0.0.1) for the run (default: a temporary directory)",
+    )
     parser.add_argument("--variant", choices=sorted(BY_NAME), help=argparse.SUPPRESS)
-    parser.add_argument("--warehouse", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rows < 2:
@@ -1154,13 +1192,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.variant:
         if args.warehouse is None or args.out is None:
             parser.error("--variant needs --warehouse and --out")
-        run_variant(args.variant, args.rows, args.warehouse, args.out)
+        from deltaflow.storage.paths import location
+
+        run_variant(args.variant, args.rows, location(args.warehouse), args.out)  # type: ignore[arg-type]
         return 0
-    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    store = args.warehouse is not None
+    if store and not args.warehouse.startswith("s3://"):
+        parser.error("--warehouse takes s3://... (the bench starts the S3 server itself)")
+    default = STORE_VARIANTS if store else tuple(BY_NAME)
+    names = [n.strip() for n in (args.variants or ",".join(default)).split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {sorted(BY_NAME)}")
-    return run_all(args.rows, names, args.out_dir, args.keep)
+    return run_all(args.rows, names, args.out_dir, args.keep, store)
 
 
 if __name__ == "__main__":

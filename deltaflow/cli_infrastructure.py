@@ -46,6 +46,12 @@ def warehouse_of(args: argparse.Namespace) -> Any:
 def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
     """Add the subcommands to ``sub`` (the ``deltaflow`` parser's subparsers)."""
     jars = sub.add_parser("jars", help="fetch Delta's jars from Maven Central into the cache")
+    jars.add_argument(
+        "--object-store",
+        action="store_true",
+        help="also S3A's jars (the AWS SDK bundle: about 690 MB) and deltaflow's S3 log store, "
+        "built with javac: what the spark engine needs on an s3:// warehouse",
+    )
     jars.set_defaults(func=_jars)
 
     store = sub.add_parser("store", help="check an object store for deltaflow's tables")
@@ -82,7 +88,12 @@ def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
 def _jars(args: argparse.Namespace) -> int:
     from .spark_integration.jars import ensure_jars
 
-    for jar in ensure_jars():
+    jars = ensure_jars()
+    if args.object_store:
+        from .spark_integration.s3a import ensure_object_store_jars
+
+        jars += ensure_object_store_jars()
+    for jar in jars:
         print(jar)
     return 0
 

@@ -132,12 +132,11 @@ def create_table(
         if is_table(path):
             raise UsageError(f"table {name!r} exists already under {warehouse}")
         if engine == SPARK:
-            from .spark_integration.session import get_spark
+            from .spark_integration.session import SparkConfig, session_for
             from .spark_integration.spark_engine import create_delta_table as create_spark
-            from .spark_integration.spark_engine import require_local_warehouse
 
-            require_local_warehouse(warehouse)
-            create_spark(get_spark(spark), path, data_schema, settings, table=name, node="cli")
+            session = session_for(warehouse, spark or SparkConfig())
+            create_spark(session, path, data_schema, settings, table=name, node="cli")
         else:
             from .tables.deltars_engine import create_delta_table as create_rs
 

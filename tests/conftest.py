@@ -202,4 +202,6 @@ def no_blocking_calls_on_the_event_loop(request: pytest.FixtureRequest) -> Itera
             function.can_block_in("deltaflow/server/side_inputs/loading.py", "load_side_inputs")
             # A test changing a side input's source from a stream's callback, on purpose.
             function.can_block_in("tests/test_side_inputs.py", "replace_file")
+            # Spark reading a table on the S3 server for a test, after its stream.
+            function.can_block_in("tests/support.py", "read_spark")
         yield

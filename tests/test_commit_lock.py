@@ -19,22 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from deltalake import DeltaTable
 
 import deltaflow
 from deltaflow import StreamerOptions
+from deltaflow.storage.paths import Location, location, storage_options
 from deltaflow.tables import flock as lock
 from deltaflow.tables.flock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
+from deltaflow.testing.object_store import S3Server
 
-from .support import read_delta
+from .support import open_table, read_delta
 
 APPEND_RECEIVER = "deltaflow.testing.AppendRows"
 
 
 async def race(
-    warehouse: Path,
-    engine: str,
+    warehouse: Location,
+    engine: str | tuple[str, str],
     batches: int,
     rows: int,
     *,
@@ -45,13 +46,24 @@ async def race(
     """Both nodes stream ``batches`` one-batch commits of ``rows`` rows; returns the seconds the
     two streams took. Merges into a keyed table, or appends to a keyless one. With ``keys``,
     each node's rows cycle through that many ids, so every batch after the first few updates
-    rows of the node's earlier commits."""
-    extra = ("--partitions", "1", "--engine", engine, *extra)
+    rows of the node's earlier commits. ``engine``: both nodes', or each one's. A warehouse on
+    the S3 server is given to the nodes with its settings in their environment."""
+    engines = (engine, engine) if isinstance(engine, str) else engine
+    flags = ("--partitions", "1", *extra)
     if append:
-        extra += ("--receiver", APPEND_RECEIVER)
+        flags += ("--receiver", APPEND_RECEIVER)
     total = batches * rows
     distinct = keys or total
-    nodes = [NodeProcess(f"{engine}-{i}", warehouse, extra=extra) for i in (1, 2)]
+    env = storage_options(warehouse) or {}
+    nodes = [
+        NodeProcess(
+            f"{name}-{i}",
+            warehouse,
+            extra=(*flags, "--engine", name),
+            env=env,  # type: ignore[arg-type]
+        )
+        for i, name in enumerate(engines, start=1)
+    ]
     await asyncio.gather(*(n.start() for n in nodes))
     opts = StreamerOptions(page_size=rows, max_in_flight=1, auto_flush_interval=0)
 
@@ -76,7 +88,7 @@ async def race(
         await asyncio.gather(*(n.stop() for n in nodes))
     assert all(s.items_acked == batches * rows for s in summaries)
     path = warehouse / "shared"
-    table = DeltaTable(str(path))
+    table = open_table(path)
     # Every version is there, none overwritten: the table's creation, then one commit per
     # batch, each carrying its writer's lane marks.
     versions = sorted(h["version"] for h in table.history(10_000))
@@ -95,7 +107,7 @@ async def race(
     return elapsed
 
 
-def _writer(path: Path, version: int) -> str:
+def _writer(path: Location, version: int) -> str:
     """The node recorded in a commit's lane marks ('' for a commit without them)."""
     for line in (path / "_delta_log" / f"{version:020d}.json").read_text().splitlines():
         info = json.loads(line).get("commitInfo")
@@ -111,6 +123,17 @@ async def test_hammer_200_appends_from_two_spark_processes(warehouse: Path) -> N
     # two JVMs, 200 commits, none may be lost. Appends rather than MERGEs, which take several
     # times longer: the commit path and its lock are the same.
     await race(warehouse, "spark", batches=100, rows=4, append=True)
+
+
+@pytest.mark.slow
+async def test_a_spark_node_and_a_delta_rs_node_share_a_table_on_s3(
+    s3_server: S3Server, bucket: str
+) -> None:
+    """Two one-node clusters, one on each engine, appending to one table in a bucket: no lock
+    they share, only the store's conditional create (delta-rs's own, and Spark's through
+    deltaflow's log store). 2 x 60 commits, none lost."""
+    warehouse = location(f"{bucket}/warehouse", s3_server.storage_options)
+    await race(warehouse, ("spark", "delta-rs"), batches=60, rows=4, append=True)
 
 
 @pytest.mark.slow

@@ -131,17 +131,22 @@ def test_a_store_without_conditional_writes_is_found_out_and_refused(
     assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
 
 
-def test_the_spark_engine_and_side_inputs_are_refused_on_a_store(
+def test_spark_sql_connect_and_side_inputs_are_refused_on_a_store(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    """Not yet safe there (docs/object-storage.md): each says so and what to use instead."""
+    """Not safe there yet (docs/object-storage.md): each says so and what to use instead."""
     base = ["serve", "--node-id", "n1", "--port", str(free_port()),
             "--warehouse", f"{bucket}/warehouse"]  # fmt: skip
     env = {**s3_server.storage_options, "TMPDIR": str(tmp_path)}
-    spark = _deltaflow(*base, "--engine", "spark", env=env)
-    assert spark.returncode != 0
-    assert "the spark engine cannot commit safely to" in spark.stderr, spark.stderr[-2000:]
-    assert "use --engine delta-rs" in spark.stderr
+    sql = _deltaflow(*base, "--engine", "spark", "--spark-writer", "sql", env=env)
+    assert sql.returncode != 0
+    assert "the spark engine's SQL writer cannot commit to" in sql.stderr, sql.stderr[-2000:]
+    assert "use --spark-writer direct" in sql.stderr
+    connect = _deltaflow(
+        *base, "--engine", "spark", "--spark-master", f"sc://127.0.0.1:{free_port()}", env=env
+    )
+    assert connect.returncode != 0
+    assert "a Spark Connect server cannot commit to" in connect.stderr, connect.stderr[-2000:]
     sides = _deltaflow(
         *base, "--engine", "delta-rs", "--side-input", "deltaflow.testing.FailingSideInput", env=env
     )

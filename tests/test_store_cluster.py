@@ -32,8 +32,8 @@ from .support import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-#: delta-rs nodes (no JVM): three start in seconds.
-FLAGS = (*NODE_FLAGS[:6], "--engine", "delta-rs")
+#: The failover flags without the engine's: each test names it.
+FLAGS = NODE_FLAGS[:6]
 #: Small pages, several in flight: many small groups, so many commits.
 SMALL = StreamerOptions(
     page_size=20,
@@ -51,15 +51,18 @@ StartCluster = Callable[..., Awaitable[Cluster]]
 async def store_cluster(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> AsyncIterator[StartCluster]:
-    """``await store_cluster(env={...})``: three delta-rs nodes over ``<bucket>/warehouse``,
-    each with its own ``TMPDIR``; the store's endpoint and credentials in their environment
-    (never on their command line)."""
+    """``await store_cluster(env={...}, engine=...)``: three nodes (delta-rs by default) over
+    ``<bucket>/warehouse``, each with its own ``TMPDIR`` and Spark local directory; the store's
+    endpoint and credentials in their environment (never on their command line)."""
     started: list[Cluster] = []
 
-    async def start(env: dict[str, str] | None = None) -> Cluster:
+    async def start(env: dict[str, str] | None = None, engine: str = "delta-rs") -> Cluster:
+        flags = (*FLAGS, "--engine", engine)
+        if engine == "spark":
+            flags += ("--driver-memory", "1g")
         cluster = Cluster(
             f"{bucket}/warehouse",
-            flags=FLAGS,
+            flags=flags,
             env={**s3_server.storage_options, **(env or {})},
             scratch=tmp_path / "scratch",
         )
@@ -102,13 +105,15 @@ async def metric(node: Any, name: str) -> float:
     )
 
 
+@pytest.mark.parametrize("engine", ["delta-rs", "spark"])
 async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
-    store_cluster: StartCluster, s3_server: S3Server, bucket: str
+    store_cluster: StartCluster, s3_server: S3Server, bucket: str, engine: str
 ) -> None:
     """Every group's write waits for the next 100 ms tick of the wall clock, so the three
     nodes' commits to a table meet on it: of each race one lands, the others read the marks
-    again and retry. Hundreds of commits; every append once, every upsert at its last value."""
-    cluster = await store_cluster(env={"DELTAFLOW_FAULT_TICK_BEFORE_WRITE": "0.1"})
+    again and retry. Hundreds of commits; every append once, every upsert at its last value.
+    Spark's commits go through deltaflow's conditional-write log store."""
+    cluster = await store_cluster(env={"DELTAFLOW_FAULT_TICK_BEFORE_WRITE": "0.1"}, engine=engine)
     client = await cluster.wait_members(3)
     appends = [{"id": i} for i in range(4000)]
     upserts = [{"id": i % 1500, "name": f"v{i}"} for i in range(4000)]

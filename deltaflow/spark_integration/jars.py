@@ -22,7 +22,7 @@ import urllib.request
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["delta_artifacts", "ensure_jars", "jars_dir"]
+__all__ = ["delta_artifacts", "ensure_artifacts", "ensure_jars", "jars_dir", "pyspark_jars"]
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +36,21 @@ def jars_dir() -> Path:
     return Path(os.environ.get("DELTAFLOW_JARS_DIR", default)).expanduser().resolve()
 
 
+def pyspark_jars() -> Path | None:
+    """The directory of the jars the installed pyspark ships (None without pyspark)."""
+    spec = importlib.util.find_spec("pyspark")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "jars").is_dir():
+            return Path(location) / "jars"
+    return None
+
+
 def scala_binary() -> str:
     """The Scala binary version (``2.13``) the installed pyspark is built for, read from the
     ``scala-library`` jar it ships; by its major version if that is missing."""
-    spec = importlib.util.find_spec("pyspark")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        for jar in (Path(location) / "jars").glob("scala-library-*.jar"):
-            return ".".join(jar.stem.removeprefix("scala-library-").split(".")[:2])
+    shipped = pyspark_jars()
+    for jar in shipped.glob("scala-library-*.jar") if shipped else []:
+        return ".".join(jar.stem.removeprefix("scala-library-").split(".")[:2])
     return "2.13" if _release(metadata.version("pyspark")) >= (4, 0) else "2.12"
 
 
@@ -79,10 +87,18 @@ def ensure_jars(directory: Path | None = None) -> list[Path]:
     Raises:
         RuntimeError: a jar could not be fetched (says which and how to fetch it by hand).
     """
+    return ensure_artifacts(delta_artifacts(), directory)
+
+
+def ensure_artifacts(
+    artifacts: list[tuple[str, str, str]], directory: Path | None = None
+) -> list[Path]:
+    """Paths of the jars of ``artifacts`` (group, artifact, version) in the cache, fetching
+    any that are missing."""
     directory = directory or jars_dir()
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    for group, artifact, version in delta_artifacts():
+    for group, artifact, version in artifacts:
         path = directory / _jar_name(artifact, version)
         if not path.exists():
             _fetch(group, artifact, version, path)
@@ -114,7 +130,7 @@ def _fetch(group: str, artifact: str, version: str, path: Path) -> None:
             expected = resp.read().decode().split()[0].strip()
     except OSError as exc:
         raise RuntimeError(
-            f"cannot fetch Delta jar {coordinate} from Maven Central ({exc}); fetch it with "
+            f"cannot fetch jar {coordinate} from Maven Central ({exc}); fetch it with "
             f"'mvn dependency:copy -Dartifact={coordinate}:jar -DoutputDirectory={path.parent}'"
         ) from exc
     if hashlib.sha1(data).hexdigest() != expected:  # SHA-1 because that is what Maven publishes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..errors import UsageError
+from ..storage.paths import Location, StorePath
 
 __all__ = [
     "DEFAULT_MASTER",
@@ -31,6 +33,7 @@ __all__ = [
     "connect_session",
     "get_spark",
     "require_spark",
+    "session_for",
 ]
 
 log = logging.getLogger(__name__)
@@ -123,6 +126,9 @@ class SparkConfig:
         executor_wait: on a standalone cluster, seconds to wait at start for the first
             executor; a cluster with no room for one fails the start with an error saying so.
             Default 60.
+        object_store: the session writes tables on S3: it gets S3A's jars and deltaflow's
+            conditional-write log store (:mod:`.s3a`). Applied only by the call that starts the
+            JVM. Default False.
         extra: any further Spark settings.
     """
 
@@ -134,6 +140,7 @@ class SparkConfig:
     max_cores: int = 1
     executor_memory: str = "1g"
     executor_wait: float = 60.0
+    object_store: bool = False
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,6 +199,12 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             "spark.jars": ",".join(str(p) for p in ensure_jars()),
             "spark.driver.memory": config.driver_memory,
         }
+        if config.object_store:
+            from .s3a import ensure_object_store_jars, object_store_settings
+
+            settings.update(object_store_settings())
+            jars = [*ensure_jars(), *ensure_object_store_jars()]
+            settings["spark.jars"] = ",".join(str(p) for p in jars)
         if config.master.startswith("local"):
             # Keep the embedded driver on loopback: no traffic leaves the machine.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -218,6 +231,19 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             _wait_for_an_executor(session, config)
         _session = session
         return session
+
+
+def session_for(warehouse: Location, config: SparkConfig) -> Any:
+    """Blocking: the process's classic session (:func:`get_spark`), able to write the tables
+    under ``warehouse``: on an object store, with S3A and deltaflow's log store
+    (:mod:`.s3a`), and the bucket's settings."""
+    if not isinstance(warehouse, StorePath):
+        return get_spark(config)
+    from .s3a import configure_bucket
+
+    session = get_spark(dataclasses.replace(config, object_store=True))
+    configure_bucket(session, str(warehouse), warehouse.storage_options)
+    return session
 
 
 def connect_session(config: SparkConfig) -> Any:

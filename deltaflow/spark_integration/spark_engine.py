@@ -52,13 +52,16 @@ from ..tables.settings import (
     TableSettings,
     with_layout,
 )
-from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, connect_session, get_spark
+from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, connect_session, session_for
 
 __all__ = ["SPARK_WRITERS", "SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
 log = logging.getLogger(__name__)
 
 _USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
+#: Delta's retries of a commit that lost its version (at the next one, after its own conflict
+#: checks): none on an object store, where the committer checks the lane marks again first.
+_MAX_COMMIT_ATTEMPTS: Final = "spark.databricks.delta.maxCommitAttempts"
 #: The Spark engine's writers (see the module docstring).
 SPARK_WRITERS: Final = ("direct", "sql")
 #: The class of Delta's post-commit hook that writes checkpoints (a Scala object).
@@ -78,7 +81,8 @@ def map_spark_errors(table: str, node: str) -> Iterator[None]:
         raise
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
-        if "Concurrent" in text or "ProtocolChanged" in text or "MetadataChanged" in text:
+        conflict = ("Concurrent", "ProtocolChanged", "MetadataChanged", "MAX_COMMIT_RETRIES")
+        if any(word in text for word in conflict):
             raise CommitConflictError(
                 f"commit to table {table!r} conflicted with another writer: {text[:500]}", node=node
             ) from exc
@@ -116,15 +120,22 @@ def _spark_type(arrow_type: Any) -> Any:
     return from_arrow_type(arrow_type)
 
 
-def require_local_warehouse(warehouse: Location) -> None:
-    """Raises UsageError for a warehouse on an object store: Spark's released Delta commits to
-    S3 with no conditional write, so two writers racing can overwrite each other's commits
-    (docs/object-storage.md); the delta-rs engine commits there safely."""
-    if isinstance(warehouse, StorePath):
+def require_direct_commits(warehouse: Location, config: SparkConfig, writer: str) -> None:
+    """Raises UsageError unless the engine commits to the warehouse on an object store through
+    the driver's own Delta transaction (the direct writer): only it can pin a commit to the
+    version after the one its lane marks were read at. A Spark SQL MERGE, or a Spark Connect
+    server, picks its own snapshot and could land a batch twice."""
+    if config.connect:
         raise UsageError(
-            f"the spark engine cannot commit safely to {warehouse} yet: Delta's S3 log store "
-            "makes no conditional write, so two writers can overwrite each other's commits "
-            "(docs/object-storage.md); use --engine delta-rs for a warehouse on object storage"
+            f"a Spark Connect server cannot commit to {warehouse} safely yet: its MERGE picks its "
+            "own table version, so a batch two nodes race for could land twice; run the spark "
+            "engine with a local or cluster master (--spark-writer direct), or delta-rs"
+        )
+    if writer != "direct":
+        raise UsageError(
+            f"the spark engine's SQL writer cannot commit to {warehouse} safely: its MERGE picks "
+            "its own table version, so a batch two nodes race for could land twice; use "
+            "--spark-writer direct (the default) on object storage"
         )
 
 
@@ -174,12 +185,14 @@ class SparkTableEngine(TableEngine):
         **kwargs: Any,
     ):
         super().__init__(warehouse, **kwargs)
-        require_local_warehouse(self.warehouse)
         if writer not in SPARK_WRITERS:
             raise ValueError(f"writer must be one of {SPARK_WRITERS}, got {writer!r}")
         self.spark_config = spark or SparkConfig()
         # Over Spark Connect only SQL reaches the server's Delta (see the module docstring).
         self.writer = "sql" if self.spark_config.connect else writer
+        if isinstance(self.warehouse, StorePath):
+            require_direct_commits(self.warehouse, self.spark_config, self.writer)
+            self.spark_config = dataclasses.replace(self.spark_config, object_store=True)
         self.spark: Any = None
         self._sessions: dict[str, Any] = {}
         self._checkpoint_hook: list[Any] | None = None  # Delta's CheckpointHook, _commit_files
@@ -191,7 +204,7 @@ class SparkTableEngine(TableEngine):
         config = self.spark_config
         if self.writer == "direct" and config.java_options is None:
             config = dataclasses.replace(config, java_options=DIRECT_WRITER_JAVA_OPTIONS)
-        self.spark = get_spark(config)
+        self.spark = session_for(self.warehouse, config)
         if self.writer == "direct" and not _warmed.is_set():
             self._warm_up()
 
@@ -224,6 +237,10 @@ class SparkTableEngine(TableEngine):
                 if self.spark_config.connect
                 else self.spark.newSession()
             )
+            if self.atomicity.optimistic:
+                # A commit lands at the version its marks were read at + 1 or not at all:
+                # Delta must not retry it at a later version (see GroupWrite.read_version).
+                self._sessions[table].conf.set(_MAX_COMMIT_ATTEMPTS, "0")
         return self._sessions[table]
 
     async def stop(self) -> None:
@@ -294,6 +311,12 @@ class SparkTableEngine(TableEngine):
         except Exception as exc:
             self.log.forget(path)
             raise RewriteUnsupported(f"delta-rs cannot read the table ({exc})") from exc
+        if group.read_version is not None and target.version() != group.read_version:
+            raise CommitConflictError(
+                f"table {table!r} is at version {target.version()}, its lane marks were read "
+                f"at {group.read_version}: checking them again",
+                node=self.node_id,
+            )
         with map_spark_errors(table, self.node_id):
             done: MergeOnRead | Rewrite
             merge_on_read = group.written is not None or candidates is not None

@@ -101,7 +101,7 @@ class OptimisticCommits:
 
 
 #: The longest pause between two attempts of an optimistic commit, seconds.
-MAX_CONFLICT_WAIT = 2.0
+MAX_CONFLICT_WAIT = 0.5
 
 
 def atomicity_for(warehouse: Location) -> CommitAtomicity:

@@ -235,7 +235,7 @@ class TableCommitter(TableWriter):
             stop=stop_after_attempt(atomicity.conflict_attempts),
             wait=(
                 # Racing writers without a lock: random pauses, so they do not meet again.
-                wait_random_exponential(multiplier=0.05, max=MAX_CONFLICT_WAIT)
+                wait_random_exponential(multiplier=0.02, max=MAX_CONFLICT_WAIT)
                 if atomicity.optimistic
                 else wait_exponential(multiplier=0.1)
             ),

@@ -40,8 +40,9 @@ def delta_table(path: Location, version: int | None = None) -> Any:
 
 
 def is_table(path: Location) -> bool:
-    """Whether a Delta table exists at ``path``."""
-    return log_dir(path).is_dir()
+    """Whether a Delta table exists at ``path``: its log holds a commit (a log directory alone,
+    on a store where another writer is creating the table, is not yet a table)."""
+    return latest_version(path) >= 0
 
 
 def table_path(warehouse: Location, table: str) -> Location:
@@ -56,8 +57,12 @@ def table_path(warehouse: Location, table: str) -> Location:
     return path
 
 
-def latest_version(path: Location) -> int:
-    """The highest commit version in the table's log directory (-1 if none)."""
+def latest_version(path: Location, known: int = -1) -> int:
+    """The highest commit version in the table's log directory (-1 if none). ``known``: a
+    version the caller saw there; on a store only the commit files after it are listed (the
+    log only grows), so the listing stays short however long the log."""
+    if isinstance(path, StorePath):
+        return max(commit_versions(path, known), default=known)
     return max(commit_versions(path), default=-1)
 
 

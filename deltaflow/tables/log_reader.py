@@ -37,7 +37,7 @@ class LogReader:
         table = self._open.get(path)
         if table is None:
             table = self._open[path] = delta_table(path)
-        elif table.version() < latest_version(path):
+        elif table.version() < latest_version(path, int(table.version())):
             table.update_incremental()
         return table
 
@@ -95,7 +95,7 @@ class LogReader:
         """The table's kept live files brought up to the latest commit, or None (and
         dropped) when there are none or they declined."""
         index = self._live.get(path)
-        if index is not None and index.advance(latest_version(path)):
+        if index is not None and index.advance(latest_version(path, index.version)):
             return index
         self._live.pop(path, None)
         return None

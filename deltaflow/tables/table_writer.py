@@ -18,7 +18,7 @@ from ..errors import CommitConflictError, SchemaError
 from .footprint import Footprint
 from .group import GroupWrite, PreparedGroup
 from .grouping import conform, last_per_key
-from .log import is_table, latest_version
+from .log import is_table, latest_version, log_dir
 from .marks import LaneMarks
 from .rewrite import DataFile
 from .rows import INTERNAL_COLUMNS, no_evolution_text
@@ -248,7 +248,10 @@ class TableWriter:
         try:
             self.engine.create(self.name, self.path, schema, settings)
         except Exception as exc:
-            if is_table(self.path):  # another writer created it first (no lock on a store)
+            # Another writer created it first, or is creating it (its log started, its first
+            # commit not there yet): on a store no lock kept them apart. Read it, and go on.
+            optimistic = self.engine.atomicity.optimistic
+            if is_table(self.path) or (optimistic and log_dir(self.path).is_dir()):
                 raise CommitConflictError(
                     f"table {self.name!r} was created by another writer meanwhile",
                     node=self.engine.node_id,
