@@ -603,7 +603,7 @@ async def _start_nodes(
     """``count`` nodes: the first one's address, how to read (commits, commit seconds,
     largest group rows) summed over them, and how to stop them."""
     if layout == "process":
-        from deltaflow.testing import NodeProcess, wait_for_members
+        from deltaflow.testing import NodeProcess, free_port, wait_for_members
 
         master, extra, servers = await asyncio.to_thread(_start_spark, warehouse, spark)
         extra += ["--engine", engine, "--spark-writer", writer]
@@ -611,13 +611,21 @@ async def _start_nodes(
             extra.append("--deletion-vectors")
         if buckets is not None:
             extra += ["--table-buckets", str(buckets)]
-        first = await NodeProcess("node-1", warehouse, extra=extra, spark_master=master).start()
-        others = [
+        # Every node is told all the others: membership does not spread by gossip.
+        ports = [free_port() for _ in range(count)]
+        addresses = [f"127.0.0.1:{port}" for port in ports]
+        first, *others = [
             NodeProcess(
-                f"node-{i}", warehouse, peers=[first.address], extra=extra, spark_master=master
+                f"node-{i}",
+                warehouse,
+                port=port,
+                peers=[a for a in addresses if not a.endswith(f":{port}")],
+                extra=extra,
+                spark_master=master,
             )
-            for i in range(2, count + 1)
+            for i, port in enumerate(ports, start=1)
         ]
+        await first.start()
         procs = [first, *await asyncio.gather(*(proc.start() for proc in others))]
 
         async def scraped() -> NodeCounts:

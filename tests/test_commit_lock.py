@@ -131,9 +131,9 @@ async def test_a_spark_node_and_a_delta_rs_node_share_a_table_on_s3(
 ) -> None:
     """Two one-node clusters, one on each engine, appending to one table in a bucket: no lock
     they share, only the store's conditional create (delta-rs's own, and Spark's through
-    deltaflow's log store). 2 x 60 commits, none lost."""
+    deltaflow's log store). 2 x 40 commits, none lost."""
     warehouse = location(f"{bucket}/warehouse", s3_server.storage_options)
-    await race(warehouse, ("spark", "delta-rs"), batches=60, rows=4, append=True)
+    await race(warehouse, ("spark", "delta-rs"), batches=40, rows=4, append=True)
 
 
 @pytest.mark.slow

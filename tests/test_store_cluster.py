@@ -8,6 +8,7 @@ the store."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -105,18 +106,32 @@ async def metric(node: Any, name: str) -> float:
     )
 
 
-@pytest.mark.parametrize("engine", ["delta-rs", "spark"])
+@pytest.mark.parametrize(
+    ("engine", "rows", "at_least"),
+    [
+        ("delta-rs", 4000, 200),
+        # Three JVMs on two cores commit about twice a second in all: fewer rows, the same race.
+        ("spark", 2000, 100),
+    ],
+)
 async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
-    store_cluster: StartCluster, s3_server: S3Server, bucket: str, engine: str
+    store_cluster: StartCluster,
+    s3_server: S3Server,
+    bucket: str,
+    engine: str,
+    rows: int,
+    at_least: int,
 ) -> None:
     """Every group's write waits for the next 100 ms tick of the wall clock, so the three
     nodes' commits to a table meet on it: of each race one lands, the others read the marks
-    again and retry. Hundreds of commits; every append once, every upsert at its last value.
-    Spark's commits go through deltaflow's conditional-write log store."""
+    again and retry. Hundreds of commits (delta-rs; over a hundred with Spark); every append
+    once, every upsert at its last value. Spark's commits go through deltaflow's
+    conditional-write log store."""
     cluster = await store_cluster(env={"DELTAFLOW_FAULT_TICK_BEFORE_WRITE": "0.1"}, engine=engine)
     client = await cluster.wait_members(3)
-    appends = [{"id": i} for i in range(4000)]
-    upserts = [{"id": i % 1500, "name": f"v{i}"} for i in range(4000)]
+    keys = rows * 3 // 8
+    appends = [{"id": i} for i in range(rows)]
+    upserts = [{"id": i % keys, "name": f"v{i}"} for i in range(rows)]
     async with client:
         done = await asyncio.gather(
             client.stream_data(
@@ -128,11 +143,11 @@ async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
             ),
             client.stream_data(paced(upserts), table="upserted", key="id", options=SMALL),
         )
-    assert [s.items_acked for s in done] == [4000, 4000]
+    assert [s.items_acked for s in done] == [rows, rows]
     ids = [r["id"] for r in read_all(table(s3_server, bucket, "appended"))]
-    assert len(ids) == 4000 and set(ids) == set(range(4000))  # 0 lost, 0 doubled
+    assert len(ids) == rows and set(ids) == set(range(rows))  # 0 lost, 0 doubled
     names = {k: r["name"] for k, r in read_delta(table(s3_server, bucket, "upserted")).items()}
-    assert names == {k: f"v{k + 3000 if k + 3000 < 4000 else k + 1500}" for k in range(1500)}
+    assert names == {k: f"v{max(range(k, rows, keys))}" for k in range(keys)}
     commits = sum(
         open_table(table(s3_server, bucket, name)).version() for name in ("appended", "upserted")
     )
@@ -141,7 +156,7 @@ async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
     ]
     tables = [table(s3_server, bucket, name) for name in ("appended", "upserted")]
     writers = {node for path in tables for node in _writers(path)}
-    assert commits >= 200, (commits, conflicts)
+    assert commits >= at_least, (commits, conflicts)
     assert sum(conflicts) > 0, "no commit lost a race: the tick did not bring them together"
     assert writers == set(cluster.nodes), writers
 
@@ -199,7 +214,10 @@ async def test_a_paused_owner_s_late_commit_does_not_land(
     cluster = await store_cluster()
     paused = await cluster.restart("node-3", env={"DELTAFLOW_FAULT_STOP_BEFORE_WRITE": "1"})
     n = 20_000
-    summary = await cluster.append_ids("paused", n, FAILOVER_OPTIONS)
+    # The client gives up on the paused node's batches after 10 s (it still holds the TCP
+    # connection: only the missing acks tell), and sends them to the new owners.
+    options = dataclasses.replace(FAILOVER_OPTIONS, ack_timeout=10.0)
+    summary = await cluster.append_ids("paused", n, options)
     assert summary.items_acked == n
     assert _state(paused) == "T", "node-3 never paused: the test proved nothing"
     before = await _versions_by(table(s3_server, bucket, "paused"))
