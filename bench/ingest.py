@@ -648,7 +648,11 @@ async def _start_nodes(
             if servers is not None:
                 await asyncio.to_thread(servers.stop)
 
-        await wait_for_members([proc.address for proc in procs])
+        try:
+            await wait_for_members([proc.address for proc in procs])
+        except BaseException:  # a cluster that never formed: its processes must not linger
+            await stop_procs()
+            raise
         return first.address, scraped, stop_procs
 
     from deltaflow.server import NodeConfig, start_local_nodes
