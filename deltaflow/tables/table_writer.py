@@ -83,12 +83,13 @@ class TableWriter:
 
     def describe(self) -> None:
         """Blocking: read the table's settings and schema (nothing if it does not exist)."""
-        if not is_table(self.path):
+        version = latest_version(self.path)  # one listing: is_table() is version >= 0
+        if version < 0:
             self.settings = self.schema = None
             return
         import pyarrow as pa
 
-        self.described_version = latest_version(self.path)
+        self.described_version = version
         desc = self.engine.describe(self.name, self.path)
         full = pa.schema(desc.schema)
         self.settings = TableSettings.from_table(desc.properties, full.names)
