@@ -22,8 +22,8 @@ import pytest
 
 import deltaflow
 from deltaflow import StreamerOptions
+from deltaflow.storage import flock as lock
 from deltaflow.storage.paths import Location, location, storage_options
-from deltaflow.tables import flock as lock
 from deltaflow.tables.flock import others_waiting, table_lock, table_lock_path
 from deltaflow.testing import NodeProcess
 from deltaflow.testing.object_store import S3Server

@@ -131,7 +131,7 @@ def test_a_store_without_conditional_writes_is_found_out_and_refused(
     assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
 
 
-def test_spark_sql_connect_and_side_inputs_are_refused_on_a_store(
+def test_spark_sql_writer_and_connect_are_refused_on_a_store(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
     """Not safe there yet (docs/object-storage.md): each says so and what to use instead."""
@@ -147,11 +147,6 @@ def test_spark_sql_connect_and_side_inputs_are_refused_on_a_store(
     )
     assert connect.returncode != 0
     assert "a Spark Connect server cannot commit to" in connect.stderr, connect.stderr[-2000:]
-    sides = _deltaflow(
-        *base, "--engine", "delta-rs", "--side-input", "deltaflow.testing.FailingSideInput", env=env
-    )
-    assert sides.returncode != 0
-    assert "side inputs need a warehouse directory" in sides.stderr, sides.stderr[-2000:]
 
 
 def test_a_store_without_conditional_writes_is_described_as_unsafe() -> None:

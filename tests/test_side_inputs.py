@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import itertools
 import json
 import os
@@ -20,7 +22,16 @@ from deltaflow.errors import SideInputError
 from deltaflow.receivers import MAX_SIDE_INPUT_BYTES, SideInput
 from deltaflow.server import Node, NodeConfig, NodeState
 from deltaflow.server.side_inputs import SideInputStore, load_side_inputs
-from deltaflow.testing import SIDE_INPUT_FILE_ENV, NodeProcess, check_stamped, stamped_value
+from deltaflow.server.side_inputs.directory import Directory, LeaseLostError
+from deltaflow.storage.paths import Location, location
+from deltaflow.testing import (
+    SIDE_INPUT_FILE_ENV,
+    NodeProcess,
+    at_fault_point,
+    check_stamped,
+    stamped_value,
+)
+from deltaflow.testing.object_store import S3Server
 
 from .support import Eventually, StartCluster
 
@@ -49,11 +60,24 @@ def stamp_on(node: Node) -> Any:
     return node.side_inputs.get("file", check_stamped)["stamp"]
 
 
-def versions_on_disk(warehouse: Path) -> list[str]:
-    return sorted(p.name for p in (warehouse / ".deltaflow/side_inputs/file").glob("v*.bin"))
+def versions_stored(warehouse: Location) -> list[int]:
+    """The version numbers whose files the warehouse keeps for side input ``file``."""
+    files = (warehouse / ".deltaflow/side_inputs/file").glob("v*.bin")
+    return sorted(int(p.name[1:9]) for p in files)
 
 
-async def single_node(warehouse: Path, **config: Any) -> Node:
+@pytest.fixture(params=["disk", "s3"])
+def shared(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Location, dict[str, str]]:
+    """A warehouse the nodes share: a directory, or a prefix in a fresh bucket of the real S3
+    server; and the environment node processes need to reach it."""
+    if request.param == "disk":
+        return tmp_path / "warehouse", {}
+    server: S3Server = request.getfixturevalue("s3_server")
+    uri = f"{request.getfixturevalue('bucket')}/warehouse"
+    return location(uri, server.storage_options), server.storage_options
+
+
+async def single_node(warehouse: Location, **config: Any) -> Node:
     node = Node(NodeConfig(node_id="n1", warehouse=warehouse, port=0, engine="delta-rs", **config))
     await node.start()
     return node
@@ -133,7 +157,7 @@ async def test_items_after_a_change_see_the_new_value_and_none_sees_a_torn_one(
         assert sum(s.is_leader for s in stats) == 1
         assert sum(s.published for s in stats) == rounds
         assert len({s.leader for s in stats}) == 1
-        assert versions_on_disk(warehouse) == [f"v{v:08d}.bin" for v in range(1, rounds + 1)]
+        assert versions_stored(warehouse) == list(range(1, rounds + 1))
     finally:
         for node in reversed(nodes):
             await node.stop()
@@ -147,8 +171,9 @@ async def cluster_view(session: aiohttp.ClientSession, proc: NodeProcess) -> dic
 
 @pytest.mark.slow
 async def test_a_killed_leader_is_replaced_and_new_values_reach_the_survivors(
-    warehouse: Path, tmp_path: Path
+    shared: tuple[Location, dict[str, str]], tmp_path: Path
 ) -> None:
+    warehouse, store_env = shared
     lease = 1.5
     source = tmp_path / "side.json"
     replace_file(source, stamped_value(1, 50_000))
@@ -164,7 +189,7 @@ async def test_a_killed_leader_is_replaced_and_new_values_reach_the_survivors(
         "--side-input-poll-interval",
         "0.1",
     ]
-    env = {SIDE_INPUT_FILE_ENV: str(source)}
+    env = {SIDE_INPUT_FILE_ENV: str(source), **store_env}
     procs = [NodeProcess(f"n{i}", warehouse, extra=extra, env=env) for i in (1, 2, 3)]
     by_id = {p.node_id: p for p in procs}
     try:
@@ -204,8 +229,8 @@ async def test_a_killed_leader_is_replaced_and_new_values_reach_the_survivors(
                     new_value = now
                 assert time.monotonic() < deadline, f"no version 2 on the survivors: {views}"
                 await asyncio.sleep(0.05)
-            lease_file = warehouse / ".deltaflow/side_inputs/file/lease"
-            holder = json.loads(lease_file.read_text())["holder"]
+            state = warehouse / ".deltaflow/side_inputs/file/state"
+            holder = json.loads(state.read_text())["lease"]["holder"]
             assert holder in survivor_ids
             print(  # noqa: T201
                 f"\nside-input leader {leader.node_id} SIGKILLed (lease {lease}s): {holder} "
@@ -266,8 +291,9 @@ async def test_a_node_whose_side_input_keeps_failing_does_not_start(warehouse: P
 
 
 async def test_declined_unchanged_or_oversized_retrievals_make_no_new_version(
-    warehouse: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    shared: tuple[Location, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    warehouse, _ = shared
     source = tmp_path / "side.json"
     replace_file(source, stamped_value(1, 1000))
     monkeypatch.setenv(SIDE_INPUT_FILE_ENV, str(source))
@@ -285,7 +311,7 @@ async def test_declined_unchanged_or_oversized_retrievals_make_no_new_version(
         declined = stats().declined
         await until(lambda: stats().declined >= declined + 3, timeout=10, what="declines")
         assert stats().version == 1 and stamp_on(node) == 1
-        assert versions_on_disk(warehouse) == ["v00000001.bin"]
+        assert versions_stored(warehouse) == [1]
 
         replace_file(source, stamped_value(1, 1000))  # the same bytes again
         unchanged = stats().unchanged
@@ -301,7 +327,7 @@ async def test_declined_unchanged_or_oversized_retrievals_make_no_new_version(
         replace_file(source, stamped_value(2, 1000))
         await until(lambda: stats().version == 2, timeout=10, what="version 2")
         assert stamp_on(node) == 2
-        assert versions_on_disk(warehouse) == ["v00000001.bin", "v00000002.bin"]
+        assert versions_stored(warehouse) == [1, 2]
         assert stats().declined >= 3 and stats().published == 2
     finally:
         await node.stop()
@@ -399,3 +425,65 @@ async def test_a_failed_retrieval_is_retried_with_doubling_waits_until_it_succee
     retrying = [r.getMessage() for r in caplog.records if "retrying in" in r.getMessage()]
     assert [m.split("retrying in ")[1].split("s:")[0] for m in retrying] == ["0.5", "1.0", "2.0"]
     assert all(r.name == "deltaflow.server.side_inputs" for r in caplog.records)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_a_leader_replaced_while_it_stalled_cannot_publish(
+    shared: tuple[Location, dict[str, str]],
+) -> None:
+    warehouse, _ = shared
+    place = Directory(warehouse / ".deltaflow/side_inputs/fenced")
+    assert place.try_lease("n1", "n1/a", 0.5, None)[0]
+    first = place.publish("n1", "n1/a", b"one", digest(b"one"))
+    assert first is not None and first.version == 1
+
+    def stall_past_the_lease() -> None:
+        # n1 read its lease, valid, and is about to publish; it stalls until n2 has taken over.
+        deadline = time.monotonic() + 10
+        while not place.try_lease("n2", "n2/b", 30.0, None)[0]:
+            assert time.monotonic() < deadline, "n1's lease never ran out"
+            time.sleep(0.05)
+
+    with at_fault_point("side_input_publish", stall_past_the_lease):
+        with pytest.raises(LeaseLostError) as lost:
+            place.publish("n1", "n1/a", b"two", digest(b"two"))
+    assert lost.value.args[0] == "n2"
+    kept = place.load_newer("fenced", 0)
+    assert kept is not None and (kept.version, kept.data) == (1, b"one")
+
+    # The new leader publishes the next version; the fenced leader's file does not shadow it.
+    third = place.publish("n2", "n2/b", b"three", digest(b"three"))
+    assert third is not None and third.version == 2
+    loaded = place.load_newer("fenced", 1)
+    assert loaded is not None and loaded.data == b"three"
+
+
+def race_for_lease(place: Directory, racers: int, incarnation: str) -> list[tuple[bool, Any]]:
+    """What each of ``racers`` threads, released at once, got from ``try_lease``."""
+    start = threading.Barrier(racers)
+
+    def race(i: int) -> tuple[bool, Any]:
+        start.wait()
+        return place.try_lease(f"n{i}", f"n{i}/{incarnation}", 30.0, None)
+
+    with concurrent.futures.ThreadPoolExecutor(racers) as pool:
+        return list(pool.map(race, range(racers)))
+
+
+def test_of_nodes_racing_for_a_free_lease_exactly_one_takes_it(
+    shared: tuple[Location, dict[str, str]],
+) -> None:
+    warehouse, _ = shared
+    place = Directory(warehouse / ".deltaflow/side_inputs/raced")
+    racers = 8
+    for round_ in range(3):
+        results = race_for_lease(place, racers, f"round{round_}")
+        winners = [i for i, (held, _) in enumerate(results) if held]
+        assert len(winners) == 1, f"round {round_}: {winners} all took the lease"
+        assert {lease.holder for _, lease in results} == {f"n{winners[0]}"}
+        lease = place.read_lease()
+        assert lease is not None and lease.epoch == round_ + 1
+        place.release(f"n{winners[0]}/round{round_}", None)

@@ -241,12 +241,6 @@ class Node:
         classes = load_side_inputs([*config.side_inputs, *side_inputs])
         self.side_inputs: SideInputStore | None = None
         if classes:
-            if isinstance(self.warehouse, StorePath):
-                raise UsageError(
-                    f"side inputs need a warehouse directory: their leases and versions are "
-                    f"files, not yet objects on a store ({self.warehouse}); run this node "
-                    "without side inputs, or on a local or mounted warehouse"
-                )
             self.side_inputs = SideInputStore(
                 self.warehouse,
                 node_id=config.node_id,

@@ -162,6 +162,20 @@ class StorePath:
     def read_text(self, encoding: str = "utf-8") -> str:
         return self.read_bytes().decode(encoding)
 
+    def read_tagged(self) -> tuple[bytes, str] | None:
+        """The object's bytes and ETag (None if there is no such object)."""
+        import obstore
+        from obstore.exceptions import NotFoundError
+
+        try:
+            got = obstore.get(self._store, self._key)
+        except (NotFoundError, FileNotFoundError):
+            return None
+        etag = got.meta["e_tag"]
+        if etag is None:
+            raise OSError(f"{self}: the store gave no ETag, so the object cannot be swapped")
+        return bytes(got.bytes()), etag
+
     def stat_size(self) -> int:
         import obstore
 
@@ -204,6 +218,19 @@ class StorePath:
             return dict(obstore.put(self._store, self._key, data, mode="create"))
         except (AlreadyExistsError, PreconditionError, FileExistsError) as exc:
             raise FileExistsError(f"{self} exists") from exc
+
+    def replace_if(self, data: bytes, etag: str | None) -> bool:
+        """Store ``data`` only if the object still has ETag ``etag`` (``If-Match``; None: only
+        if there is no object, ``If-None-Match: *``). False when another writer changed it."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        mode: Any = "create" if etag is None else {"e_tag": etag}
+        try:
+            obstore.put(self._store, self._key, data, mode=mode)
+        except (AlreadyExistsError, PreconditionError, FileExistsError):
+            return False
+        return True
 
     def rename(self, target: StorePath) -> StorePath:
         """Move the object to ``target`` on the same store (a copy, then a delete)."""

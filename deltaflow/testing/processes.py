@@ -10,7 +10,8 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+
+from ..storage.paths import Location
 
 __all__ = ["NodeProcess", "free_port", "wait_for_members"]
 
@@ -36,7 +37,7 @@ class NodeProcess:
     def __init__(
         self,
         node_id: str,
-        warehouse: Path,
+        warehouse: Location,
         *,
         peers: Sequence[str] = (),
         port: int = 0,

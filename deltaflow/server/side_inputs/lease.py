@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 
+from .directory import UNREADABLE
 from .managed import Managed
 
 __all__ = ["lease_loop"]
@@ -27,7 +28,7 @@ async def lease_loop(m: Managed, *, node_id: str, instance: str, duration: float
             held, lease = await asyncio.to_thread(
                 m.dir.try_lease, node_id, instance, duration, m.last_run
             )
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except UNREADABLE as exc:
             # Unreadable lease or lock trouble: act as a follower until it clears up.
             log.warning("side input %s: lease check failed: %s", m.name, exc)
             held, lease = False, None

@@ -17,7 +17,7 @@ from typing import Final
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from ...receivers.side_input import MAX_SIDE_INPUT_BYTES
-from .directory import LeaseLostError
+from .directory import UNREADABLE, LeaseLostError
 from .managed import Managed
 from .version import Version
 
@@ -159,7 +159,7 @@ class Retriever:
             m.last_error = (
                 str(exc) if isinstance(exc, RetrievalError) else f"{type(exc).__name__}: {exc}"
             )
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(*UNREADABLE):
                 await asyncio.to_thread(m.dir.record_error, self.node_id, m.last_error)
             raise
         m.last_run = started

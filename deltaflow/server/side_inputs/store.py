@@ -9,13 +9,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any, Final
 
 from ...errors import SideInputError
 from ...receivers.side_input import SideInput
+from ...storage.paths import Location
 from ..statistics import SideInputStatistics
-from .directory import Directory
+from .directory import UNREADABLE, Directory
 from .lease import lease_loop
 from .managed import Managed
 from .retrieval import Retriever
@@ -44,8 +44,8 @@ class SideInputStore:
     use (``get``, the :class:`deltaflow.receivers.base.SideInputReader` protocol).
 
     Args:
-        warehouse: the shared warehouse directory (the side inputs live under
-            ``.deltaflow/side_inputs/``).
+        warehouse: the shared warehouse, a directory or a prefix on an object store (the
+            side inputs live under ``.deltaflow/side_inputs/``).
         node_id: this node's id (written into leases and versions).
         classes: the side-input classes (see :func:`load_side_inputs`).
         lease: seconds a leader's lease lasts; renewed every third of it. Default 10.
@@ -57,7 +57,7 @@ class SideInputStore:
 
     def __init__(
         self,
-        warehouse: Path,
+        warehouse: Location,
         *,
         node_id: str,
         classes: Iterable[type[SideInput]],
@@ -70,7 +70,7 @@ class SideInputStore:
         # Unique per process lifetime: a node restarted under the same id does not mistake
         # its previous incarnation's lease for its own.
         self._instance = f"{node_id}/{uuid.uuid4().hex}"
-        root = Path(warehouse) / ".deltaflow" / "side_inputs"
+        root = warehouse / ".deltaflow" / "side_inputs"
         self._managed: dict[str, Managed] = {}
         for cls in classes:
             m = Managed(cls, Directory(root / cls.side_input_name()))
@@ -160,7 +160,7 @@ class SideInputStore:
         for m in self._managed.values():
             try:
                 loaded = await asyncio.to_thread(m.dir.load_newer, m.name, 0)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except UNREADABLE as exc:
                 log.warning("side input %s: cannot read the stored version yet: %s", m.name, exc)
                 loaded = None
             if loaded is not None:
@@ -211,7 +211,7 @@ class SideInputStore:
                 else:
                     try:
                         why = await asyncio.to_thread(m.dir.explain)
-                    except (OSError, ValueError, KeyError, TypeError) as exc:
+                    except UNREADABLE as exc:
                         why = f"its files cannot be read: {exc}"
                 reasons.append(
                     f"side input {m.name!r} ({m.cls.__module__}.{m.cls.__qualname__}, "
@@ -243,5 +243,5 @@ class SideInputStore:
                 m.is_leader = False
                 try:
                     await asyncio.to_thread(m.dir.release, self._instance, m.last_run)
-                except OSError as exc:
+                except UNREADABLE as exc:
                     log.warning("side input %s: cannot release the lease: %s", m.name, exc)

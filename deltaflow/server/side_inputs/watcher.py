@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from .directory import UNREADABLE
 from .managed import Managed
 from .version import Version
 
@@ -30,7 +31,7 @@ async def watch(
                 loaded = await asyncio.to_thread(
                     m.dir.load_newer, m.name, m.current.version if m.current else 0
                 )
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except UNREADABLE as exc:
                 # A version file pruned or replaced under the read: read again next time.
                 log.debug("side input %s: version not readable yet: %s", m.name, exc)
                 continue
