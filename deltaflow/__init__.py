@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     )
     from .columnar import DELETE_COLUMN, ArrowRows
     from .errors import DataStreamerError, DeltaflowError, FailedItem
+    from .security import ClientTls
 
 _HOMES = {
     "Client": "client",
@@ -40,12 +41,14 @@ _HOMES = {
     "DataStreamerError": "errors",
     "DeltaflowError": "errors",
     "FailedItem": "errors",
+    "ClientTls": "security",
 }
 
 __all__ = [
     "DELETE_COLUMN",
     "ArrowRows",
     "Client",
+    "ClientTls",
     "CommitPosition",
     "DataStreamerError",
     "Delete",

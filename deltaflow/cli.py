@@ -7,18 +7,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
+from .errors import ConnectionLostError, NodeUnavailableError, UsageError
+from .security import ClientTls
 from .spark_integration.spark_engine import SPARK_WRITERS
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
 
@@ -26,10 +25,17 @@ __all__ = ["main"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from .security import NodeTls
     from .server import Node, NodeConfig
     from .spark_integration import SparkConfig
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            raise UsageError("--tls-cert and --tls-key go together")
+        tls = NodeTls(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
+    elif args.tls_ca or args.tls_client_auth:
+        raise UsageError("--tls-ca and --tls-client-auth need --tls-cert and --tls-key")
     config = NodeConfig(
         node_id=args.node_id,
         host=args.host,
@@ -40,7 +46,9 @@ def _serve(args: argparse.Namespace) -> int:
         peers=[p for p in (args.peers or "").split(",") if p],
         receivers=args.receiver or [],
         receiver_concurrency=dict(args.receiver_concurrency or []),
-        token=token,
+        token=_token_of(args),
+        tls=tls,
+        insecure=args.insecure,
         partitions=args.partitions,
         max_frame_bytes=args.max_frame_bytes,
         heartbeat_interval=args.heartbeat_interval,
@@ -84,15 +92,32 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_of(args: argparse.Namespace) -> str | None:
+    return Path(args.token_file).read_text().strip() if args.token_file else None
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The client side of ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (None: plain text)."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+
+
+def _add_client_credentials(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", help="file holding the shared cluster token")
+    parser.add_argument("--tls-ca", help="reach the node over TLS, trusting this CA (PEM)")
+    parser.add_argument("--tls-cert", help="this client's certificate, for mutual TLS (PEM)")
+    parser.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
+
+
 def _cluster_status(args: argparse.Namespace) -> int:
-    headers = {}
-    if args.token_file:
-        headers["Authorization"] = "Bearer " + Path(args.token_file).read_text().strip()
-    req = urllib.request.Request(f"http://{args.node}/v1/cluster", headers=headers)
+    from .client.router import fetch_cluster
+    from .security import client_context
+
+    tls = client_context(_client_tls(args))
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:
-            body = json.load(resp)
-    except (urllib.error.URLError, OSError) as exc:
+        body = asyncio.run(fetch_cluster(args.node, _token_of(args), 5.0, tls))
+    except (NodeUnavailableError, ConnectionLostError) as exc:
         print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
         return 2
     print(
@@ -138,7 +163,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _table_create(args: argparse.Namespace) -> int:
     from .engines import create_table
-    from .errors import UsageError
     from .spark_integration.session import SparkConfig
 
     name = args.name or args.table
@@ -251,6 +275,19 @@ def main(argv: list[str] | None = None) -> int:
         help="at most N receive() calls of receiver NAME at once on this node (repeatable)",
     )
     serve.add_argument("--token-file", help="file holding the shared cluster token")
+    serve.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
+    serve.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
+    serve.add_argument("--tls-ca", help="the CA peers' (and clients') certificates must chain to")
+    serve.add_argument(
+        "--tls-client-auth",
+        action="store_true",
+        help="require a certificate signed by --tls-ca from every client and peer (mutual TLS)",
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="UNSAFE: listen beyond loopback with neither a token nor mutual TLS",
+    )
     serve.add_argument("--partitions", type=int, default=_node_default("partitions"))
     serve.add_argument(
         "--spark-master",
@@ -372,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     status = csub.add_parser("status", help="members, liveness and the partition map")
     status.add_argument("--node", required=True, help="any node, host:port")
-    status.add_argument("--token-file")
+    _add_client_credentials(status)
     status.set_defaults(func=_cluster_status)
 
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")

@@ -7,6 +7,8 @@ Every error deltaflow raises derives from :class:`DeltaflowError`::
     ├── TransportError             the network between client and node   (retriable)
     │   ├── NodeUnavailableError   no connection could be made to a node
     │   └── ConnectionLostError    an open connection dropped
+    ├── TlsError                   TLS between client and node failed: an untrusted certificate,
+    │                              a missing client certificate, TLS on one side only
     ├── ProtocolError              a peer broke the wire protocol         (not retriable)
     │   └── FrameTooLargeError     a frame exceeded the agreed size limit
     ├── ServerError                a node reported an error frame (has ``code`` and ``node``)
@@ -53,6 +55,7 @@ __all__ = [
     "SchemaError",
     "ServerError",
     "SideInputError",
+    "TlsError",
     "TransportError",
     "UnknownReceiverError",
     "UsageError",
@@ -116,6 +119,11 @@ class NodeUnavailableError(TransportError):
 
 class ConnectionLostError(TransportError):
     """An open connection to a node dropped before the answer arrived."""
+
+
+class TlsError(DeltaflowError):
+    """TLS between this client (or node) and a node failed for a reason retrying cannot fix:
+    the message says which certificate or setting to change."""
 
 
 class ProtocolError(DeltaflowError):

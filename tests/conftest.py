@@ -199,6 +199,8 @@ def no_blocking_calls_on_the_event_loop(request: pytest.FixtureRequest) -> Itera
         for function in watch.functions.values():
             # The classes an operator names are imported once, as a node is built.
             function.can_block_in("deltaflow/receivers/registry.py", "register_names")
+            # TLS settings name their files as they are made (one stat each).
+            function.can_block_in("deltaflow/security.py", "_readable")
             function.can_block_in("deltaflow/server/side_inputs/loading.py", "load_side_inputs")
             # A test changing a side input's source from a stream's callback, on purpose.
             function.can_block_in("tests/test_side_inputs.py", "replace_file")

@@ -18,6 +18,7 @@ import pytest
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
+from deltaflow.partitioning import partition_of
 from deltaflow.server import Node
 from deltaflow.spark_integration import SparkConfig
 from deltaflow.spark_integration.s3a import configure_bucket
@@ -397,6 +398,34 @@ class Cluster:
             await client.close()
             assert time.monotonic() < deadline, f"cluster never reached {count} members"
             await asyncio.sleep(0.2)
+
+
+class FailoverWatch:
+    """An ``on_ack`` hook: SIGKILLs ``victim`` once ``at`` items are acknowledged, then notes
+    the first ack, ``grace`` seconds or more after the kill, of a batch of a partition the
+    victim owned in ``partition_map`` (acks the victim sent before dying arrive within
+    milliseconds; a later one is a new owner's). :attr:`failover`: seconds from the kill."""
+
+    def __init__(
+        self, victim: NodeProcess, at: int, partition_map: Any, *, grace: float, key: str = "id"
+    ) -> None:
+        self.kill = KillAt(victim, at)
+        self.owners, self.partitions = partition_map.owners, partition_map.partitions
+        self.victim, self.grace, self.key = victim.node_id, grace, key
+        self.first_new_owner_ack: float | None = None
+
+    def __call__(self, items: list[Any]) -> None:
+        now, killed = time.monotonic(), self.kill.killed_at
+        if killed is not None and self.first_new_owner_ack is None and now > killed + self.grace:
+            if self.owners[partition_of(items[0][self.key], self.partitions)] == self.victim:
+                self.first_new_owner_ack = now
+        self.kill(items)
+
+    @property
+    def failover(self) -> float:
+        assert self.kill.killed_at is not None, "the victim was never killed"
+        assert self.first_new_owner_ack is not None, "no batch of its partitions acked after"
+        return self.first_new_owner_ack - self.kill.killed_at
 
 
 class KillAt:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,12 @@ import pytest_asyncio
 from deltalake import DeltaTable
 
 import deltaflow
-from deltaflow.partitioning import partition_of
 
 from .support import FAILOVER_OPTIONS as OPTIONS
 from .support import (
     NODE_FLAGS,
     Cluster,
+    FailoverWatch,
     KillAt,
     assert_appended_once,
     read_delta,
@@ -51,31 +50,16 @@ async def test_upserts_survive_a_sigkilled_node_with_last_values(cluster: Cluste
     n = 300_000
     rows = [{"id": i % 100_000, "v": i} for i in range(n)]
     client = await cluster.wait_members(3)
-    owners = client.partition_map.owners
-    parts = client.partition_map.partitions
-    kill = KillAt(cluster.nodes["node-2"], n // 3)
-    failover_acks: list[float] = []
-
-    def on_ack(items: list[Any]) -> None:
-        # Acks node-2 sent just before dying are read within milliseconds; survivors take its
-        # partitions only after the 3 s failure timeout. So a later ack is a new owner's.
-        now = time.monotonic()
-        if kill.killed_at is not None and not failover_acks and now > kill.killed_at + 0.5:
-            if owners[partition_of(items[0]["id"], parts)] == "node-2":
-                failover_acks.append(now)
-        kill(items)
-
+    watch = FailoverWatch(cluster.nodes["node-2"], n // 3, client.partition_map, grace=0.5)
     async with client:
         summary = await client.stream_data(
-            rows, table="upserts", key="id", on_ack=on_ack, options=OPTIONS
+            rows, table="upserts", key="id", on_ack=watch, options=OPTIONS
         )
     assert summary.items_acked == n
     table = {r["id"]: r["v"] for r in read_rows(cluster.warehouse / "upserts")}
     assert len(table) == 100_000
     assert table == {k: 200_000 + k for k in range(100_000)}  # the last write of every key
-    assert kill.killed_at is not None
-    assert failover_acks, "no batch of the killed node's partitions was acked afterwards"
-    failover = failover_acks[0] - kill.killed_at
+    failover = watch.failover
     print(f"\nfailover: kill to first batch acked by a new owner = {failover:.2f}s")  # noqa: T201
     assert failover < 30
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -11,6 +12,7 @@ from typing import Any
 from ..errors import UsageError
 from ..partitioning import PartitionMap
 from ..protocol import CALLER_STREAM_ID
+from ..security import ClientTls
 from .ledger import CommitPosition
 from .options import StreamerOptions
 from .results import OnResult
@@ -57,6 +59,7 @@ class Client:
         nodes: Sequence[str],
         *,
         token: str | None = None,
+        tls: ssl.SSLContext | ClientTls | None = None,
         connection_factory: ConnectionFactory | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
@@ -68,6 +71,7 @@ class Client:
         self._router = Router(
             bootstrap,
             token=token,
+            tls=tls,
             connection_factory=connection_factory,
             connect_timeout=connect_timeout,
         )
@@ -243,6 +247,7 @@ def connect(
     nodes: Sequence[str] | str,
     *,
     token: str | None = None,
+    tls: ssl.SSLContext | ClientTls | None = None,
     connection_factory: ConnectionFactory | None = None,
 ) -> Client:
     """A client for the cluster reachable at any of ``nodes`` (``"host:port"`` strings).
@@ -252,9 +257,12 @@ def connect(
     Args:
         nodes: addresses of one or more nodes; one reachable node is enough to learn the rest.
         token: shared secret, when the nodes were started with ``--token-file``.
+        tls: reach the nodes over TLS: an :class:`ssl.SSLContext`, or a
+            :class:`deltaflow.ClientTls` (the CA file, and a client certificate for nodes that
+            require one). None: plain text (see ``docs/security.md``).
         connection_factory: replaces how connections are opened (fault-injection seam, see
             :mod:`deltaflow.testing`).
     """
     if isinstance(nodes, str):
         nodes = [nodes]
-    return Client(nodes, token=token, connection_factory=connection_factory)
+    return Client(nodes, token=token, tls=tls, connection_factory=connection_factory)

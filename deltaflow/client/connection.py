@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..errors import (
     NodeUnavailableError,
     ProtocolError,
     ServerError,
+    TransportError,
     UnknownStreamError,
     server_error,
 )
@@ -35,8 +37,9 @@ from ..protocol import (
     decode_frames,
     encode_frame,
 )
+from ..security import diagnose, tls_failure, url
 
-__all__ = ["Connection", "ResultSink", "map_transport_errors"]
+__all__ = ["Connection", "ResultSink", "explain_dropped", "map_transport_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +52,40 @@ _CLOSE_DRAIN_SECONDS = 5.0
 
 
 @contextlib.contextmanager
-def map_transport_errors(address: str) -> Iterator[None]:
-    """Translate aiohttp/OS errors at the transport boundary into deltaflow errors."""
+def map_transport_errors(address: str, tls: ssl.SSLContext | None = None) -> Iterator[None]:
+    """Translate aiohttp/OS errors at the transport boundary into deltaflow errors (a TLS
+    problem into a :class:`TlsError` that says what to change)."""
     try:
         yield
     except DeltaflowError:
         raise
-    except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
-        raise NodeUnavailableError(f"cannot connect to node at {address}: {exc}") from exc
-    except aiohttp.WSServerHandshakeError as exc:
-        raise NodeUnavailableError(
+    except (aiohttp.ClientError, OSError) as exc:
+        raise _transport_error(address, exc, tls) from exc
+
+
+def _transport_error(
+    address: str, exc: BaseException, tls: ssl.SSLContext | None
+) -> DeltaflowError:
+    failure = tls_failure(address, exc, tls)
+    if failure is not None:
+        return failure
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return NodeUnavailableError(f"cannot connect to node at {address}: {exc}")
+    if isinstance(exc, aiohttp.WSServerHandshakeError):
+        return NodeUnavailableError(
             f"node at {address} refused the WebSocket upgrade ({exc.status}); is it a deltaflow "
             "node?"
-        ) from exc
-    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
-        raise ConnectionLostError(f"connection to node at {address} failed: {exc}") from exc
+        )
+    return ConnectionLostError(f"connection to node at {address} failed: {exc}")
+
+
+async def explain_dropped(address: str, error: TransportError, tls: ssl.SSLContext | None) -> None:
+    """After a request to ``address`` dropped (``error``): raise :class:`TlsError` if TLS is
+    why (see :func:`deltaflow.security.diagnose`)."""
+    if isinstance(error, ConnectionLostError):
+        failure = await diagnose(address, tls)
+        if failure is not None:
+            raise failure from error
 
 
 class Connection:
@@ -114,19 +136,24 @@ class Connection:
         client_id: str,
         timeout: float = 10.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        tls: ssl.SSLContext | None = None,
     ) -> Connection:
-        """Connect and handshake.
+        """Connect and handshake (over TLS when ``tls`` is given). The token travels in the
+        first frame after the WebSocket upgrade, so never to a node that did not answer it.
 
         Raises:
             NodeUnavailableError: the node cannot be reached.
             AuthenticationError: the node rejected ``token``.
+            TlsError: TLS failed (an untrusted certificate, a missing client certificate, or
+                TLS on one side only).
             ServerError: the node refused the handshake (e.g. unsupported version).
         """
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=timeout))
         try:
-            with map_transport_errors(address):
+            with map_transport_errors(address, tls):
                 ws = await session.ws_connect(
-                    f"http://{address}{WS_PATH}",
+                    url(address, WS_PATH, tls),
+                    ssl=tls if tls is not None else True,
                     max_msg_size=max_frame_bytes,
                     heartbeat=30.0,
                     timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
@@ -141,6 +168,10 @@ class Connection:
                 await ws.send_bytes(encode_frame(hello))
                 msg = await asyncio.wait_for(ws.receive(), timeout)
             frame = _welcome_of(msg, address, max_frame_bytes)
+        except TransportError as exc:
+            await session.close()
+            await explain_dropped(address, exc, tls)
+            raise
         except BaseException:
             await session.close()
             raise

@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
 
-from ..errors import AuthenticationError, DeltaflowError, NodeUnavailableError, UsageError
+from ..errors import (
+    AuthenticationError,
+    DeltaflowError,
+    NodeUnavailableError,
+    TransportError,
+    UsageError,
+)
 from ..partitioning import PartitionMap
-from .connection import Connection, map_transport_errors
+from ..security import ClientTls, client_context, url
+from .connection import Connection, explain_dropped, map_transport_errors
 
-__all__ = ["ConnectionFactory", "Router", "Routes", "StreamRoutes"]
+__all__ = ["ConnectionFactory", "Router", "Routes", "StreamRoutes", "fetch_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,8 @@ class Router:
     Args:
         bootstrap: node addresses (``host:port``) to learn the map from.
         token: the nodes' shared secret, or None.
+        tls: how to reach the nodes over TLS (``https``/``wss``): an SSL context, or the
+            files to build one with (read by :meth:`start`, off the event loop); None: plain.
         connection_factory: opens a connection (default :meth:`Connection.open`).
         connect_timeout: seconds to connect or fetch a map.
     """
@@ -83,11 +93,14 @@ class Router:
         bootstrap: Sequence[str],
         *,
         token: str | None,
+        tls: ssl.SSLContext | ClientTls | None = None,
         connection_factory: ConnectionFactory | None = None,
         connect_timeout: float = 10.0,
     ) -> None:
         self._bootstrap = list(bootstrap)
         self._token = token
+        self._tls_option = tls
+        self._tls: ssl.SSLContext | None = None
         self._factory = connection_factory or Connection.open
         self._connect_timeout = connect_timeout
         self._client_id = uuid.uuid4().hex
@@ -131,7 +144,10 @@ class Router:
 
         Raises:
             NodeUnavailableError: none of them could be reached.
+            UsageError: a TLS file cannot be read.
         """
+        if self._tls is None and self._tls_option is not None:
+            self._tls = await asyncio.to_thread(client_context, self._tls_option)
         await self.refresh_map(self._bootstrap)
 
     async def close(self) -> None:
@@ -199,6 +215,7 @@ class Router:
                     token=self._token,
                     client_id=self._client_id,
                     timeout=self._connect_timeout,
+                    tls=self._tls,
                 )
                 self._conns[address] = conn
             return conn
@@ -223,7 +240,7 @@ class Router:
             for address in addresses:
                 try:
                     fresh = PartitionMap.from_wire(
-                        await _fetch_map(address, self._token, self._connect_timeout)
+                        await _fetch_map(address, self._token, self._connect_timeout, self._tls)
                     )
                     if self._map is None or fresh.version != self._map.version:
                         log.info(
@@ -244,22 +261,55 @@ class Router:
             )
 
 
-async def _fetch_map(address: str, token: str | None, timeout: float) -> dict[str, Any]:
+async def fetch_cluster(
+    address: str, token: str | None, timeout: float, tls: ssl.SSLContext | None
+) -> dict[str, Any]:
+    """The node's ``/v1/cluster`` answer (its map, members, identity). In plain text the first
+    request goes without the token: only a node that answers plain HTTP (with 401) is sent it,
+    so a client that forgot ``tls=`` never sends the token to a TLS node's port in clear.
+
+    Raises:
+        NodeUnavailableError, ConnectionLostError: the node cannot be reached.
+        AuthenticationError: the node rejected ``token``.
+        TlsError: TLS failed, or the node serves TLS and ``tls`` is None.
+    """
+    try:
+        with map_transport_errors(address, tls):
+            async with aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as session:
+                first_token = token if tls is not None else None
+                status, body = await _get_cluster(session, address, first_token, tls)
+                if status == 401 and token and tls is None:
+                    status, body = await _get_cluster(session, address, token, tls)
+    except TransportError as exc:
+        await explain_dropped(address, exc, tls)
+        raise
+    if status == 401:
+        raise AuthenticationError(
+            f"node at {address} rejected the token; pass the token from the node's "
+            "--token-file to deltaflow.connect(token=...)"
+        )
+    if status != 200 or not isinstance(body, dict):
+        raise NodeUnavailableError(f"node at {address} answered {status} for its map")
+    return body
+
+
+async def _get_cluster(
+    session: aiohttp.ClientSession, address: str, token: str | None, tls: ssl.SSLContext | None
+) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    with map_transport_errors(address):
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(f"http://{address}/v1/cluster", headers=headers) as resp,
-        ):
-            if resp.status == 401:
-                raise AuthenticationError(
-                    f"node at {address} rejected the token; pass the token from the node's "
-                    "--token-file to deltaflow.connect(token=...)"
-                )
-            if resp.status != 200:
-                raise NodeUnavailableError(f"node at {address} answered {resp.status} for its map")
-            body = await resp.json()
-            if body.get("refused"):
-                # Its map is the cluster's (it owns no partition in it), so it is still usable.
-                log.warning("node at %s is refused by its cluster: %s", address, body["refused"])
-            return body["map"]  # type: ignore[no-any-return]
+    async with session.get(
+        url(address, "/v1/cluster", tls), headers=headers, ssl=tls if tls is not None else True
+    ) as resp:
+        return resp.status, (await resp.json() if resp.status == 200 else None)
+
+
+async def _fetch_map(
+    address: str, token: str | None, timeout: float, tls: ssl.SSLContext | None
+) -> dict[str, Any]:
+    body = await fetch_cluster(address, token, timeout, tls)
+    if body.get("refused"):
+        # Its map is the cluster's (it owns no partition in it), so it is still usable.
+        log.warning("node at %s is refused by its cluster: %s", address, body["refused"])
+    return body["map"]  # type: ignore[no-any-return]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import UsageError
+from ..security import ClientTls
 from .client import connect
 from .ledger import CommitPosition
 from .options import StreamerOptions
@@ -21,6 +23,7 @@ def stream_data(
     *,
     nodes: Sequence[str] | str,
     token: str | None = None,
+    tls: ssl.SSLContext | ClientTls | None = None,
     table: str | None = None,
     key: str | Sequence[str] | KeyFn | None = None,
     receiver: str | None = None,
@@ -52,7 +55,7 @@ def stream_data(
         )
 
     async def main() -> StreamSummary:
-        async with connect(nodes, token=token) as client:
+        async with connect(nodes, token=token, tls=tls) as client:
             return await client.stream_data(
                 source,
                 table=table,

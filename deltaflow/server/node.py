@@ -22,6 +22,7 @@ from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
+from ..security import NodeTls, is_loopback, peer_proof
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SPARK_WRITERS
 from ..storage.conditional import require_conditional_writes
@@ -78,6 +79,10 @@ class NodeConfig:
         receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
             once on this node, overriding the class's ``max_concurrency``.
         token: shared secret clients and peers must present; None disables the check.
+        tls: serve TLS, verify peers against its CA, and with ``client_auth`` require
+            certificates from clients and peers (see ``docs/security.md``). Default None.
+        insecure: let a node listening beyond loopback start with neither a token nor mutual
+            TLS, so anyone who reaches it may stream to it or join the cluster. Default False.
         partitions: the fixed partition count; every node of a cluster must agree. Default 64.
         max_frame_bytes: largest frame accepted. Default 16 MiB.
         heartbeat_interval: seconds between peer liveness polls. Default 0.5.
@@ -125,7 +130,9 @@ class NodeConfig:
     peers: Sequence[str] = ()
     receivers: Sequence[str] = ()
     receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
+    tls: NodeTls | None = None
+    insecure: bool = False
     partitions: int = DEFAULT_PARTITIONS
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     heartbeat_interval: float = 0.5
@@ -157,6 +164,15 @@ class NodeConfig:
                 f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
                 "advertise='host:port' (--advertise) so clients and peers can reach it"
             )
+        if not (self.token or (self.tls and self.tls.client_auth) or self.insecure):
+            if not is_loopback(self.host):
+                raise UsageError(
+                    f"node {self.node_id} listens on {self.host!r} with neither a token nor "
+                    "mutual TLS, so anyone who reaches it could stream to it or join the "
+                    "cluster and take partitions: give it --token-file FILE (with --tls-cert "
+                    "and --tls-key, so the token never crosses the network in clear), or "
+                    "--tls-client-auth with --tls-ca; --insecure starts it open anyway"
+                )
         check_engine(self.engine)
         if self.spark_writer not in SPARK_WRITERS:
             raise UsageError(
@@ -351,11 +367,15 @@ class Node:
         app.router.add_get("/metrics", self._metrics_handler)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        tls = self.config.tls
+        server_tls = peer_tls = None
+        if tls is not None:  # reads the certificate files: off the event loop
+            server_tls = await asyncio.to_thread(tls.server_context)
+            peer_tls = await asyncio.to_thread(tls.peer_context)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=server_tls)
         await site.start()
         port = self._runner.addresses[0][1]
         self.address = self.config.advertise or f"{self.config.host}:{port}"
-        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
         self._membership = Membership(
             node_id=self.node_id,
             address=self.address,
@@ -364,7 +384,8 @@ class Node:
             heartbeat_interval=self.config.heartbeat_interval,
             failure_timeout=self.config.failure_timeout,
             peer_expiry=self.config.peer_expiry,
-            headers=headers,
+            token=self.config.token,
+            tls=peer_tls,
         )
         await self._membership.start()
         self.state = NodeState.RUNNING
@@ -413,8 +434,12 @@ class Node:
         if peer and membership is not None:
             peer_id, _, peer_address = peer.partition("@")
             membership.observe(peer_id, peer_address)
+        # Proves to a polling peer that this node holds the token, without sending it.
+        token, nonce = self.config.token, request.headers.get("X-Deltaflow-Nonce")
+        proof = peer_proof(token, nonce, self.node_id) if token and nonce else None
         return web.json_response(
             {
+                "proof": proof,
                 "node": self.node_id,
                 "address": self.address,
                 "protocol": PROTOCOL_VERSION,

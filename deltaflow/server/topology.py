@@ -14,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import hmac
 import logging
+import secrets
+import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from typing import Any, Final
 import aiohttp
 
 from ..partitioning import PartitionMap
+from ..security import peer_proof, url
 from .identity import Candidate, NodeIdentity, decide, refusal_message
 
 __all__ = ["DEFAULT_PEER_EXPIRY", "Member", "Membership", "PeerState"]
@@ -31,6 +35,13 @@ log = logging.getLogger(__name__)
 
 #: Seconds a peer may stay unanswered before it counts as having left the cluster.
 DEFAULT_PEER_EXPIRY: Final = 60.0
+#: Seconds between polls of a suspected peer (one whose last poll failed).
+SUSPECT_POLL_INTERVAL: Final = 0.1
+#: A suspected peer is down at once (without waiting for ``failure_timeout``) when connections
+#: to it are refused twice this many seconds apart: nothing listens at its address any more.
+#: A slow or paused process never refuses a connection (the kernel accepts it), so load alone
+#: cannot make a peer look down this way.
+REFUSALS_APART: Final = 0.1
 
 
 class PeerState(enum.StrEnum):
@@ -57,9 +68,18 @@ class Member:
     serving: bool = False
     own_refusal: str | None = None  # the peer's own ``refused`` message
     conflict: str | None = None  # why this node does not count it, when it answers
+    proven: bool = True  # its last answer proved it holds the cluster token
     map_wire: Any = None
     last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
     since: float = 0.0  # monotonic seconds this node began (or began again) polling it
+    suspected: float = 0.0  # monotonic seconds its polls began failing; 0 = not suspected
+    first_refusal: float = 0.0  # of the connections refused since it was suspected; 0 = none
+    down: float = 0.0  # when refused connections confirmed it down; 0 = not confirmed
+
+
+class _Silence(enum.Enum):
+    NO_ANSWER = "no answer"  # a timeout, an error status, a body that is not an answer
+    REFUSED = "connection refused"  # nothing listens at the address
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +89,7 @@ class _Answer:
     serving: bool
     refused: str | None
     map_wire: Any
+    proven: bool  # proved it holds the cluster token (or none is set)
 
 
 class Membership:
@@ -83,7 +104,8 @@ class Membership:
         failure_timeout: seconds without an answer after which a peer is considered dead.
         peer_expiry: seconds without an answer after which a peer has left; one that was not
             in ``peers`` is then no longer polled.
-        headers: sent with every poll (the cluster token).
+        token: the cluster token: sent with every poll, and each answer must prove it.
+        tls: the SSL context peers are polled over (``https``); None: plain ``http``.
     """
 
     def __init__(
@@ -96,7 +118,8 @@ class Membership:
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
         peer_expiry: float = DEFAULT_PEER_EXPIRY,
-        headers: dict[str, str] | None = None,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -105,7 +128,8 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.peer_expiry = peer_expiry
-        self._headers = headers or {}
+        self._token = token
+        self._tls = tls
         now = time.monotonic()
         self._peers = {a: Member(a, since=now) for a in peers if a != address}
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, self.partitions)
@@ -222,8 +246,11 @@ class Membership:
 
     async def _loop(self) -> None:
         while True:
+            suspects = any(m.suspected and not m.down for m in self._peers.values())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.heartbeat_interval):
+                async with asyncio.timeout(
+                    SUSPECT_POLL_INTERVAL if suspects else self.heartbeat_interval
+                ):
                     await self._wake.wait()
             self._wake.clear()
             await self._poll_all()
@@ -234,41 +261,81 @@ class Membership:
         answers = await asyncio.gather(*(self._poll(m.address) for m in targets))
         now = time.monotonic()
         for member, answer in zip(targets, answers, strict=True):
-            if answer is not None:
+            if isinstance(answer, _Answer):
                 _record(member, answer, now)
+            else:
+                self._suspect(member, answer, now)
         self._decide(now)
 
-    async def _poll(self, address: str) -> _Answer | None:
+    def _suspect(self, member: Member, silence: _Silence, now: float) -> None:
+        """A poll of ``member`` failed: suspect it (it is then polled every
+        ``SUSPECT_POLL_INTERVAL``), and count it down once two connections to it, at least
+        ``REFUSALS_APART`` seconds apart, were refused."""
+        if not self._answered(member, now) or member.down:
+            return  # not live: nothing to take away
+        if not member.suspected:
+            member.suspected = now
+            log.info("peer %s at %s suspected: %s", member.node_id, member.address, silence.value)
+        if silence is not _Silence.REFUSED:
+            return
+        if not member.first_refusal:
+            member.first_refusal = now
+        elif now - member.first_refusal >= REFUSALS_APART:
+            member.down = now
+            log.warning(
+                "peer %s at %s is down: connections refused for %.2fs, %.2fs after its last answer",
+                member.node_id,
+                member.address,
+                now - member.first_refusal,
+                now - member.last_seen,
+            )
+
+    async def _poll(self, address: str) -> _Answer | _Silence:
         assert self._session is not None
+        nonce = secrets.token_hex(16)
+        headers = {"X-Deltaflow-Peer": f"{self.node_id}@{self.address}", "X-Deltaflow-Nonce": nonce}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         try:
             async with self._session.get(
-                f"http://{address}/v1/cluster",
-                headers={**self._headers, "X-Deltaflow-Peer": f"{self.node_id}@{self.address}"},
+                url(address, "/v1/cluster", self._tls),
+                headers=headers,
+                ssl=self._tls if self._tls is not None else True,
             ) as resp:
                 if resp.status != 200:
-                    return None
+                    return _Silence.NO_ANSWER
                 body = await resp.json()
             node_id = str(body["node"])
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            return _Silence.REFUSED if refused else _Silence.NO_ANSWER
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
-            return None
+            return _Silence.NO_ANSWER
         try:
             identity: NodeIdentity | None = NodeIdentity.from_wire(body.get("identity"))
         except ValueError:
             identity = None
         refused = body.get("refused")
+        proof = body.get("proof")
         return _Answer(
             node_id=node_id,
             identity=identity,
             serving=body.get("serving") is True,
             refused=refused if isinstance(refused, str) else None,
             map_wire=body.get("map"),
+            proven=not self._token
+            or (
+                isinstance(proof, str)
+                and hmac.compare_digest(proof, peer_proof(self._token, nonce, node_id))
+            ),
         )
 
     def _polled(self, member: Member, now: float) -> bool:
         return member.configured or self._state(member, now) is not PeerState.LEFT
 
     def _answered(self, member: Member, now: float) -> bool:
-        return bool(member.last_seen) and now - member.last_seen <= self.failure_timeout
+        recent = bool(member.last_seen) and now - member.last_seen <= self.failure_timeout
+        return recent and not member.down
 
     def _state(self, member: Member, now: float) -> PeerState:
         if self._answered(member, now):
@@ -305,8 +372,13 @@ class Membership:
         winners = sorted(str(m.node_id) for m in answered if m.identity == winner)
         witness = self.node_id if winner == self.identity else (winners or ["?"])[0]
         for m in answered:
-            if m.identity is None:
+            if not m.proven:
                 conflict: str | None = (
+                    f"node {m.node_id} at {m.address} did not prove it holds the cluster token; "
+                    "start every node with the same --token-file"
+                )
+            elif m.identity is None:
+                conflict = (
                     f"node {m.node_id} at {m.address} answered without a valid cluster identity; "
                     "run the same deltaflow version on every node"
                 )
@@ -368,7 +440,9 @@ def _record(member: Member, answer: _Answer, now: float) -> None:
     member.serving = answer.serving
     member.own_refusal = answer.refused
     member.map_wire = answer.map_wire
+    member.proven = answer.proven
     member.last_seen = now
+    member.suspected = member.first_refusal = member.down = 0.0
 
 
 def _now_ms() -> int:

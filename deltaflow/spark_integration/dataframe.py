@@ -28,6 +28,7 @@ from ..client.options import StreamerOptions
 from ..client.stream_types import KeyFn
 from ..client.sync import stream_data
 from ..errors import DataStreamerError, DeltaflowError, UsageError
+from ..security import ClientTls
 from .row_values import checked_schema, row_converter
 
 if TYPE_CHECKING:
@@ -145,6 +146,7 @@ def stream_dataframe(
     receiver_args: Any = None,
     options: StreamerOptions | None = None,
     token: str | None = None,
+    tls: ClientTls | None = None,
     stream_id: str | None = None,
 ) -> DataFrameSummary:
     """Stream the rows of ``df`` through deltaflow from the executors and return the totals.
@@ -173,6 +175,8 @@ def stream_dataframe(
             except ``auto_flush_interval`` and ``linger``, which are 0. Default
             ``StreamerOptions()``.
         token: the cluster's shared secret, if the nodes require one.
+        tls: reach the nodes over TLS, a :class:`deltaflow.ClientTls` (its files must be
+            readable at the same paths on every executor; an ``ssl.SSLContext`` does not pickle).
         stream_id: the base stream id, 1 to 100 characters of ``A-Z a-z 0-9 . _ -``. Default:
             a random one. Streaming the same DataFrame again under the same id writes only what
             the first run did not (same rows, same partitioning, same options). Never reuse an
@@ -193,6 +197,7 @@ def stream_dataframe(
     as Spark's exception.
     """
     check_target(table=table, key=key, receiver=receiver)
+    check_tls(tls)
     if stream_id is None:
         stream_id = uuid.uuid4().hex
     elif not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
@@ -206,6 +211,7 @@ def stream_dataframe(
             base_id=stream_id,
             nodes=node_list(nodes),
             token=token,
+            tls=tls,
             table=table,
             key=key,
             receiver=receiver,
@@ -272,6 +278,15 @@ def stream_partitions(df: DataFrame, streamer: PartitionStreamer) -> DataFrameSu
     return summary
 
 
+def check_tls(tls: object) -> None:
+    """The executors build their own SSL context from files: only a ClientTls travels there."""
+    if tls is not None and not isinstance(tls, ClientTls):
+        raise UsageError(
+            f"tls= for Spark must be a deltaflow.ClientTls (file paths the executors can read), "
+            f"not {type(tls).__name__}: an ssl.SSLContext cannot be sent to executors"
+        )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionStreamer:
     """What runs on the executors, once per Spark partition (pickled with its settings)."""
@@ -279,6 +294,7 @@ class PartitionStreamer:
     base_id: str
     nodes: tuple[str, ...]
     token: str | None
+    tls: ClientTls | None
     table: str | None
     key: str | Sequence[str] | KeyFn | None
     receiver: str | None
@@ -307,6 +323,7 @@ class PartitionStreamer:
                 source,
                 nodes=list(self.nodes),
                 token=self.token,
+                tls=self.tls,
                 table=self.table,
                 key=self.key,
                 receiver=self.receiver,

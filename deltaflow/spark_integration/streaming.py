@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any, Final
 from ..client.options import StreamerOptions
 from ..client.stream_types import KeyFn
 from ..errors import UsageError
+from ..security import ClientTls
 from .dataframe import (
     DataFrameSummary,
     PartitionStreamer,
     check_target,
+    check_tls,
     deterministic_options,
     node_list,
     stream_partitions,
@@ -95,6 +97,7 @@ def foreach_batch(
     receiver_args: Any = None,
     options: StreamerOptions | None = None,
     token: str | None = None,
+    tls: ClientTls | None = None,
 ) -> ForeachBatchWriter:
     """A ``foreachBatch`` function that writes each micro-batch through deltaflow, exactly once.
 
@@ -122,7 +125,8 @@ def foreach_batch(
             good choice). Two queries with one name would skip each other's batches, and so
             would a query started over without its checkpoint (its batch ids start at 0
             again): give it a new name, e.g. ``"clicks-v2"``.
-        table, key, receiver, receiver_args, options, token: as for :func:`stream_dataframe`.
+        table, key, receiver, receiver_args, options, token, tls: as for
+            :func:`stream_dataframe`.
 
     Returns:
         A :class:`ForeachBatchWriter`, a callable ``(df, batch_id) -> None``. A micro-batch
@@ -135,10 +139,12 @@ def foreach_batch(
             "A-Z a-z 0-9 . _ - that stay the same when the query restarts"
         )
     check_target(table=table, key=key, receiver=receiver)
+    check_tls(tls)
     streamer = PartitionStreamer(
         base_id=query_name,
         nodes=node_list(nodes),
         token=token,
+        tls=tls,
         table=table,
         key=key,
         receiver=receiver,

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Sequence
 
@@ -118,15 +119,21 @@ class NodeProcess:
                 await self._drain
 
 
-async def wait_for_members(addresses: Sequence[str], *, timeout: float = 60.0) -> None:
-    """Return once every node at ``addresses`` lists all of them as members in its
+async def wait_for_members(
+    addresses: Sequence[str],
+    *,
+    timeout: float = 60.0,
+    token: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> None:
+    """Return once every node at ``addresses`` counts all of them as live members in its
     ``/v1/cluster`` (nodes started as :class:`NodeProcess`, say, before timing anything)."""
-    import aiohttp
+    from ..client.router import fetch_cluster
 
-    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout):
+    async with asyncio.timeout(timeout):
         for address in addresses:
             while True:
-                async with session.get(f"http://{address}/v1/cluster") as response:
-                    if len((await response.json())["members"]) >= len(addresses):
-                        break
+                body = await fetch_cluster(address, token, 5.0, tls)
+                if sum(m["live"] for m in body["members"]) >= len(addresses):
+                    break
                 await asyncio.sleep(0.1)

@@ -1,0 +1,224 @@
+"""Who may talk to a node, and how the bytes are protected: TLS for nodes, peers and clients,
+the rule that a node reachable from a network needs a credential, and the proof a peer gives
+that it holds the cluster token (see ``docs/security.md``).
+
+Nothing here opens a connection; :mod:`deltaflow.client` and :mod:`deltaflow.server` build
+their URLs and SSL contexts from it, so both sides agree on one scheme and one set of rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from .errors import TlsError, UsageError
+
+__all__ = [
+    "ClientTls",
+    "NodeTls",
+    "TlsOption",
+    "client_context",
+    "diagnose",
+    "is_loopback",
+    "peer_proof",
+    "tls_failure",
+    "url",
+]
+
+
+def _readable(path: str, what: str) -> str:
+    """``path``, checked to be a file (settings are checked when they are made, so a typo is
+    named at once rather than at the first connection)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise UsageError(f"{what} {path!r} is not a readable file")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTls:
+    """A node's TLS: it serves TLS with ``cert``/``key``, verifies peers against ``ca``, and
+    with ``client_auth`` requires a certificate signed by ``ca`` from every client and peer
+    (mutual TLS). ``ca`` None: the system's trusted roots."""
+
+    cert: str
+    key: str
+    ca: str | None = None
+    client_auth: bool = False
+
+    def __post_init__(self) -> None:
+        _readable(self.cert, "--tls-cert")
+        _readable(self.key, "--tls-key")
+        if self.ca is not None:
+            _readable(self.ca, "--tls-ca")
+        elif self.client_auth:
+            raise UsageError(
+                "--tls-client-auth needs --tls-ca: the CA whose certificates clients and peers "
+                "must present"
+            )
+
+    def server_context(self) -> ssl.SSLContext:
+        """What the node's listening socket serves."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        context.verify_mode = ssl.CERT_REQUIRED if self.client_auth else ssl.CERT_NONE
+        return context
+
+    def peer_context(self) -> ssl.SSLContext:
+        """What the node polls its peers with: it verifies their certificates against ``ca``
+        and presents its own (a peer under mutual TLS requires it)."""
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        return context
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """What a client needs for TLS, as file paths: it pickles, so it travels to Spark
+    executors (an :class:`ssl.SSLContext` does not). ``ca``: the CA that signed the nodes'
+    certificates (None: the system's roots); ``cert``/``key``: the client's own certificate,
+    for nodes that require one (``--tls-client-auth``)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise UsageError("ClientTls needs both cert and key, or neither")
+
+    def context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(
+            ssl.Purpose.SERVER_AUTH,
+            cafile=_readable(self.ca, "the CA file") if self.ca is not None else None,
+        )
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.cert is not None and self.key is not None:
+            context.load_cert_chain(
+                _readable(self.cert, "the client certificate"), _readable(self.key, "the key")
+            )
+        return context
+
+
+#: How a client is told to use TLS: a context of its own, the files to build one, or None.
+TlsOption: TypeAlias = "ssl.SSLContext | ClientTls | None"
+
+
+def client_context(tls: ssl.SSLContext | ClientTls | None) -> ssl.SSLContext | None:
+    if tls is None or isinstance(tls, ssl.SSLContext):
+        return tls
+    if isinstance(tls, ClientTls):
+        return tls.context()
+    raise UsageError(
+        f"tls= must be an ssl.SSLContext or a deltaflow.ClientTls, not {type(tls).__name__}"
+    )
+
+
+def url(address: str, path: str, tls: ssl.SSLContext | None) -> str:
+    """The URL of ``path`` on the node at ``address`` (``https`` when ``tls`` is set)."""
+    return f"{'https' if tls is not None else 'http'}://{address}{path}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a node listening on ``host`` can only be reached from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+def peer_proof(token: str, nonce: str, node_id: str) -> str:
+    """What a node answers a peer's poll with to prove it holds the cluster token without
+    sending it: an HMAC of the poll's random nonce and its own node id."""
+    message = f"deltaflow-peer\0{nonce}\0{node_id}".encode()
+    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+
+
+def tls_failure(address: str, exc: BaseException, tls: ssl.SSLContext | None) -> TlsError | None:
+    """The TLS problem behind a failed connection to ``address``, in words that say what to
+    change; None if it was not a TLS problem."""
+    cause = getattr(exc, "certificate_error", exc)  # aiohttp wraps the ssl module's error
+    text = str(exc)
+    if isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text:
+        detail = getattr(cause, "verify_message", None) or text
+        return TlsError(
+            f"the certificate of the node at {address} is not trusted ({detail}); pass tls= a "
+            "context (or deltaflow.ClientTls(ca=...)) that trusts the CA that signed the "
+            "nodes' certificates, and check that the certificate names the host clients use"
+        )
+    lowered = text.lower()
+    if (
+        "certificate required" in lowered
+        or "certificate_required" in lowered
+        or ("handshake failure" in lowered and tls is not None)
+    ):
+        return TlsError(
+            f"the node at {address} requires a client certificate (mutual TLS, "
+            "--tls-client-auth): pass tls=deltaflow.ClientTls(ca=..., cert=..., key=...) with "
+            "a certificate signed by the cluster's CA"
+        )
+    if tls is not None and ("wrong version number" in lowered or "record layer" in lowered):
+        return TlsError(
+            f"the node at {address} does not serve TLS; connect without tls=, or start the "
+            "node with --tls-cert and --tls-key"
+        )
+    return None
+
+
+async def diagnose(
+    address: str, tls: ssl.SSLContext | None, timeout: float = 2.0
+) -> TlsError | None:
+    """Why a connection to ``address`` that dropped without a word failed, if TLS is the
+    reason: with ``tls`` None, the node serves TLS (and the plain-text client has sent nothing
+    secret yet); with ``tls``, the node closes TLS connections from this client right after
+    the handshake, which is what a node requiring a client certificate does under TLS 1.3
+    (its refusal comes after the client's side of the handshake, and asyncio's server closes
+    without sending the alert)."""
+    host, _, port = address.rpartition(":")
+    if tls is None:
+        probe = ssl.create_default_context()
+        probe.check_hostname = False
+        probe.verify_mode = ssl.CERT_NONE  # only whether it speaks TLS; nothing is sent
+    else:
+        probe = tls
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=probe)
+            try:
+                answer = b"-"
+                if tls is not None:
+                    writer.write(f"GET /healthz HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
+                    answer = await reader.read(1)
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    await writer.wait_closed()
+    except ssl.SSLError as exc:
+        return tls_failure(address, exc, tls) if tls is not None else None
+    except (OSError, TimeoutError):
+        return None
+    if tls is not None:
+        if answer:
+            return None
+        return TlsError(
+            f"the node at {address} closes TLS connections from this client right after the "
+            "handshake: it requires a client certificate (mutual TLS, --tls-client-auth) that "
+            "this client did not present or that the node's CA did not sign; pass "
+            "tls=deltaflow.ClientTls(ca=..., cert=..., key=...)"
+        )
+    return TlsError(
+        f"the node at {address} serves TLS and this client spoke plain text to it (it sent no "
+        "token): pass tls= to deltaflow.connect() (an ssl.SSLContext, or "
+        "deltaflow.ClientTls(ca=...)), or --tls-ca on the command line"
+    )

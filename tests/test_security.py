@@ -1,0 +1,285 @@
+"""TLS between clients, nodes and peers; who may join a cluster (docs/security.md). Real nodes
+on 127.0.0.1, certificates from a CA made in the test."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import deltaflow
+from deltaflow.errors import TlsError, UsageError
+from deltaflow.security import ClientTls, NodeTls
+from deltaflow.server import Node, NodeConfig
+from deltaflow.testing import free_port
+from deltaflow.testing.certificates import CertificateAuthority
+
+from .support import StartCluster, read_delta
+
+TOKEN = "a-cluster-token-of-some-length"
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> CertificateAuthority:
+    return CertificateAuthority(tmp_path / "ca")
+
+
+def node_tls(ca: CertificateAuthority, name: str, *, client_auth: bool = False) -> NodeTls:
+    issued = ca.issue(name, hosts=["127.0.0.1", "localhost"])
+    return NodeTls(issued.cert, issued.key, ca.cert, client_auth)
+
+
+async def one_node(warehouse: Path, **config: Any) -> Node:
+    node = Node(NodeConfig(node_id="n1", warehouse=warehouse, port=0, engine="delta-rs", **config))
+    await node.start()
+    return node
+
+
+async def stream_ten(node: Node, **connect: Any) -> None:
+    async with deltaflow.connect([node.address], token=TOKEN, **connect) as client:
+        await client.stream_data(({"id": i} for i in range(10)), table="t", key="id")
+
+
+async def test_a_cluster_under_mutual_tls_streams_exactly(
+    warehouse: Path, ca: CertificateAuthority, start_cluster: StartCluster
+) -> None:
+    """Clients and peers both present certificates; the peers find each other over TLS."""
+    nodes = await start_cluster(
+        warehouse, 2, engine="delta-rs", token=TOKEN, tls=node_tls(ca, "node", client_auth=True)
+    )
+    client_cert = ca.issue("client")
+    tls = ClientTls(ca=ca.cert, cert=client_cert.cert, key=client_cert.key)
+    rows = [{"id": i, "v": f"v{i}"} for i in range(3000)]
+    updates = [{"id": i, "v": f"w{i}"} for i in range(0, 3000, 3)]
+    async with deltaflow.connect([nodes[0].address], token=TOKEN, tls=tls) as client:
+        assert client.partition_map.addresses.keys() == {"node-1", "node-2"}
+        summary = await client.stream_data(rows + updates, table="t", key="id")
+    assert summary.items_acked == 4000 and set(summary.per_node) == {"node-1", "node-2"}
+    table = read_delta(warehouse / "t")
+    assert len(table) == 3000
+    assert all(table[i]["v"] == (f"w{i}" if i % 3 == 0 else f"v{i}") for i in range(3000))
+
+
+async def test_a_node_whose_ca_the_client_does_not_trust_is_refused(
+    warehouse: Path, ca: CertificateAuthority, tmp_path: Path
+) -> None:
+    other = CertificateAuthority(tmp_path / "other", "another-ca")
+    node = await one_node(warehouse, token=TOKEN, tls=node_tls(ca, "node"))
+    try:
+        with pytest.raises(TlsError, match="is not trusted") as refused:
+            await stream_ten(node, tls=ClientTls(ca=other.cert))
+        assert node.address in str(refused.value)
+        assert "trusts the CA that signed the nodes' certificates" in str(refused.value)
+        await stream_ten(node, tls=ClientTls(ca=ca.cert))  # the right CA: accepted
+    finally:
+        await node.stop()
+
+
+async def test_a_client_without_a_certificate_is_refused_under_mutual_tls(
+    warehouse: Path, ca: CertificateAuthority, tmp_path: Path
+) -> None:
+    node = await one_node(warehouse, token=TOKEN, tls=node_tls(ca, "node", client_auth=True))
+    stranger = CertificateAuthority(tmp_path / "stranger", "stranger-ca").issue("client")
+    try:
+        with pytest.raises(TlsError, match="requires a client certificate"):
+            await stream_ten(node, tls=ClientTls(ca=ca.cert))
+        # A certificate the cluster's CA did not sign is no better than none.
+        with pytest.raises(TlsError, match="requires a client certificate"):
+            await stream_ten(node, tls=ClientTls(ca=ca.cert, cert=stranger.cert, key=stranger.key))
+        assert node.statistics().dispatcher.batches_acked == 0
+    finally:
+        await node.stop()
+
+
+class Recorder:
+    """A TCP relay on 127.0.0.1 that keeps every byte a client sends to ``target``."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.sent = bytearray()
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Recorder:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, _, port = self.target.rpartition(":")
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, keep: bytearray | None
+        ) -> None:
+            try:
+                while data := await src.read(65536):
+                    if keep is not None:
+                        keep += data
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, self.sent), pipe(up_reader, writer, None))
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_plain_client_to_a_tls_node_is_refused_before_the_token_is_sent(
+    warehouse: Path, ca: CertificateAuthority
+) -> None:
+    node = await one_node(warehouse, token=TOKEN, tls=node_tls(ca, "node"))
+    try:
+        async with Recorder(node.address) as relay:
+            with pytest.raises(TlsError, match="serves TLS and this client spoke plain text"):
+                async with deltaflow.connect([relay.address], token=TOKEN):
+                    pass
+            assert relay.sent, "the client sent nothing at all"
+            assert TOKEN.encode() not in relay.sent
+            # The command line alike: a clear error, exit 2, and no token on the wire.
+            token_file = warehouse.parent / "token"
+            token_file.write_text(TOKEN)
+            before = len(relay.sent)
+            status = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "deltaflow.cli", "cluster", "status",
+                 "--node", relay.address, "--token-file", str(token_file)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert status.returncode == 2, status.stdout + status.stderr
+            assert "serves TLS" in status.stderr and "--tls-ca" in status.stderr
+            assert len(relay.sent) > before and TOKEN.encode() not in relay.sent
+    finally:
+        await node.stop()
+
+
+def test_a_node_reachable_beyond_loopback_needs_a_credential(
+    tmp_path: Path, ca: CertificateAuthority
+) -> None:
+    base: dict[str, Any] = {
+        "node_id": "n1", "warehouse": tmp_path, "host": "0.0.0.0", "advertise": "h:7700",
+    }  # fmt: skip
+    with pytest.raises(UsageError) as refused:
+        NodeConfig(**base)
+    assert "listens on '0.0.0.0' with neither a token nor mutual TLS" in str(refused.value)
+    assert "--token-file" in str(refused.value) and "--insecure" in str(refused.value)
+    # Each of these is enough; loopback needs none.
+    NodeConfig(**base, token=TOKEN)
+    NodeConfig(**base, tls=node_tls(ca, "node", client_auth=True))
+    NodeConfig(**base, insecure=True)
+    NodeConfig(node_id="n1", warehouse=tmp_path)
+    # TLS without client certificates is encryption, not a credential.
+    with pytest.raises(UsageError):
+        NodeConfig(**base, tls=node_tls(ca, "node"))
+    served = subprocess.run(
+        [sys.executable, "-m", "deltaflow.cli", "serve", "--node-id", "n1", "--host", "0.0.0.0",
+         "--advertise", "h:7700", "--warehouse", str(tmp_path), "--engine", "delta-rs"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert served.returncode == 2
+    assert "with neither a token nor mutual TLS" in served.stderr
+
+
+class FakePeer:
+    """An HTTP server on 127.0.0.1 posing as a deltaflow node: it answers ``/v1/cluster`` with
+    another node's identity (which anyone who can poll that node can read) and counts the
+    polls it gets."""
+
+    def __init__(self, identity: dict[str, Any]) -> None:
+        self.identity = identity
+        self.polls = 0
+        self.runner: web.AppRunner | None = None
+        self.address = ""
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        self.polls += 1
+        return web.json_response(
+            {"node": "intruder", "address": self.address, "identity": self.identity,
+             "serving": True, "refused": None, "map": None, "members": []}
+        )  # fmt: skip
+
+    async def __aenter__(self) -> FakePeer:
+        app = web.Application()
+        app.router.add_get("/v1/cluster", self._answer)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        port = free_port()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def guarded(warehouse: Path) -> AsyncIterator[Node]:
+    node = await one_node(warehouse, token=TOKEN, heartbeat_interval=0.1, failure_timeout=2.0)
+    yield node
+    await node.stop()
+
+
+async def members_of(node: Node) -> dict[str, dict[str, Any]]:
+    """The node's members by address, as ``/v1/cluster`` tells them to a holder of the token."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(
+            f"http://{node.address}/v1/cluster", headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as resp,
+    ):
+        return {m["address"]: m for m in (await resp.json())["members"]}
+
+
+async def test_a_poll_without_the_token_enrols_no_one(guarded: Node) -> None:
+    """Without a token, a poll naming a peer made the node poll it and, given a copied
+    identity, admit it: 32 of 64 partitions went to an HTTP client. Now it is refused first."""
+    assert guarded.identity is not None
+    async with FakePeer(guarded.identity.to_wire()) as fake, aiohttp.ClientSession() as http:
+        for token in (None, "a-wrong-token"):
+            headers = {"X-Deltaflow-Peer": f"intruder@{fake.address}"}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            async with http.get(f"http://{guarded.address}/v1/cluster", headers=headers) as resp:
+                assert resp.status == 401
+        # Refused before the node looked at who it was: it never learnt the address.
+        assert fake.address not in await members_of(guarded)
+        assert fake.polls == 0
+    assert set(guarded.partition_map.owners) == {"n1"}
+
+
+async def test_a_peer_that_cannot_prove_the_token_is_refused(warehouse: Path) -> None:
+    """An address in --peers answered by something that copied the cluster's identity but does
+    not hold the token (a typo'd address, a hijacked host) takes no partition."""
+    probe = await one_node(warehouse / "probe")
+    assert probe.identity is not None
+    identity = probe.identity.to_wire()
+    await probe.stop()
+    async with FakePeer(identity) as fake:
+        node = await one_node(
+            warehouse / "probe", token=TOKEN, peers=[fake.address], heartbeat_interval=0.1
+        )
+        try:
+            assert fake.polls > 0
+            members = await members_of(node)
+            assert members[fake.address]["state"] == "refused"
+            assert "did not prove it holds the cluster token" in members[fake.address]["refused"]
+            assert set(node.partition_map.owners) == {"n1"}
+        finally:
+            await node.stop()
