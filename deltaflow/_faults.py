@@ -12,6 +12,10 @@ the same tick, the race optimistic commits on an object store must win or retry 
 group is about to be written, with its lane marks read: an owner paused mid-commit (a long GC
 pause, a frozen VM) that another node replaces, and that resumes when sent SIGCONT.
 
+``DELTAFLOW_FAULT_UNREACHABLE=HOST:PORT,...`` cuts a node off from those peers, as a network
+partition would: its polls of them go unanswered (never refused), while clients and the store
+stay reachable. Two nodes each given the other's address believe each other dead.
+
 In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point instead, on the
 thread that reaches it: ``before_commit`` is reached once a group's data files are written
 and before the commit that adds them (another writer committing there is the race the commit
@@ -33,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["fault_point", "set_action"]
+__all__ = ["fault_point", "set_action", "unreachable"]
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
@@ -46,6 +50,13 @@ def set_action(name: str, action: Callable[[], None] | None) -> None:
         _actions.pop(name, None)
     else:
         _actions[name] = action
+
+
+def unreachable(address: str) -> bool:
+    """Whether ``DELTAFLOW_FAULT_UNREACHABLE`` cuts this process off from the peer at
+    ``address``."""
+    cut = os.environ.get("DELTAFLOW_FAULT_UNREACHABLE", "")
+    return address in cut.split(",") if cut else False
 
 
 def fault_point(name: str) -> None:

@@ -11,17 +11,18 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
+from .cli_cluster import add_cluster_commands, token_of
 from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
-from .errors import ConnectionLostError, NodeUnavailableError, UsageError
-from .security import ClientTls
+from .errors import UsageError
 from .spark_integration.spark_engine import SPARK_WRITERS
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
 
 __all__ = ["main"]
+
+log = logging.getLogger("deltaflow.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -46,7 +47,7 @@ def _serve(args: argparse.Namespace) -> int:
         peers=[p for p in (args.peers or "").split(",") if p],
         receivers=args.receiver or [],
         receiver_concurrency=dict(args.receiver_concurrency or []),
-        token=_token_of(args),
+        token=token_of(args),
         tls=tls,
         insecure=args.insecure,
         partitions=args.partitions,
@@ -79,80 +80,31 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         node = Node(config)
-        stop = asyncio.Event()
+        signalled = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, signalled.set)
         await node.start()
         print(f"deltaflow node {node.node_id} ready on {node.address}", flush=True)
-        await stop.wait()
-        await node.stop()
+        # The first SIGTERM or SIGINT drains (hands the partitions over, finishes, stops); a
+        # second one stops at once. `deltaflow node drain` drains through the node's API.
+        stopped = asyncio.create_task(node.wait_stopped())
+        first = asyncio.create_task(signalled.wait())
+        await asyncio.wait([stopped, first], return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            signalled.clear()
+            drain = asyncio.create_task(node.drain())
+            again = asyncio.create_task(signalled.wait())
+            await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)
+            if not drain.done():
+                log.warning("second signal: stopping without finishing the drain")
+                drain.cancel()
+                await node.stop()
+            again.cancel()
+        await node.wait_stopped()
 
     asyncio.run(run())
     return 0
-
-
-def _token_of(args: argparse.Namespace) -> str | None:
-    return Path(args.token_file).read_text().strip() if args.token_file else None
-
-
-def _client_tls(args: argparse.Namespace) -> ClientTls | None:
-    """The client side of ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (None: plain text)."""
-    if not (args.tls_ca or args.tls_cert or args.tls_key):
-        return None
-    return ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-
-
-def _add_client_credentials(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", help="file holding the shared cluster token")
-    parser.add_argument("--tls-ca", help="reach the node over TLS, trusting this CA (PEM)")
-    parser.add_argument("--tls-cert", help="this client's certificate, for mutual TLS (PEM)")
-    parser.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
-
-
-def _cluster_status(args: argparse.Namespace) -> int:
-    from .client.router import fetch_cluster
-    from .security import client_context
-
-    tls = client_context(_client_tls(args))
-    try:
-        body = asyncio.run(fetch_cluster(args.node, _token_of(args), 5.0, tls))
-    except (NodeUnavailableError, ConnectionLostError) as exc:
-        print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
-        f"map v{body['map']['version']}"
-    )
-    identity = body.get("identity")
-    if identity:
-        print(
-            f"identity: cluster {identity['cluster_id']}, warehouse {identity['warehouse']}, "
-            f"engine {identity['engine']}, {identity['partitions']} partitions"
-        )
-    if body.get("refused"):
-        print(f"REFUSED: {body['refused']}")
-        print("  this node owns no partition; the map below is the cluster's")
-    print("members:")
-    owners = body["map"]["owners"]
-    for m in body["members"]:
-        owned = sum(1 for o in owners if o == m["node"])
-        print(
-            f"  {m['node'] or '?':<16} {m['address']:<22} {_state_label(m):<7} partitions={owned}"
-        )
-        if m.get("refused") and not m.get("self"):  # its own reason is printed above
-            print(f"      {m['refused']}")
-    print("partition map:")
-    for node_id in sorted(set(owners)):
-        parts = [str(i) for i, o in enumerate(owners) if o == node_id]
-        print(f"  {node_id}: {' '.join(parts)}")
-    return 0
-
-
-def _state_label(member: dict[str, object]) -> str:
-    """``live`` in lower case, trouble in upper case (``DEAD``, ``LEFT``, ``REFUSED``)."""
-    state = member.get("state") or ("live" if member["live"] else "dead")  # older nodes
-    return "live" if state == "live" else str(state).upper()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -405,12 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.set_defaults(func=_serve)
 
-    cluster = sub.add_parser("cluster", help="inspect a cluster")
-    csub = cluster.add_subparsers(dest="cluster_command", required=True)
-    status = csub.add_parser("status", help="members, liveness and the partition map")
-    status.add_argument("--node", required=True, help="any node, host:port")
-    _add_client_credentials(status)
-    status.set_defaults(func=_cluster_status)
+    add_cluster_commands(sub)
 
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
     demo.add_argument("--rows", type=int, default=200_000)

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.storage.paths import location
 from deltaflow.testing.object_store import S3Server
@@ -26,6 +27,7 @@ from .support import (
     Cluster,
     KillAt,
     assert_appended_once,
+    commit_writers,
     open_table,
     read_all,
     read_delta,
@@ -258,3 +260,61 @@ def _state(node: Any) -> str:
     assert node.proc is not None
     with open(f"/proc/{node.proc.pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+async def test_a_network_partition_makes_two_owners_and_still_lands_every_batch_once(
+    s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    """Two nodes that cannot see each other (each is cut off from the other's address) but both
+    reach the store each own every partition. Two clients, one on each side, stream the same
+    stream (same id, same rows, cut the same way) at once, their commits on one tick: every
+    lane's batches are applied by both owners, racing, and each lands once."""
+    cluster = Cluster(
+        f"{bucket}/warehouse",
+        count=2,
+        flags=(*FLAGS, "--engine", "delta-rs"),
+        # Both sides commit on the same 100 ms ticks: they race for every version.
+        env={**s3_server.storage_options, "DELTAFLOW_FAULT_TICK_BEFORE_WRITE": "0.1"},
+        scratch=tmp_path / "scratch",
+    )
+    one, two = cluster.addresses()
+    try:
+        await asyncio.gather(
+            cluster.start("node-1", env={"DELTAFLOW_FAULT_UNREACHABLE": two}),
+            cluster.start("node-2", env={"DELTAFLOW_FAULT_UNREACHABLE": one}),
+        )
+        n = 6000
+        options = dataclasses.replace(SMALL, auto_flush_interval=0.0)  # cut by count only
+        for side in (one, two):
+            async with deltaflow.connect([side]) as client:
+                # Each side's map names only itself: both believe they own every partition.
+                assert set(client.partition_map.addresses.values()) == {side}
+
+        async def stream(side: str) -> Any:
+            async with deltaflow.connect([side]) as client:
+                return await client.stream_data(
+                    paced([{"id": i} for i in range(n)]),  # both sides progress together
+                    key="id",
+                    receiver="deltaflow.testing.AppendRows",
+                    receiver_args={"table": "split"},
+                    options=options,
+                    stream_id="split-brain",
+                )
+
+        summaries = await asyncio.gather(stream(one), stream(two))
+        assert [s.items_acked for s in summaries] == [n, n]
+        path = table(s3_server, bucket, "split")
+        ids = [r["id"] for r in open_table(path).to_pyarrow_table().to_pylist()]
+        assert sorted(ids) == list(range(n)), "a batch landed twice, or not at all"
+        # Every batch reached both owners: what one committed, the other found done.
+        nodes = list(cluster.nodes.values())
+        skipped = [await metric(node, "deltaflow_batches_deduplicated_total") for node in nodes]
+        lost = [await metric(node, "deltaflow_commit_conflicts_total") for node in nodes]
+        batches = summaries[0].per_node["node-1"].batches_acked
+        print(  # noqa: T201
+            f"\nsplit brain: {batches} batches from each side; commits by "
+            f"{sorted(commit_writers(path))}; batches skipped as done {skipped}; lost races {lost}"
+        )
+        assert sum(skipped) >= batches and sum(lost) >= 1
+    finally:
+        await cluster.stop()

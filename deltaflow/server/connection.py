@@ -96,6 +96,10 @@ class ClientConnection:
         self._outbox.send_nowait(encode_frame(frame))
         return True
 
+    async def flush(self) -> None:
+        """Wait until every frame queued so far was written (or the connection failed)."""
+        await self._outbox.drain()
+
     async def _write(self, data: bytes) -> None:
         if not self._ws.closed:
             await self._ws.send_bytes(data)

@@ -186,6 +186,22 @@ class Dispatcher:
         self._streams.pop(sid, None)
         self.stats.streams = len(self._streams)
 
+    async def settled(self) -> None:
+        """Wait until no batch this node accepted is running or committing: every one is
+        applied and answered, or waits for a predecessor that never came (a node that drains
+        stops taking batches first, so the wait ends)."""
+        while True:
+            busy: list[asyncio.Future[Any]] = [
+                f
+                for stream in self._streams.values()
+                for lane in stream.lanes.values()
+                for f in (lane.task, *lane.committing.values())
+                if f is not None and not f.done()
+            ]
+            if not busy:
+                return
+            await asyncio.wait(busy)
+
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()

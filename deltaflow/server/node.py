@@ -6,214 +6,51 @@ import asyncio
 import dataclasses
 import enum
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+import time
+from collections.abc import Sequence
 from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..engines import DEFAULT_ENGINE, check_engine, new_engine
+from ..engines import new_engine
 from ..errors import UsageError
-from ..partitioning import DEFAULT_PARTITIONS, PartitionMap
-from ..protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, WS_PATH
+from ..partitioning import PartitionMap
+from ..protocol import PROTOCOL_VERSION, WS_PATH
 from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
-from ..security import NodeTls, is_loopback, peer_proof
-from ..spark_integration.session import SparkConfig
-from ..spark_integration.spark_engine import SPARK_WRITERS
+from ..security import peer_proof
 from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
-from ..tables.engine_settings import (
-    DEFAULT_MAX_GROUP_BYTES,
-    DEFAULT_MAX_GROUP_ROWS,
-    EngineSettings,
-)
-from ..tables.settings import default_buckets
 from .connection import ClientConnection, token_matches
 from .dispatcher import Dispatcher
 from .identity import NodeIdentity, load_identity
 from .metrics import NodeCollector
+from .node_config import DEFAULT_PORT, NodeConfig
 from .side_inputs import (
-    DEFAULT_SIDE_INPUT_LEASE,
-    DEFAULT_SIDE_INPUT_POLL_INTERVAL,
-    DEFAULT_SIDE_INPUT_TIMEOUT,
     SideInputStore,
     load_side_inputs,
 )
 from .statistics import NodeStatistics
-from .topology import DEFAULT_PEER_EXPIRY, Membership
+from .topology import Membership
 
 __all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT: Final = 7700
+#: Seconds a draining node waits for the batches it accepted to be applied and acknowledged.
+DEFAULT_DRAIN_TIMEOUT: Final = 30.0
 TABLE_RECEIVER_NAME: Final = "deltaflow.receivers.TableUpsert"
 DEAD_LETTER_RECEIVER_NAME: Final = "deltaflow.receivers.DeadLetter"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeConfig:
-    """Settings of one node.
-
-    Attributes:
-        node_id: unique, stable name of the node in the cluster.
-        warehouse: where the Delta tables are (one sub-directory or prefix each): a local
-            directory, or an object-store URI such as ``s3://bucket/prefix`` (with the delta-rs
-            engine; see ``docs/object-storage.md``).
-        storage_options: for a warehouse on an object store, its endpoint and credentials by
-            delta-rs's option names (``AWS_ENDPOINT_URL``...); the standard environment
-            variables apply too. Never logged or shown in status.
-        host: interface to listen on. Default ``127.0.0.1``.
-        port: TCP port; 0 picks a free one. Default 7700.
-        advertise: ``host:port`` clients and peers use to reach this node. Default: ``host`` and
-            the bound port; required when ``host`` is a wildcard such as ``0.0.0.0``.
-        peers: ``host:port`` of the other nodes.
-        receivers: class names (``"module.Class"``) of receivers allowed on this node, besides
-            the built-in table receiver.
-        receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
-            once on this node, overriding the class's ``max_concurrency``.
-        token: shared secret clients and peers must present; None disables the check.
-        tls: serve TLS, verify peers against its CA, and with ``client_auth`` require
-            certificates from clients and peers (see ``docs/security.md``). Default None.
-        insecure: let a node listening beyond loopback start with neither a token nor mutual
-            TLS, so anyone who reaches it may stream to it or join the cluster. Default False.
-        partitions: the fixed partition count; every node of a cluster must agree. Default 64.
-        max_frame_bytes: largest frame accepted. Default 16 MiB.
-        heartbeat_interval: seconds between peer liveness polls. Default 0.5.
-        failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
-        peer_expiry: seconds of silence after which a peer has left the cluster (shown as
-            ``left``; one that is not in ``peers`` is no longer polled). Must exceed
-            ``failure_timeout``. Default 60.
-        engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
-            ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
-        spark: Spark settings for the Spark engine (``local[*]`` by default).
-        spark_writer: how the Spark engine applies a group: ``"direct"`` (default; the node
-            writes the data files and commits them through Spark's Delta transaction, no Spark
-            job) or ``"sql"`` (a Spark MERGE or INSERT per group). See docs/tables.md.
-        max_group_rows: largest group commit, rows. Default 500,000.
-        max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
-            larger than either bound still commits, alone.)
-        min_commit_interval: seconds between taking two groups of one table on this node
-            for commit, at least; a queue that holds a whole group (``max_group_rows`` or
-            ``max_group_bytes``) is taken without waiting. Default 0: a group commits as soon
-            as the previous commit ends (see docs/configuration.md, "Commit rate").
-        table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
-            the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
-            largest divisor up to 64 (see docs/tables.md).
-        schema_evolution: tables this node creates on first write allow new columns. Default
-            False.
-        deletion_vectors: tables this node creates on first write get Delta deletion vectors
-            (with the delta-rs engine, their groups are applied by merge-on-read; see
-            ``docs/tables.md``). Default False.
-        side_inputs: class names (``"module.Class"``) of the side inputs this node serves to
-            its receivers (see ``docs/side-inputs.md``); every node should list the same.
-        side_input_timeout: seconds a starting node waits, once its engine started, for every
-            side input to have a value before it fails. Default 60.
-        side_input_lease: seconds a side input's leader holds its lease without renewing it
-            (renewed every third of it); a dead leader is replaced within 4/3 of it. Default 10.
-        side_input_poll_interval: seconds between two checks for a new version of each side
-            input. Default 0.5.
-    """
-
-    node_id: str
-    warehouse: Path | str | StorePath
-    storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    advertise: str | None = None
-    peers: Sequence[str] = ()
-    receivers: Sequence[str] = ()
-    receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
-    token: str | None = field(default=None, repr=False)
-    tls: NodeTls | None = None
-    insecure: bool = False
-    partitions: int = DEFAULT_PARTITIONS
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    heartbeat_interval: float = 0.5
-    failure_timeout: float = 3.0
-    peer_expiry: float = DEFAULT_PEER_EXPIRY
-    engine: str = DEFAULT_ENGINE
-    spark: SparkConfig = field(default_factory=SparkConfig)
-    spark_writer: str = SPARK_WRITERS[0]
-    max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
-    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
-    min_commit_interval: float = 0.0
-    table_buckets: int | None = None
-    schema_evolution: bool = False
-    deletion_vectors: bool = False
-    side_inputs: Sequence[str] = ()
-    side_input_timeout: float = DEFAULT_SIDE_INPUT_TIMEOUT
-    side_input_lease: float = DEFAULT_SIDE_INPUT_LEASE
-    side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
-
-    def __post_init__(self) -> None:
-        if not self.node_id or "@" in self.node_id:
-            raise UsageError(f"node_id {self.node_id!r} must be a non-empty name without '@'")
-        if not 1 <= self.partitions <= 65536:
-            raise UsageError("partitions must be between 1 and 65536")
-        if self.max_frame_bytes < 64 * 1024:
-            raise UsageError("max_frame_bytes must be at least 64 KiB")
-        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
-            raise UsageError(
-                f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
-                "advertise='host:port' (--advertise) so clients and peers can reach it"
-            )
-        if not (self.token or (self.tls and self.tls.client_auth) or self.insecure):
-            if not is_loopback(self.host):
-                raise UsageError(
-                    f"node {self.node_id} listens on {self.host!r} with neither a token nor "
-                    "mutual TLS, so anyone who reaches it could stream to it or join the "
-                    "cluster and take partitions: give it --token-file FILE (with --tls-cert "
-                    "and --tls-key, so the token never crosses the network in clear), or "
-                    "--tls-client-auth with --tls-ca; --insecure starts it open anyway"
-                )
-        check_engine(self.engine)
-        if self.spark_writer not in SPARK_WRITERS:
-            raise UsageError(
-                f"spark_writer must be one of {', '.join(SPARK_WRITERS)}, got {self.spark_writer!r}"
-            )
-        for name, bound in self.receiver_concurrency.items():
-            if not isinstance(bound, int) or bound < 1:
-                raise UsageError(
-                    f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}"
-                )
-        if self.failure_timeout <= self.heartbeat_interval:
-            raise UsageError("failure_timeout must exceed heartbeat_interval")
-        if self.peer_expiry <= self.failure_timeout:
-            raise UsageError("peer_expiry must exceed failure_timeout")
-        self.engine_settings()  # checks them
-        if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
-            raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
-        if not self.side_input_lease >= 0.3:
-            raise UsageError("side_input_lease must be at least 0.3 seconds")
-
-    def engine_settings(self) -> EngineSettings:
-        """The node's table engine settings (its bucket count follows ``partitions`` unless
-        ``table_buckets`` is given).
-
-        Raises:
-            UsageError: one is out of range.
-        """
-        buckets = self.table_buckets
-        return EngineSettings(
-            max_group_rows=self.max_group_rows,
-            max_group_bytes=self.max_group_bytes,
-            min_commit_interval=self.min_commit_interval,
-            table_buckets=default_buckets(self.partitions) if buckets is None else buckets,
-            schema_evolution=self.schema_evolution,
-            deletion_vectors=self.deletion_vectors,
-        )
 
 
 class NodeState(enum.Enum):
     CREATED = "created"
     RUNNING = "running"
+    DRAINING = "draining"  # handed its partitions over, finishing what it accepted
     STOPPED = "stopped"
 
 
@@ -265,6 +102,8 @@ class Node:
                 poll_interval=config.side_input_poll_interval,
             )
         self.identity: NodeIdentity | None = None  # read by start()
+        self._stopped = asyncio.Event()
+        self._drain_task: asyncio.Task[list[str]] | None = None
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()
@@ -363,6 +202,8 @@ class Node:
         app = web.Application()
         app.router.add_get(WS_PATH, self._ws_handler)
         app.router.add_get("/v1/cluster", self._cluster_handler)
+        app.router.add_post("/v1/leave", self._leave_handler)
+        app.router.add_post("/v1/drain", self._drain_handler)
         app.router.add_get("/healthz", self._health_handler)
         app.router.add_get("/metrics", self._metrics_handler)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
@@ -396,9 +237,49 @@ class Node:
             ", ".join(self.registry.names()),
         )
 
-    async def stop(self) -> None:
+    async def drain(self, timeout: float = DEFAULT_DRAIN_TIMEOUT) -> list[str]:
+        """Leave the cluster without a pause for anyone, then stop: tell the peers (they take
+        this node's partitions at once, no failure timeout), answer every new batch with
+        ``NOT_OWNER`` and the map naming the new owners, apply and acknowledge every batch
+        already accepted (for at most ``timeout`` seconds), then :meth:`stop`. What SIGTERM
+        and ``deltaflow node drain`` do. Returns the peers that took the partitions."""
         if self.state is not NodeState.RUNNING:
+            await self.stop()
+            return []
+        self.state = NodeState.DRAINING
+        started = time.monotonic()
+        assert self._membership is not None
+        told = await self._membership.leave()
+        owned = sum(1 for p in range(self.config.partitions) if self._owns(p))
+        log.warning(
+            "node %s draining: its partitions went to %s%s",
+            self.node_id,
+            ", ".join(sorted(set(self.partition_map.owners))) or "no one",
+            f" ({owned} kept: no live peer)" if owned else "",
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                await self.dispatcher.settled()
+                await asyncio.gather(*(c.flush() for c in self._connections))
+        except TimeoutError:
+            log.warning(
+                "node %s: batches still unfinished after %gs of draining; their clients "
+                "resend them to the new owners",
+                self.node_id,
+                timeout,
+            )
+        log.warning("node %s drained in %.2fs; stopping", self.node_id, time.monotonic() - started)
+        await self.stop()
+        return told
+
+    async def wait_stopped(self) -> None:
+        """Wait until the node has stopped (after :meth:`stop` or a drain)."""
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        if self.state not in (NodeState.RUNNING, NodeState.DRAINING):
             self.state = NodeState.STOPPED
+            self._stopped.set()
             return
         self.state = NodeState.STOPPED
         if self._membership is not None:
@@ -411,6 +292,7 @@ class Node:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.engine.stop()
+        self._stopped.set()
 
     async def __aenter__(self) -> Node:
         await self.start()
@@ -440,6 +322,7 @@ class Node:
         return web.json_response(
             {
                 "proof": proof,
+                "draining": self.state is NodeState.DRAINING,
                 "node": self.node_id,
                 "address": self.address,
                 "protocol": PROTOCOL_VERSION,
@@ -456,6 +339,22 @@ class Node:
                 },
             }
         )
+
+    async def _leave_handler(self, request: web.Request) -> web.Response:
+        """A peer drains: it asks this node to take its partitions now."""
+        if not self._authorised(request):
+            return web.json_response({"error": "wrong or missing token"}, status=401)
+        peer_id, _, address = request.headers.get("X-Deltaflow-Peer", "").partition("@")
+        taken = self._membership is not None and self._membership.departed(peer_id, address)
+        return web.json_response({"node": self.node_id, "taken": taken})
+
+    async def _drain_handler(self, request: web.Request) -> web.Response:
+        """``deltaflow node drain``: hand the partitions over, finish, stop."""
+        if not self._authorised(request):
+            return web.json_response({"error": "wrong or missing token"}, status=401)
+        if self.state is NodeState.RUNNING:
+            self._drain_task = asyncio.create_task(self.drain(), name="deltaflow-drain")
+        return web.json_response({"node": self.node_id, "state": self.state.value}, status=202)
 
     async def _health_handler(self, request: web.Request) -> web.Response:
         return web.json_response({"node": self.node_id, "state": self.state.value})

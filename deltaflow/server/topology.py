@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import aiohttp
 
+from .._faults import unreachable
 from ..partitioning import PartitionMap
 from ..security import peer_proof, url
 from .identity import Candidate, NodeIdentity, decide, refusal_message
@@ -49,6 +50,7 @@ class PeerState(enum.StrEnum):
     DEAD = "dead"  # no answer for failure_timeout
     LEFT = "left"  # no answer for peer_expiry
     REFUSED = "refused"  # answers, but its identity lost (or it says it was refused)
+    DRAINING = "draining"  # answers, but is leaving: it handed its partitions over
 
 
 class _Status(enum.Enum):
@@ -69,6 +71,7 @@ class Member:
     own_refusal: str | None = None  # the peer's own ``refused`` message
     conflict: str | None = None  # why this node does not count it, when it answers
     proven: bool = True  # its last answer proved it holds the cluster token
+    draining: bool = False  # it said it is leaving (its answer, or its call to /v1/leave)
     map_wire: Any = None
     last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
     since: float = 0.0  # monotonic seconds this node began (or began again) polling it
@@ -90,6 +93,7 @@ class _Answer:
     refused: str | None
     map_wire: Any
     proven: bool  # proved it holds the cluster token (or none is set)
+    draining: bool
 
 
 class Membership:
@@ -134,6 +138,7 @@ class Membership:
         self._peers = {a: Member(a, since=now) for a in peers if a != address}
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, self.partitions)
         self._own_map = True  # False while the map is the winners' (this node refused)
+        self._leaving = False  # draining: this node owns no partition any more
         self._status = _Status.JOINING
         self._refused_by: NodeIdentity | None = None
         self._refusal: str | None = None
@@ -170,9 +175,20 @@ class Membership:
     def owns(self, partition: int) -> bool:
         return self.admitted and self._map.owners[partition] == self.node_id
 
+    @property
+    def leaving(self) -> bool:
+        """This node is draining: it handed its partitions to its peers."""
+        return self._leaving
+
     def members(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        me = PeerState.REFUSED if self._refusal else PeerState.LIVE
+        me = (
+            PeerState.REFUSED
+            if self._refusal
+            else PeerState.DRAINING
+            if self._leaving
+            else PeerState.LIVE
+        )
         rows: list[dict[str, Any]] = [
             {
                 "node": self.node_id,
@@ -222,6 +238,45 @@ class Membership:
                 await self._task
         if self._session is not None:
             await self._session.close()
+
+    async def leave(self) -> list[str]:
+        """Drain: tell every live peer this node is leaving, so each drops it from its map at
+        once (no failure timeout), then drop it from this node's own map: from now on it owns
+        no partition, and hands out a map naming the new owners. Returns the node ids of the
+        peers that took the news (the others notice at their next poll of this node, whose
+        answer says it is draining).
+
+        A node without live peers keeps its map: there is no one to hand the partitions to.
+        """
+        now = time.monotonic()
+        live = [m for m in self._peers.values() if self._state(m, now) is PeerState.LIVE]
+        told = await asyncio.gather(*(self._tell_leaving(m.address) for m in live))
+        self._leaving = True
+        self._decide(time.monotonic())
+        return [str(m.node_id) for m, ok in zip(live, told, strict=True) if ok]
+
+    async def _tell_leaving(self, address: str) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                url(address, "/v1/leave", self._tls),
+                headers=self._headers(),
+                ssl=self._tls if self._tls is not None else True,
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    def departed(self, node_id: str, address: str) -> bool:
+        """A peer says it is leaving (it drains): take it out of the map now. False if this
+        node knows no peer by that id at that address."""
+        member = self._peers.get(address)
+        if member is None or member.node_id != node_id:
+            return False
+        member.draining = True
+        self._decide(time.monotonic())
+        log.info("peer %s at %s is leaving; its partitions move now", node_id, address)
+        return True
 
     def observe(self, node_id: str, address: str) -> None:
         """A peer polled us. Only a poll of it can make it live: an unknown, dead or renamed
@@ -292,10 +347,11 @@ class Membership:
 
     async def _poll(self, address: str) -> _Answer | _Silence:
         assert self._session is not None
+        if unreachable(address):  # a network partition, injected
+            await asyncio.sleep(self.heartbeat_interval)
+            return _Silence.NO_ANSWER
         nonce = secrets.token_hex(16)
-        headers = {"X-Deltaflow-Peer": f"{self.node_id}@{self.address}", "X-Deltaflow-Nonce": nonce}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
+        headers = {**self._headers(), "X-Deltaflow-Nonce": nonce}
         try:
             async with self._session.get(
                 url(address, "/v1/cluster", self._tls),
@@ -323,6 +379,7 @@ class Membership:
             serving=body.get("serving") is True,
             refused=refused if isinstance(refused, str) else None,
             map_wire=body.get("map"),
+            draining=body.get("draining") is True,
             proven=not self._token
             or (
                 isinstance(proof, str)
@@ -330,17 +387,27 @@ class Membership:
             ),
         )
 
+    def _headers(self) -> dict[str, str]:
+        headers = {"X-Deltaflow-Peer": f"{self.node_id}@{self.address}"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
+
     def _polled(self, member: Member, now: float) -> bool:
         return member.configured or self._state(member, now) is not PeerState.LEFT
 
     def _answered(self, member: Member, now: float) -> bool:
-        recent = bool(member.last_seen) and now - member.last_seen <= self.failure_timeout
-        return recent and not member.down
+        return self._recent(member, now) and not member.down and not member.draining
+
+    def _recent(self, member: Member, now: float) -> bool:
+        return bool(member.last_seen) and now - member.last_seen <= self.failure_timeout
 
     def _state(self, member: Member, now: float) -> PeerState:
         if self._answered(member, now):
             refused = member.conflict or member.own_refusal
             return PeerState.REFUSED if refused else PeerState.LIVE
+        if member.draining and self._recent(member, now) and not member.down:
+            return PeerState.DRAINING
         silent_since = max(member.last_seen, member.since)
         return PeerState.LEFT if now - silent_since > self.peer_expiry else PeerState.DEAD
 
@@ -399,10 +466,12 @@ class Membership:
         if self._status is _Status.REFUSED:
             log.info("node %s admitted again: %s", self.node_id, self.identity.describe())
         self._status, self._refusal, self._refused_by = _Status.ADMITTED, None, None
-        live = {self.node_id: self.address}
+        live = {} if self._leaving else {self.node_id: self.address}
         for m in answered:
             if m.node_id and not (m.conflict or m.own_refusal):
                 live[m.node_id] = m.address
+        if not live:  # draining with no live peer: no one to hand the partitions to
+            return
         if self._own_map and dict(self._map.addresses) == live:
             return
         self._own_map = True
@@ -441,6 +510,7 @@ def _record(member: Member, answer: _Answer, now: float) -> None:
     member.own_refusal = answer.refused
     member.map_wire = answer.map_wire
     member.proven = answer.proven
+    member.draining = answer.draining
     member.last_seen = now
     member.suspected = member.first_refusal = member.down = 0.0
 

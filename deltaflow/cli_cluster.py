@@ -1,0 +1,147 @@
+"""The ``deltaflow`` subcommands that talk to running nodes: ``cluster status`` and ``node
+drain``, with the client's credentials (``--token-file``, ``--tls-ca``, ``--tls-cert``,
+``--tls-key``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+from .errors import ConnectionLostError, NodeUnavailableError
+from .security import ClientTls
+
+__all__ = ["add_cluster_commands", "token_of"]
+
+
+def token_of(args: argparse.Namespace) -> str | None:
+    """The token in ``--token-file``, stripped of surrounding whitespace (None: no file)."""
+    return Path(args.token_file).read_text().strip() if args.token_file else None
+
+
+def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cluster = sub.add_parser("cluster", help="inspect a cluster")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True)
+    status = csub.add_parser("status", help="members, liveness and the partition map")
+    status.add_argument("--node", required=True, help="any node, host:port")
+    _add_client_credentials(status)
+    status.set_defaults(func=_cluster_status)
+
+    node = sub.add_parser("node", help="act on one node")
+    nsub = node.add_subparsers(dest="node_command", required=True)
+    drain = nsub.add_parser(
+        "drain",
+        help="hand the node's partitions to its peers at once, finish its batches, stop it",
+    )
+    drain.add_argument("--node", required=True, help="the node, host:port")
+    drain.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
+    _add_client_credentials(drain)
+    drain.set_defaults(func=_node_drain)
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The client side of ``--tls-ca``, ``--tls-cert`` and ``--tls-key`` (None: plain text)."""
+    if not (args.tls_ca or args.tls_cert or args.tls_key):
+        return None
+    return ClientTls(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+
+
+def _add_client_credentials(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", help="file holding the shared cluster token")
+    parser.add_argument("--tls-ca", help="reach the node over TLS, trusting this CA (PEM)")
+    parser.add_argument("--tls-cert", help="this client's certificate, for mutual TLS (PEM)")
+    parser.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    from .client.router import fetch_cluster
+    from .security import client_context
+
+    tls = client_context(_client_tls(args))
+    try:
+        body = asyncio.run(fetch_cluster(args.node, token_of(args), 5.0, tls))
+    except (NodeUnavailableError, ConnectionLostError) as exc:
+        print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
+        f"map v{body['map']['version']}"
+    )
+    identity = body.get("identity")
+    if identity:
+        print(
+            f"identity: cluster {identity['cluster_id']}, warehouse {identity['warehouse']}, "
+            f"engine {identity['engine']}, {identity['partitions']} partitions"
+        )
+    if body.get("refused"):
+        print(f"REFUSED: {body['refused']}")
+        print("  this node owns no partition; the map below is the cluster's")
+    print("members:")
+    owners = body["map"]["owners"]
+    for m in body["members"]:
+        owned = sum(1 for o in owners if o == m["node"])
+        print(
+            f"  {m['node'] or '?':<16} {m['address']:<22} {_state_label(m):<7} partitions={owned}"
+        )
+        if m.get("refused") and not m.get("self"):  # its own reason is printed above
+            print(f"      {m['refused']}")
+    print("partition map:")
+    for node_id in sorted(set(owners)):
+        parts = [str(i) for i, o in enumerate(owners) if o == node_id]
+        print(f"  {node_id}: {' '.join(parts)}")
+    return 0
+
+
+def _node_drain(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    from .client.router import fetch_cluster
+    from .security import client_context, url
+
+    tls = client_context(_client_tls(args))
+    token = token_of(args)
+
+    async def run() -> int:
+        # Through fetch_cluster first: it checks the token and TLS without leaking the token.
+        body = await fetch_cluster(args.node, token, 5.0, tls)
+        others = [m["address"] for m in body["members"] if m["live"] and not m.get("self")]
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ssl_option = tls if tls is not None else True
+        started = time.monotonic()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http:
+            async with http.post(
+                url(args.node, "/v1/drain", tls), headers=headers, ssl=ssl_option
+            ) as resp:
+                if resp.status != 202:
+                    print(f"node {args.node} answered {resp.status}", file=sys.stderr)
+                    return 2
+            print(f"node {body['node']} at {args.node} is draining", flush=True)
+            while time.monotonic() - started < args.timeout:
+                try:
+                    async with http.get(url(args.node, "/healthz", tls), ssl=ssl_option):
+                        pass
+                except (aiohttp.ClientError, OSError):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                print(f"node {args.node} still runs after {args.timeout:g}s", file=sys.stderr)
+                return 1
+        print(f"node {body['node']} stopped {time.monotonic() - started:.1f}s later")
+        for other in others:
+            with contextlib.suppress(NodeUnavailableError, ConnectionLostError):
+                owners = (await fetch_cluster(other, token, 5.0, tls))["map"]["owners"]
+                counts = {n: owners.count(n) for n in sorted(set(owners))}
+                print("partitions now: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
+                break
+        return 0
+
+    return asyncio.run(run())
+
+
+def _state_label(member: dict[str, object]) -> str:
+    """``live`` in lower case, trouble in upper case (``DEAD``, ``LEFT``, ``REFUSED``)."""
+    state = member.get("state") or ("live" if member["live"] else "dead")  # older nodes
+    return "live" if state == "live" else str(state).upper()

@@ -1,0 +1,187 @@
+"""What a node is told: :class:`NodeConfig`, checked as it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from ..engines import DEFAULT_ENGINE, check_engine
+from ..errors import UsageError
+from ..partitioning import DEFAULT_PARTITIONS
+from ..protocol import DEFAULT_MAX_FRAME_BYTES
+from ..security import NodeTls, is_loopback
+from ..spark_integration.session import SparkConfig
+from ..spark_integration.spark_engine import SPARK_WRITERS
+from ..storage.paths import StorePath
+from ..tables.engine_settings import (
+    DEFAULT_MAX_GROUP_BYTES,
+    DEFAULT_MAX_GROUP_ROWS,
+    EngineSettings,
+)
+from ..tables.settings import default_buckets
+from .side_inputs import (
+    DEFAULT_SIDE_INPUT_LEASE,
+    DEFAULT_SIDE_INPUT_POLL_INTERVAL,
+    DEFAULT_SIDE_INPUT_TIMEOUT,
+)
+from .topology import DEFAULT_PEER_EXPIRY
+
+__all__ = ["DEFAULT_PORT", "NodeConfig"]
+
+DEFAULT_PORT: Final = 7700
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """Settings of one node.
+
+    Attributes:
+        node_id: unique, stable name of the node in the cluster.
+        warehouse: where the Delta tables are (one sub-directory or prefix each): a local
+            directory, or an object-store URI such as ``s3://bucket/prefix`` (with the delta-rs
+            engine; see ``docs/object-storage.md``).
+        storage_options: for a warehouse on an object store, its endpoint and credentials by
+            delta-rs's option names (``AWS_ENDPOINT_URL``...); the standard environment
+            variables apply too. Never logged or shown in status.
+        host: interface to listen on. Default ``127.0.0.1``.
+        port: TCP port; 0 picks a free one. Default 7700.
+        advertise: ``host:port`` clients and peers use to reach this node. Default: ``host`` and
+            the bound port; required when ``host`` is a wildcard such as ``0.0.0.0``.
+        peers: ``host:port`` of the other nodes.
+        receivers: class names (``"module.Class"``) of receivers allowed on this node, besides
+            the built-in table receiver.
+        receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
+            once on this node, overriding the class's ``max_concurrency``.
+        token: shared secret clients and peers must present; None disables the check.
+        tls: serve TLS, verify peers against its CA, and with ``client_auth`` require
+            certificates from clients and peers (see ``docs/security.md``). Default None.
+        insecure: let a node listening beyond loopback start with neither a token nor mutual
+            TLS, so anyone who reaches it may stream to it or join the cluster. Default False.
+        partitions: the fixed partition count; every node of a cluster must agree. Default 64.
+        max_frame_bytes: largest frame accepted. Default 16 MiB.
+        heartbeat_interval: seconds between peer liveness polls. Default 0.5.
+        failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
+        peer_expiry: seconds of silence after which a peer has left the cluster (shown as
+            ``left``; one that is not in ``peers`` is no longer polled). Must exceed
+            ``failure_timeout``. Default 60.
+        engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
+            ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
+        spark: Spark settings for the Spark engine (``local[*]`` by default).
+        spark_writer: how the Spark engine applies a group: ``"direct"`` (default; the node
+            writes the data files and commits them through Spark's Delta transaction, no Spark
+            job) or ``"sql"`` (a Spark MERGE or INSERT per group). See docs/tables.md.
+        max_group_rows: largest group commit, rows. Default 500,000.
+        max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
+            larger than either bound still commits, alone.)
+        min_commit_interval: seconds between taking two groups of one table on this node
+            for commit, at least; a queue that holds a whole group (``max_group_rows`` or
+            ``max_group_bytes``) is taken without waiting. Default 0: a group commits as soon
+            as the previous commit ends (see docs/configuration.md, "Commit rate").
+        table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
+            the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
+            largest divisor up to 64 (see docs/tables.md).
+        schema_evolution: tables this node creates on first write allow new columns. Default
+            False.
+        deletion_vectors: tables this node creates on first write get Delta deletion vectors
+            (with the delta-rs engine, their groups are applied by merge-on-read; see
+            ``docs/tables.md``). Default False.
+        side_inputs: class names (``"module.Class"``) of the side inputs this node serves to
+            its receivers (see ``docs/side-inputs.md``); every node should list the same.
+        side_input_timeout: seconds a starting node waits, once its engine started, for every
+            side input to have a value before it fails. Default 60.
+        side_input_lease: seconds a side input's leader holds its lease without renewing it
+            (renewed every third of it); a dead leader is replaced within 4/3 of it. Default 10.
+        side_input_poll_interval: seconds between two checks for a new version of each side
+            input. Default 0.5.
+    """
+
+    node_id: str
+    warehouse: Path | str | StorePath
+    storage_options: Mapping[str, str] = field(default_factory=dict, repr=False)
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    advertise: str | None = None
+    peers: Sequence[str] = ()
+    receivers: Sequence[str] = ()
+    receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
+    token: str | None = field(default=None, repr=False)
+    tls: NodeTls | None = None
+    insecure: bool = False
+    partitions: int = DEFAULT_PARTITIONS
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    heartbeat_interval: float = 0.5
+    failure_timeout: float = 3.0
+    peer_expiry: float = DEFAULT_PEER_EXPIRY
+    engine: str = DEFAULT_ENGINE
+    spark: SparkConfig = field(default_factory=SparkConfig)
+    spark_writer: str = SPARK_WRITERS[0]
+    max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
+    max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
+    min_commit_interval: float = 0.0
+    table_buckets: int | None = None
+    schema_evolution: bool = False
+    deletion_vectors: bool = False
+    side_inputs: Sequence[str] = ()
+    side_input_timeout: float = DEFAULT_SIDE_INPUT_TIMEOUT
+    side_input_lease: float = DEFAULT_SIDE_INPUT_LEASE
+    side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
+
+    def __post_init__(self) -> None:
+        if not self.node_id or "@" in self.node_id:
+            raise UsageError(f"node_id {self.node_id!r} must be a non-empty name without '@'")
+        if not 1 <= self.partitions <= 65536:
+            raise UsageError("partitions must be between 1 and 65536")
+        if self.max_frame_bytes < 64 * 1024:
+            raise UsageError("max_frame_bytes must be at least 64 KiB")
+        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
+            raise UsageError(
+                f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
+                "advertise='host:port' (--advertise) so clients and peers can reach it"
+            )
+        if not (self.token or (self.tls and self.tls.client_auth) or self.insecure):
+            if not is_loopback(self.host):
+                raise UsageError(
+                    f"node {self.node_id} listens on {self.host!r} with neither a token nor "
+                    "mutual TLS, so anyone who reaches it could stream to it or join the "
+                    "cluster and take partitions: give it --token-file FILE (with --tls-cert "
+                    "and --tls-key, so the token never crosses the network in clear), or "
+                    "--tls-client-auth with --tls-ca; --insecure starts it open anyway"
+                )
+        check_engine(self.engine)
+        if self.spark_writer not in SPARK_WRITERS:
+            raise UsageError(
+                f"spark_writer must be one of {', '.join(SPARK_WRITERS)}, got {self.spark_writer!r}"
+            )
+        for name, bound in self.receiver_concurrency.items():
+            if not isinstance(bound, int) or bound < 1:
+                raise UsageError(
+                    f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}"
+                )
+        if self.failure_timeout <= self.heartbeat_interval:
+            raise UsageError("failure_timeout must exceed heartbeat_interval")
+        if self.peer_expiry <= self.failure_timeout:
+            raise UsageError("peer_expiry must exceed failure_timeout")
+        self.engine_settings()  # checks them
+        if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
+            raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
+        if not self.side_input_lease >= 0.3:
+            raise UsageError("side_input_lease must be at least 0.3 seconds")
+
+    def engine_settings(self) -> EngineSettings:
+        """The node's table engine settings (its bucket count follows ``partitions`` unless
+        ``table_buckets`` is given).
+
+        Raises:
+            UsageError: one is out of range.
+        """
+        buckets = self.table_buckets
+        return EngineSettings(
+            max_group_rows=self.max_group_rows,
+            max_group_bytes=self.max_group_bytes,
+            min_commit_interval=self.min_commit_interval,
+            table_buckets=default_buckets(self.partitions) if buckets is None else buckets,
+            schema_evolution=self.schema_evolution,
+            deletion_vectors=self.deletion_vectors,
+        )
