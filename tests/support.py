@@ -134,7 +134,7 @@ def open_table(path: Location, version: int | None = None) -> Any:
     return DeltaTable(str(path), version=version, storage_options=storage_options(path))
 
 
-def read_delta(path: Path, key: str = "id") -> dict[Any, dict[str, Any]]:
+def read_delta(path: Location, key: str = "id") -> dict[Any, dict[str, Any]]:
     """The table as {key: row}, read by delta-rs (independent of Spark), through its query
     engine, which applies deletion vectors."""
     import pyarrow as pa

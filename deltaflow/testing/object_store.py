@@ -40,16 +40,17 @@ def versitygw_binary() -> Path:
 
 
 class S3Server(ServerProcesses):
-    """versitygw serving the directory ``directory / "data"`` as S3 on 127.0.0.1.
+    """versitygw serving the directory ``directory / "data"`` as S3 on 127.0.0.1 (or ``host``).
 
     ``endpoint`` is its URL; :attr:`storage_options` are what delta-rs, ``obstore`` and
     ``deltaflow --storage-option`` take to reach it; :meth:`create_bucket` makes a bucket.
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, host: str = _HOST) -> None:
         super().__init__(directory)
+        self.host = host
         self.port = free_port()
-        self.endpoint = f"http://{_HOST}:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         self.access_key = "deltaflow-" + secrets.token_hex(4)
         self.secret_key = secrets.token_hex(16)
 
@@ -71,11 +72,11 @@ class S3Server(ServerProcesses):
             str(versitygw_binary()),
             "--access", self.access_key,
             "--secret", self.secret_key,
-            "--port", f"{_HOST}:{self.port}",
+            "--port", f"{self.host}:{self.port}",
             "posix", str(data),
         ]  # fmt: skip
         self._start("versitygw", command, dict(os.environ))
-        self._until(lambda: listening(_HOST, self.port), "S3 server")
+        self._until(lambda: listening(self.host, self.port), "S3 server")
         return self
 
     def create_bucket(self, name: str) -> str:

@@ -24,8 +24,8 @@ def free_port() -> int:
 
 
 class NodeProcess:
-    """``deltaflow serve`` in a child process, on 127.0.0.1; ``start`` returns once it prints
-    'ready'. For failover tests (``kill`` is a SIGKILL) and benchmarks that want nodes in
+    """``deltaflow serve`` in a child process, on 127.0.0.1 (or ``host``); ``start`` returns once
+    it prints 'ready'. For failover tests (``kill`` is a SIGKILL) and benchmarks that want nodes in
     processes of their own, as deployed.
 
     Args:
@@ -33,6 +33,9 @@ class NodeProcess:
         spark_master: ``--spark-master`` (one core by default: tests run several nodes).
         python: the interpreter to run it with (another environment's, say one with only
             ``deltaflow[connect]``); this one's by default.
+        host: ``--host``, and the host of :attr:`address`.
+        prefix: a command the node's runs under, such as ``ip netns exec NAME`` (a host of
+            :mod:`.netns`).
     """
 
     def __init__(
@@ -46,17 +49,22 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         spark_master: str = "local[1]",
         python: str = sys.executable,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> None:
         self.node_id = node_id
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.args = [
+            *prefix,
             python,
             "-m",
             "deltaflow.cli",
             "serve",
             "--node-id",
             node_id,
+            "--host",
+            host,
             "--port",
             str(self.port),
             "--warehouse",
