@@ -18,6 +18,11 @@
   tearing would show.
 - :class:`NodeProcess`: ``deltaflow serve`` as a child process (start, SIGKILL, stop), and
   :func:`wait_for_members` until such nodes see each other.
+- ``DELTAFLOW_FAULT_UNREACHABLE=HOST:PORT,...``: a node cut off from those peers, as by a
+  network partition.
+- :mod:`.certificates` (a CA issuing node and client certificates, for TLS), :mod:`.netns`
+  (hosts as network namespaces on a bridge), :mod:`.object_store` (a real S3 server): import
+  them from their modules, they need extra packages or root.
 
 They live in :mod:`.connections`, :mod:`.receivers`, :mod:`.faults`, :mod:`.side_inputs` and
 :mod:`.processes`; import them from here, the name they go by (``deltaflow.testing.Echo``).
