@@ -158,11 +158,9 @@ def tls_failure(address: str, exc: BaseException, tls: ssl.SSLContext | None) ->
             "nodes' certificates, and check that the certificate names the host clients use"
         )
     lowered = text.lower()
-    if (
-        "certificate required" in lowered
-        or "certificate_required" in lowered
-        or ("handshake failure" in lowered and tls is not None)
-    ):
+    # The alerts a node sends when it refuses the client's certificate (TLS 1.3 and 1.2).
+    refused = ("certificate required", "certificate_required", "bad certificate", "unknown ca")
+    if tls is not None and any(alert in lowered for alert in refused):
         return TlsError(
             f"the node at {address} requires a client certificate (mutual TLS, "
             "--tls-client-auth): pass tls=deltaflow.ClientTls(ca=..., cert=..., key=...) with "
