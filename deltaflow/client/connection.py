@@ -81,8 +81,10 @@ def _transport_error(
 
 async def explain_dropped(address: str, error: TransportError, tls: ssl.SSLContext | None) -> None:
     """After a request to ``address`` dropped (``error``): raise :class:`TlsError` if TLS is
-    why (see :func:`deltaflow.security.diagnose`)."""
-    if isinstance(error, ConnectionLostError):
+    why (see :func:`deltaflow.security.diagnose`). Only a connection the node closed or reset
+    is looked into: a timeout (a slow or stopped node) is not a TLS mismatch, and probing it
+    would only add to the wait."""
+    if isinstance(error, ConnectionLostError) and not isinstance(error.__cause__, TimeoutError):
         failure = await diagnose(address, tls)
         if failure is not None:
             raise failure from error
