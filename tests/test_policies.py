@@ -267,3 +267,23 @@ def test_a_one_column_key_sequence_routes_like_the_column() -> None:
     row = {"id": 42, "region": "eu"}
     assert key_function(["id"])(row) == key_function("id")(row) == 42  # as the node buckets it
     assert key_function(("region", "id"))(row) == ("eu", 42)
+
+
+async def test_dead_letters_of_a_stream_that_fails_meanwhile_are_written_and_not_listed(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """The source fails right after the batch that will be dead-lettered went out: its failure
+    arrives while the stream winds down, and starts the dead-letter sender then. Those items
+    must still reach the dead-letter table, and not also be reported as failed."""
+
+    def items() -> Iterator[int]:
+        yield from range(40)
+        raise RuntimeError("the source broke")
+
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(items(), options=opts("fallback"), **ONE_LANE)
+    assert isinstance(info.value.cause, RuntimeError)
+    rows = DeltaTable(str(warehouse / "deltaflow_dead_letters")).to_pyarrow_table().to_pylist()
+    assert sorted(msgpack.unpackb(r["payload"]) for r in rows) == BAD_BATCH
+    assert not set(info.value.failed_items) & set(BAD_BATCH)

@@ -298,15 +298,14 @@ class StreamRun:
             )  # our own wake-up from an idle source, not a cancellation of stream_data
             if not woken and not isinstance(exc, DataStreamerError):
                 self.errors.insert(0, exc)
-            dead = self.dead_letters if self.dead_letters.started else None
+            # The dead-letter sender after the main one: a batch failing while the main sender
+            # winds down may start it only then.
             if isinstance(exc, asyncio.CancelledError) and not woken:
                 await sender.cancel()
-                if dead is not None:
-                    await dead.cancel()
+                await self.dead_letters.cancel()
             else:
                 await sender.join()
-                if dead is not None:
-                    await dead.join()
+                await self.dead_letters.join()
         finally:
             if lingering is not None:
                 lingering.cancel()
