@@ -301,7 +301,10 @@ class Membership:
 
     async def _loop(self) -> None:
         while True:
-            suspects = any(m.suspected and not m.down for m in self._peers.values())
+            # Quick polls only while a suspicion can still be confirmed: a peer that is down,
+            # or silent past failure_timeout, is back to the normal pace.
+            now = time.monotonic()
+            suspects = any(m.suspected and self._answered(m, now) for m in self._peers.values())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(
                     SUSPECT_POLL_INTERVAL if suspects else self.heartbeat_interval
