@@ -283,3 +283,14 @@ async def test_a_peer_that_cannot_prove_the_token_is_refused(warehouse: Path) ->
             assert set(node.partition_map.owners) == {"n1"}
         finally:
             await node.stop()
+
+
+async def test_a_tls_client_to_a_plain_node_is_told_so(
+    warehouse: Path, ca: CertificateAuthority
+) -> None:
+    node = await one_node(warehouse, token=TOKEN)
+    try:
+        with pytest.raises(TlsError, match="does not serve TLS; connect without tls="):
+            await stream_ten(node, tls=ClientTls(ca=ca.cert))
+    finally:
+        await node.stop()
