@@ -59,7 +59,8 @@ SUPPORTED_VERSIONS: Final = (1,)
 #: Features a node may offer in ``welcome``; a client uses only those both sides list.
 #: ``multi``: a WebSocket message may carry several frames back to back (see :class:`Outbox`).
 #: ``arrow``: a batch may carry its rows as an Arrow IPC stream (``arrow``) instead of ``items``.
-CAPABILITIES: Final = ("results", "deletes", "pipelining", "multi", "arrow")
+#: ``maps``: the node may push a ``map`` frame when its partitions move (it drains).
+CAPABILITIES: Final = ("results", "deletes", "pipelining", "multi", "arrow", "maps")
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 WS_PATH: Final = "/v1/stream"
 #: Frames queued in one event-loop turn share a message up to this size; larger ones go alone.
@@ -102,6 +103,7 @@ _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
         "att?": (int,),
     },
     "result": {"sid": (str,), "p": (int,), "seq": (int,), "values": (list,)},
+    "map": {"map": (dict,)},
     "ack": {
         "sid": (str,),
         "p": (int,),

@@ -13,7 +13,7 @@ from deltaflow import StreamerOptions
 from deltaflow.server import Node
 from deltaflow.testing import ConnectionDropper
 
-from .support import echo_stream, read_delta
+from .support import Eventually, StartCluster, echo_stream, read_delta
 
 
 async def test_lost_ack_is_resent_and_not_applied_twice(cluster: list[Node]) -> None:
@@ -141,3 +141,22 @@ async def test_table_cli_compacts_and_shows_history(cluster: list[Node], warehou
     assert int(compacted[1]) > int(compacted[2]) >= 1
     assert read_delta(warehouse / "small") == before
     assert "table small: 600 rows" in await cli("show")
+
+
+async def test_a_draining_node_tells_its_clients_where_its_partitions_went(
+    warehouse: Path, start_cluster: StartCluster, eventually: Eventually
+) -> None:
+    nodes = await start_cluster(warehouse, 3, engine="delta-rs")
+    echo = {"key": lambda i: i, "receiver": "deltaflow.testing.Echo"}
+    async with deltaflow.connect([nodes[0].address]) as client:
+        await client.stream_data(range(600), **echo)  # connected to all three
+        assert "node-2" in client.partition_map.addresses
+        await nodes[1].drain()
+        # Pushed to the client as the node drained: it sent nothing to learn it.
+        await eventually(
+            lambda: "node-2" not in client.partition_map.addresses, "the drained node's map"
+        )
+        summary = await client.stream_data(range(600, 1200), **echo)
+    assert summary.batches_retried == 0  # no batch went to node-2 to be redirected
+    assert set(summary.per_node) == {"node-1", "node-3"}
+    assert nodes[1].statistics().state == "stopped"

@@ -113,6 +113,8 @@ class Connection:
         self._pending: dict[BatchKey, _Waiter] = {}
         self._opening: dict[str, asyncio.Future[None]] = {}
         self._result_sinks: dict[str, ResultSink] = {}
+        #: Called with the map of a ``map`` frame (set by whoever routes with this connection).
+        self.on_map: Callable[[Any], None] | None = None
         self._error: DeltaflowError | None = None
         self._outbox = Outbox(
             self._write,
@@ -373,6 +375,9 @@ class Connection:
                 fut.set_result(None)
         elif ftype == "error":
             self._route_error(frame)
+        elif ftype == "map":  # the node's partitions moved (it drains)
+            if self.on_map is not None:
+                self.on_map(frame["map"])
         else:
             raise ProtocolError(f"node {self.node_id} sent an unexpected {ftype!r} frame")
 

@@ -191,6 +191,19 @@ class Router:
         else:  # the node's view is not newer than ours: ask the cluster again
             self._stale = True
 
+    def offer_map(self, wire: Any) -> None:
+        """A node pushed its map (it drains): take it if it is newer than ours."""
+        try:
+            offered = PartitionMap.from_wire(wire)
+        except ValueError:
+            return
+        if self._map is None or offered.version > self._map.version:
+            log.info(
+                "partition map v%d pushed: nodes %s", offered.version, sorted(offered.addresses)
+            )
+            self._map = offered
+            self._stale = False
+
     def mark_stale(self) -> None:
         self._stale = True
 
@@ -217,6 +230,7 @@ class Router:
                     timeout=self._connect_timeout,
                     tls=self._tls,
                 )
+                conn.on_map = self.offer_map
                 self._conns[address] = conn
             return conn
 

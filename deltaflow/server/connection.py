@@ -77,6 +77,7 @@ class ClientConnection:
         self._ws = ws
         self._remote = remote
         self.client_id = "?"
+        self._caps: list[str] = []  # the capabilities both sides listed, from the hello
         # Until the hello says otherwise, one frame per message.
         self._outbox = Outbox(self._write, multi=False, on_error=self._write_failed)
 
@@ -95,6 +96,11 @@ class ClientConnection:
             return False
         self._outbox.send_nowait(encode_frame(frame))
         return True
+
+    def push_map(self, wire: dict[str, object]) -> None:
+        """Tell the client the partition map changed (a ``map`` frame), if it takes them."""
+        if "maps" in self._caps:
+            self.send_nowait({"t": "map", "map": wire})
 
     async def flush(self) -> None:
         """Wait until every frame queued so far was written (or the connection failed)."""
@@ -181,6 +187,7 @@ class ClientConnection:
                 "wrong or missing token; pass the cluster token to deltaflow.connect(token=...)"
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
+        self._caps = caps
         if "multi" in caps:
             # The client checks each message against this node's limit (welcome's ``max``).
             self._outbox = Outbox(

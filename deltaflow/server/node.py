@@ -250,6 +250,10 @@ class Node:
         started = time.monotonic()
         assert self._membership is not None
         told = await self._membership.leave()
+        # Clients learn where the partitions went now, not batch by batch from NOT_OWNER.
+        moved = self.partition_map.to_wire()
+        for conn in self._connections:
+            conn.push_map(moved)
         owned = sum(1 for p in range(self.config.partitions) if self._owns(p))
         log.warning(
             "node %s draining: its partitions went to %s%s",
