@@ -7,6 +7,10 @@ whose identity loses is refused. The partition map is computed from the live set
 included) by rendezvous hashing, so every node with the same view computes the same map; its
 version is the time (ms) the view last changed, so a newer view wins. A node whose own identity
 loses owns no partition and hands out the winners' map instead.
+
+A peer whose poll fails is suspected and polled faster; two refused connections confirm it
+down before ``failure_timeout``. A peer that drains (:meth:`Membership.leave`) is taken out at
+once. The HTTP calls themselves are :mod:`.peers`'.
 """
 
 from __future__ import annotations
@@ -14,21 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hmac
 import logging
-import secrets
 import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import aiohttp
-
-from .._faults import unreachable
 from ..partitioning import PartitionMap
-from ..security import peer_proof, url
 from .identity import Candidate, NodeIdentity, decide, refusal_message
+from .peers import Answer, PeerClient, Silence
 
 __all__ = ["DEFAULT_PEER_EXPIRY", "Member", "Membership", "PeerState"]
 
@@ -80,22 +79,6 @@ class Member:
     down: float = 0.0  # when refused connections confirmed it down; 0 = not confirmed
 
 
-class _Silence(enum.Enum):
-    NO_ANSWER = "no answer"  # a timeout, an error status, a body that is not an answer
-    REFUSED = "connection refused"  # nothing listens at the address
-
-
-@dataclass(frozen=True, slots=True)
-class _Answer:
-    node_id: str
-    identity: NodeIdentity | None
-    serving: bool
-    refused: str | None
-    map_wire: Any
-    proven: bool  # proved it holds the cluster token (or none is set)
-    draining: bool
-
-
 class Membership:
     """Tracks which peers are live, decides whether this node may serve, derives the map.
 
@@ -132,8 +115,13 @@ class Membership:
         self.heartbeat_interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.peer_expiry = peer_expiry
-        self._token = token
-        self._tls = tls
+        self._peer_client = PeerClient(
+            node_id=node_id,
+            address=address,
+            token=token,
+            tls=tls,
+            timeout=max(heartbeat_interval * 2, 1.0),
+        )
         now = time.monotonic()
         self._peers = {a: Member(a, since=now) for a in peers if a != address}
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, self.partitions)
@@ -145,7 +133,6 @@ class Membership:
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     @property
     def map(self) -> PartitionMap:
@@ -225,9 +212,7 @@ class Membership:
     async def start(self) -> None:
         """Poll peers once and decide (so a node starting beside live peers begins with the
         full map, and a refused one never owns a partition), then keep polling."""
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=max(self.heartbeat_interval * 2, 1.0))
-        )
+        await self._peer_client.start()
         await self._poll_all()
         self._task = asyncio.create_task(self._loop(), name="deltaflow-membership")
 
@@ -236,8 +221,7 @@ class Membership:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self._session is not None:
-            await self._session.close()
+        await self._peer_client.close()
 
     async def leave(self) -> list[str]:
         """Drain: tell every live peer this node is leaving, so each drops it from its map at
@@ -250,22 +234,10 @@ class Membership:
         """
         now = time.monotonic()
         live = [m for m in self._peers.values() if self._state(m, now) is PeerState.LIVE]
-        told = await asyncio.gather(*(self._tell_leaving(m.address) for m in live))
+        told = await asyncio.gather(*(self._peer_client.tell_leaving(m.address) for m in live))
         self._leaving = True
         self._decide(time.monotonic())
         return [str(m.node_id) for m, ok in zip(live, told, strict=True) if ok]
-
-    async def _tell_leaving(self, address: str) -> bool:
-        assert self._session is not None
-        try:
-            async with self._session.post(
-                url(address, "/v1/leave", self._tls),
-                headers=self._headers(),
-                ssl=self._tls if self._tls is not None else True,
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            return False
 
     def departed(self, node_id: str, address: str) -> bool:
         """A peer says it is leaving (it drains): take it out of the map now. False if this
@@ -316,16 +288,16 @@ class Membership:
     async def _poll_all(self) -> None:
         now = time.monotonic()
         targets = [m for m in self._peers.values() if self._polled(m, now)]
-        answers = await asyncio.gather(*(self._poll(m.address) for m in targets))
+        answers = await asyncio.gather(*(self._peer_client.poll(m.address) for m in targets))
         now = time.monotonic()
         for member, answer in zip(targets, answers, strict=True):
-            if isinstance(answer, _Answer):
+            if isinstance(answer, Answer):
                 _record(member, answer, now)
             else:
                 self._suspect(member, answer, now)
         self._decide(now)
 
-    def _suspect(self, member: Member, silence: _Silence, now: float) -> None:
+    def _suspect(self, member: Member, silence: Silence, now: float) -> None:
         """A poll of ``member`` failed: suspect it (it is then polled every
         ``SUSPECT_POLL_INTERVAL``), and count it down once two connections to it, at least
         ``REFUSALS_APART`` seconds apart, were refused."""
@@ -334,7 +306,7 @@ class Membership:
         if not member.suspected:
             member.suspected = now
             log.info("peer %s at %s suspected: %s", member.node_id, member.address, silence.value)
-        if silence is not _Silence.REFUSED:
+        if silence is not Silence.REFUSED:
             return
         if not member.first_refusal:
             member.first_refusal = now
@@ -347,54 +319,6 @@ class Membership:
                 now - member.first_refusal,
                 now - member.last_seen,
             )
-
-    async def _poll(self, address: str) -> _Answer | _Silence:
-        assert self._session is not None
-        if unreachable(address):  # a network partition, injected
-            await asyncio.sleep(self.heartbeat_interval)
-            return _Silence.NO_ANSWER
-        nonce = secrets.token_hex(16)
-        headers = {**self._headers(), "X-Deltaflow-Nonce": nonce}
-        try:
-            async with self._session.get(
-                url(address, "/v1/cluster", self._tls),
-                headers=headers,
-                ssl=self._tls if self._tls is not None else True,
-            ) as resp:
-                if resp.status != 200:
-                    return _Silence.NO_ANSWER
-                body = await resp.json()
-            node_id = str(body["node"])
-        except aiohttp.ClientConnectorError as exc:
-            refused = isinstance(exc.os_error, ConnectionRefusedError)
-            return _Silence.REFUSED if refused else _Silence.NO_ANSWER
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
-            return _Silence.NO_ANSWER
-        try:
-            identity: NodeIdentity | None = NodeIdentity.from_wire(body.get("identity"))
-        except ValueError:
-            identity = None
-        refused = body.get("refused")
-        proof = body.get("proof")
-        return _Answer(
-            node_id=node_id,
-            identity=identity,
-            serving=body.get("serving") is True,
-            refused=refused if isinstance(refused, str) else None,
-            map_wire=body.get("map"),
-            draining=body.get("draining") is True,
-            proven=not self._token
-            or (
-                isinstance(proof, str)
-                and hmac.compare_digest(proof, peer_proof(self._token, nonce, node_id))
-            ),
-        )
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"X-Deltaflow-Peer": f"{self.node_id}@{self.address}"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        return headers
 
     def _polled(self, member: Member, now: float) -> bool:
         return member.configured or self._state(member, now) is not PeerState.LEFT
@@ -506,7 +430,7 @@ class Membership:
             self._map = newest
 
 
-def _record(member: Member, answer: _Answer, now: float) -> None:
+def _record(member: Member, answer: Answer, now: float) -> None:
     member.node_id = answer.node_id
     member.identity = answer.identity
     member.serving = answer.serving
