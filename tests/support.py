@@ -318,8 +318,7 @@ NODE_FLAGS = (
     "1g",
 )
 #: Client options of the failover tests: quick, patient retries. A lost ack is resent after
-#: 20 s rather than the default 120 s (one full-suite run of the SIGKILL appends test waited
-#: out the whole 120 s once; the stream was exact, the lost answer not yet explained).
+#: 20 s rather than the default 120 s, so a stall shows as a slow test, not a stuck suite.
 FAILOVER_OPTIONS = StreamerOptions(
     retry_initial_backoff=0.05, retry_max_backoff=1.0, retry_limit=40, ack_timeout=20.0
 )

@@ -428,6 +428,23 @@ async def test_a_partition_this_node_does_not_own_is_refused_with_the_current_ma
     await peer.wait_for("ack", 0)
 
 
+async def test_a_batch_that_taken_ones_wait_for_is_taken_after_the_partition_moved() -> None:
+    """Batch 1 was taken while this node owned the partition, and waits for batch 0. The
+    partition then moved: batch 0 is still taken (or both would wait for the client's ack
+    timeout), and applied before batch 1; a later batch is refused."""
+    owned = {0: True}
+    d = make_dispatcher(Recorder, owns=lambda p: owned[p], map_wire=lambda: {"version": 9})
+    peer = Peer()
+    d.submit(peer, batch(1))
+    owned[0] = False
+    d.submit(peer, batch(2))
+    assert (await peer.wait_for("error", 2))["code"] == "NOT_OWNER"
+    d.submit(peer, batch(0))
+    await peer.wait_for("ack", 0)
+    await peer.wait_for("ack", 1)
+    assert Recorder.applied == [0, 1]
+
+
 async def test_a_lane_keeps_at_most_MAX_LANE_PENDING_batches_waiting_for_their_turn(
     scripted: type[Scripted],
 ) -> None:

@@ -13,7 +13,7 @@ from deltaflow import StreamerOptions
 from deltaflow.client.accumulator import Batch
 from deltaflow.client.router import Routes
 from deltaflow.client.sender import Sender, StreamStoppedError
-from deltaflow.errors import ConnectionLostError
+from deltaflow.errors import ConnectionLostError, NotOwnerError
 
 FAST_RETRY = {"retry_initial_backoff": 0.001, "retry_max_backoff": 0.001}
 
@@ -25,6 +25,7 @@ class FakeConnection:
         self.node_id = node_id
         self.sent: list[dict[str, Any]] = []
         self.answers: dict[tuple[int, int], asyncio.Future[dict[str, Any]]] = {}
+        self._sent_more = asyncio.Event()
 
     def stream_open(self, sid: str) -> bool:
         return True
@@ -40,7 +41,14 @@ class FakeConnection:
         answer = asyncio.get_running_loop().create_future()
         self.sent.append(dict(frame))
         self.answers[frame["p"], frame["seq"]] = answer
+        self._sent_more.set()
         return answer
+
+    async def until_sent(self, count: int) -> None:
+        """Wait until ``count`` batch frames were given to this connection."""
+        while len(self.sent) < count:
+            self._sent_more.clear()
+            await self._sent_more.wait()
 
     async def send_batch(self, frame: dict[str, Any], *, timeout: float) -> dict[str, Any]:
         return await self.start_batch(frame, timeout=timeout)  # type: ignore[no-any-return]
@@ -63,12 +71,16 @@ class FakeRouter:
 
     def __init__(self, owners: dict[int, FakeConnection]) -> None:
         self.owners = owners
+        self.known = {c.node_id: c for c in owners.values()}  # connections opened so far
 
     def connection_now(self, partition: int) -> FakeConnection:
         return self.owners[partition]
 
     async def connection_for(self, partition: int) -> FakeConnection:
         return self.owners[partition]
+
+    def connection_to(self, node_id: str) -> FakeConnection | None:
+        return self.known.get(node_id)
 
     def adopt_map(self, wire: Any) -> None:
         return None
@@ -179,6 +191,28 @@ async def test_sends_to_a_new_owner_wait_until_those_to_the_old_one_ended() -> N
     new.ack(0, 1)
     await asyncio.wait_for(sender.join(), 5)
     assert outcomes.acked == [(0, 0), (0, 1)]
+
+
+async def test_a_batch_that_later_ones_wait_for_goes_where_they_are() -> None:
+    """The old owner refused batch 0 (its map had just changed) but took batch 1, which now
+    waits there for batch 0. The client's map says the new owner: sending batch 0 there would
+    wait for batch 1's send to end, and batch 1 waits for batch 0, until an ack timeout. So
+    batch 0 goes to where batch 1 is."""
+    old, new, outcomes = FakeConnection("a"), FakeConnection("b"), Outcomes()
+    router = FakeRouter({0: old})
+    sender = make_sender(router, outcomes, per_partition_in_flight=4, **FAST_RETRY)
+    sender.submit(batch(0, 0))
+    sender.submit(batch(0, 1))
+    await turns(10)
+    assert old.sent_keys() == [(0, 0), (0, 1)]
+    router.owners[0] = new
+    old.fail(0, 0, NotOwnerError("partition 0 is not owned by this node", node="a"))
+    await asyncio.wait_for(old.until_sent(3), 5)  # the resend, after its (1 ms) backoff
+    assert old.sent_keys() == [(0, 0), (0, 1), (0, 0)] and new.sent == []
+    old.ack(0, 0)
+    old.ack(0, 1)
+    await asyncio.wait_for(sender.join(), 5)
+    assert sorted(outcomes.acked) == [(0, 0), (0, 1)]
 
 
 async def test_cancel_reports_sent_batches_in_doubt_and_the_rest_not_sent() -> None:

@@ -49,6 +49,10 @@ class Routes(Protocol):
         first if need be."""
         ...
 
+    def connection_to(self, node_id: str) -> Connection | None:
+        """The open connection to node ``node_id``, if there is one."""
+        ...
+
     def adopt_map(self, wire: Any) -> None:
         """Take the map a ``NOT_OWNER`` answer carried (wire form, or None) if it is newer;
         otherwise mark the map stale."""
@@ -190,6 +194,12 @@ class Router:
             self._map = offered
         else:  # the node's view is not newer than ours: ask the cluster again
             self._stale = True
+
+    def connection_to(self, node_id: str) -> Connection | None:
+        for conn in self._conns.values():
+            if conn.node_id == node_id and not conn.closed:
+                return conn
+        return None
 
     def offer_map(self, wire: Any) -> None:
         """A node pushed its map (it drains): take it if it is newer than ours."""

@@ -393,6 +393,15 @@ class Sender:
         """One send of ``batch`` to its partition's owner, through to its ack."""
         self._stamp(batch, frame)
         conn = await self._routes.connection_for(batch.partition)
+        holder = self._holder(batch.partition)
+        if (
+            holder is not None
+            and holder != conn.node_id
+            and batch.seq == min(self._unacked[batch.partition])
+        ):
+            # Later batches of the partition are at ``holder``, which may have taken them and
+            # now waits for this one: it goes there too, or both wait for an ack timeout.
+            conn = self._routes.connection_to(holder) or conn
         await conn.open_stream(self._sid, *self._receiver, self._results)
         await self._claim(batch.partition, conn.node_id)
         try:
@@ -432,6 +441,11 @@ class Sender:
         else:
             return False
         return True
+
+    def _holder(self, partition: int) -> str | None:
+        """The node that sends of ``partition`` are under way to, if any."""
+        owner = self._owner.get(partition)
+        return owner[0] if owner is not None and owner[1] > 0 else None
 
     async def _claim(self, partition: int, node: str) -> None:
         while not self._try_claim(partition, node):

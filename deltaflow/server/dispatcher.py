@@ -68,6 +68,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _unblocks(lane: Lane | None, seq: int) -> bool:
+    """Whether batch ``seq`` is one that batches this node already took for the lane wait for.
+    It took them while it owned the partition, so they are still its to apply (see
+    ``docs/cluster.md``), and so is what they wait for: refusing it would leave both waiting
+    until the client's ack timeout."""
+    return lane is not None and bool(lane.pending) and lane.next_seq <= seq < min(lane.pending)
+
+
 class Dispatcher:
     """Routes batch frames into lanes and runs receivers.
 
@@ -231,7 +239,7 @@ class Dispatcher:
                 ),
                 frame,
             )
-        if not self._owns(p):
+        if not self._owns(p) and not _unblocks(stream.lanes.get(p), seq):
             return self._reply_error(
                 peer,
                 NotOwnerError(
