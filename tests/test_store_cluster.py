@@ -19,6 +19,7 @@ import pytest
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.storage.paths import location
+from deltaflow.tables.log import latest_version
 from deltaflow.testing.object_store import S3Server
 
 from .support import (
@@ -84,12 +85,30 @@ def table(s3_server: S3Server, bucket: str, name: str) -> Any:
     return location(f"{bucket}/warehouse/{name}", s3_server.storage_options)
 
 
-async def paced(rows: list[dict[str, Any]], per_step: int = 30) -> AsyncIterator[Any]:
-    """The rows, a few at a time: a stream that lasts, so commits keep coming."""
+async def paced(
+    rows: list[dict[str, Any]], per_step: int = 30, until: asyncio.Event | None = None
+) -> AsyncIterator[Any]:
+    """The rows, a few at a time: a stream that lasts, so commits keep coming. It ends early
+    once ``until`` is set."""
     for start in range(0, len(rows), per_step):
+        if until is not None and until.is_set():
+            return
         for row in rows[start : start + per_step]:
             yield row
         await asyncio.sleep(0.02)
+
+
+async def until_commits(tables: list[Any], count: int, reached: asyncio.Event) -> None:
+    """Set ``reached`` once ``tables`` hold ``count`` commits between them."""
+    seen = [-1] * len(tables)
+    while True:
+        seen = [
+            await asyncio.to_thread(latest_version, t, v) for t, v in zip(tables, seen, strict=True)
+        ]
+        if sum(seen) >= count:
+            reached.set()
+            return
+        await asyncio.sleep(0.5)  # a store listing every half second, while the streams run
 
 
 async def metric(node: Any, name: str) -> float:
@@ -134,29 +153,33 @@ async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
     keys = rows * 3 // 8
     appends = [{"id": i} for i in range(rows)]
     upserts = [{"id": i % keys, "name": f"v{i}"} for i in range(rows)]
+    tables = [table(s3_server, bucket, name) for name in ("appended", "upserted")]
+    enough = asyncio.Event()  # the streams end once the tables hold `at_least` commits
+    counting = asyncio.create_task(until_commits(tables, at_least, enough))
     async with client:
         done = await asyncio.gather(
             client.stream_data(
-                paced(appends),
+                paced(appends, until=enough),
                 key="id",
                 receiver="deltaflow.testing.AppendRows",
                 receiver_args={"table": "appended"},
                 options=SMALL,
             ),
-            client.stream_data(paced(upserts), table="upserted", key="id", options=SMALL),
+            client.stream_data(
+                paced(upserts, until=enough), table="upserted", key="id", options=SMALL
+            ),
         )
-    assert [s.items_acked for s in done] == [rows, rows]
-    ids = [r["id"] for r in read_all(table(s3_server, bucket, "appended"))]
-    assert len(ids) == rows and set(ids) == set(range(rows))  # 0 lost, 0 doubled
-    names = {k: r["name"] for k, r in read_delta(table(s3_server, bucket, "upserted")).items()}
-    assert names == {k: f"v{max(range(k, rows, keys))}" for k in range(keys)}
-    commits = sum(
-        open_table(table(s3_server, bucket, name)).version() for name in ("appended", "upserted")
-    )
+    counting.cancel()
+    appended, upserted = (s.items_sent for s in done)
+    assert [s.items_acked for s in done] == [appended, upserted]
+    ids = [r["id"] for r in read_all(tables[0])]
+    assert len(ids) == appended and set(ids) == set(range(appended))  # 0 lost, 0 doubled
+    names = {k: r["name"] for k, r in read_delta(tables[1]).items()}
+    assert names == {k: f"v{max(range(k, upserted, keys))}" for k in range(min(keys, upserted))}
+    commits = sum(open_table(path).version() for path in tables)
     conflicts = [
         await metric(n, "deltaflow_commit_conflicts_total") for n in cluster.nodes.values()
     ]
-    tables = [table(s3_server, bucket, name) for name in ("appended", "upserted")]
     writers = {node for path in tables for node in _writers(path)}
     assert commits >= at_least, (commits, conflicts)
     assert sum(conflicts) > 0, "no commit lost a race: the tick did not bring them together"
