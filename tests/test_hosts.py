@@ -6,8 +6,9 @@ streams, one node is SIGKILLed, and the table in the bucket is checked."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,12 +81,20 @@ async def test_nodes_on_separate_hosts_stream_fail_over_and_land_every_row(
             addresses, token=TOKEN, tls=await asyncio.to_thread(client_context, tls)
         )
         n = 100_000
-        rows = [{"id": i % 20_000, "v": i} for i in range(n)]
+
+        async def rows() -> AsyncIterator[dict[str, Any]]:
+            # Paced, so rows of node-2's partitions are still coming after it is killed (a
+            # burst could be all acked by then, leaving nothing to fail over).
+            for start in range(0, n, 1_000):
+                for i in range(start, start + 1_000):
+                    yield {"id": i % 20_000, "v": i}
+                await asyncio.sleep(0.02)
+
         async with deltaflow.connect([addresses[0]], token=TOKEN, tls=tls) as client:
             assert sorted(client.partition_map.addresses.values()) == addresses
             watch = FailoverWatch(nodes[1], n // 4, client.partition_map, grace=0.2)
             summary = await client.stream_data(
-                rows, table="events", key="id", on_ack=watch, options=FAILOVER_OPTIONS
+                rows(), table="events", key="id", on_ack=watch, options=FAILOVER_OPTIONS
             )
         assert summary.items_acked == n and summary.items_failed == 0
         table = await asyncio.to_thread(
