@@ -55,9 +55,7 @@ def replace_if_unchanged(target: Location, data: bytes, expected: Tagged | None)
         target.with_name(f".{target.name}.lock"), timeout=_LOCK_TIMEOUT, what=f"{target} lock"
     ):
         now = read_tagged(target)
-        if (now is None) != (expected is None) or (
-            now is not None and expected is not None and now.tag != expected.tag
-        ):
+        if (now and now.tag) != (expected and expected.tag):
             return False
         write_whole(target, data)
     return True

@@ -57,10 +57,6 @@ class LeaseLostError(Exception):
     """This node no longer holds the lease it retrieved under; the value is not published."""
 
 
-class _Changed(Exception):
-    """``state`` changed between the read and the swap: decide again."""
-
-
 @dataclass(frozen=True, slots=True)
 class _State:
     lease: Lease | None
@@ -108,14 +104,14 @@ class Directory:
         deciding again whenever another node changed ``state`` first.
 
         Raises:
-            _Changed: it lost the race ``_SWAP_ATTEMPTS`` times in a row.
+            OSError: it lost the race ``_SWAP_ATTEMPTS`` times in a row.
         """
         for _ in range(_SWAP_ATTEMPTS):
             state = self._read()
             data, result = change(state)
             if data is None or replace_if_unchanged(self.state_path, data, state.read):
                 return result
-        raise _Changed(f"{self.state_path} kept changing under {_SWAP_ATTEMPTS} attempts")
+        raise OSError(f"{self.state_path} kept changing under {_SWAP_ATTEMPTS} attempts")
 
     def read_lease(self) -> Lease | None:
         return self._read().lease
@@ -145,10 +141,7 @@ class Directory:
             lease = Lease(node_id, instance, epoch, now + duration, run)
             return state.encode(lease=lease, current=state.current), (True, lease)
 
-        try:
-            return self._swap(change)
-        except _Changed as exc:
-            raise OSError(str(exc)) from None
+        return self._swap(change)
 
     def release(self, instance: str, last_run: float | None) -> None:
         """Give the lease up (a clean stop), so another node takes it at its next try."""
@@ -161,10 +154,7 @@ class Directory:
             freed = dataclasses.replace(lease, expires=0.0, last_run=run)
             return state.encode(lease=freed, current=state.current), None
 
-        try:
-            self._swap(change)
-        except _Changed as exc:
-            raise OSError(str(exc)) from None
+        self._swap(change)
 
     def version_path(self, version: int, sha256: str) -> Location:
         # Named by content too: a leader fenced off after writing its file cannot have
@@ -205,10 +195,7 @@ class Directory:
             }
             return state.encode(lease=lease, current=pointer), version
 
-        try:
-            version = self._swap(change)
-        except _Changed as exc:
-            raise OSError(str(exc)) from None
+        version = self._swap(change)
         if version is None:
             return None
         with contextlib.suppress(FileNotFoundError):
