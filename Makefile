@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup demo test bench bench-transport mutation breaks lint clean
+.PHONY: setup demo test fuzz bench bench-transport mutation breaks lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench: setup
 
 bench-transport: setup
 	$(PY) bench/transport.py
+
+# The fuzzing net of the wire protocol with many more examples than `make test` runs:
+# hypothesis over the decoder and a live node's WebSocket (tests/test_fuzz.py). A few minutes.
+fuzz: setup
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz.py -p no:cacheprovider --timeout=1200
 
 # Mutation testing of the modules that carry the guarantees, against their fast unit tests
 # (docs/mutation.md). Not part of `make test`; about 10 minutes on 2 cores.

@@ -12,19 +12,20 @@ types ``decimal.Decimal``, ``datetime.date`` and naive ``datetime.datetime`` (:d
 The decoder never imports or executes anything from the wire: it uses plain msgpack types,
 decodes those extension types only into those plain values (from fixed-size integers or a
 checked decimal literal) and rejects every other one, checks each frame against a fixed field
-table, and refuses frames larger than the agreed limit. See ``docs/protocol.md``.
+table, refuses frames larger than the agreed limit, and bounds what one message may decode to
+(string, array and map lengths, and how many maps, arrays and extension values it builds). See
+``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import datetime
 import decimal
 import itertools
 import re
+import reprlib
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 import msgpack
@@ -32,44 +33,51 @@ import msgpack
 from .errors import FrameTooLargeError, ProtocolError
 
 __all__ = [
+    "BYTES_PER_CONTAINER",
     "CALLER_STREAM_ID",
     "CAPABILITIES",
-    "COALESCE_BYTES",
+    "CLIENT_ID",
     "DEFAULT_MAX_FRAME_BYTES",
     "EXT_TYPES",
+    "LANE_WINDOW",
     "MAX_CALLER_STREAM_ID",
+    "MAX_CLIENT_ID",
+    "MAX_DEPTH",
+    "MAX_HELLO_BYTES",
     "PROTOCOL_VERSION",
-    "QUEUE_HIGH_WATER",
     "STREAM_ID",
     "SUPPORTED_VERSIONS",
     "WS_PATH",
     "Frame",
-    "Outbox",
     "decode_frame",
     "decode_frames",
+    "decode_hello",
     "encode_frame",
     "join_items",
     "pack_item",
     "pack_items",
+    "truncated_repr",
     "unpack_items",
 ]
 
 PROTOCOL_VERSION: Final = 1
 SUPPORTED_VERSIONS: Final = (1,)
 #: Features a node may offer in ``welcome``; a client uses only those both sides list.
-#: ``multi``: a WebSocket message may carry several frames back to back (see :class:`Outbox`).
+#: ``multi``: a WebSocket message may carry several frames back to back (see ``outbox.py``).
 #: ``arrow``: a batch may carry its rows as an Arrow IPC stream (``arrow``) instead of ``items``.
 #: ``maps``: the node may push a ``map`` frame when its partitions move (it drains).
 CAPABILITIES: Final = ("results", "deletes", "pipelining", "multi", "arrow", "maps")
 DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+#: The largest ``hello`` a node reads, checked before it is decoded: a stranger's first message
+#: costs the node no more than this (versions, capabilities, a client id and a token fit).
+MAX_HELLO_BYTES: Final = 4096
+#: One message may decode to at most one map, array or extension value per this many bytes of
+#: the frame limit (1 Mi at 16 MiB), and no array or map longer than that: these cost up to 70
+#: bytes of memory per byte on the wire, and msgpack's own limits bound each one, not how many.
+BYTES_PER_CONTAINER: Final = 16
+#: How deep maps and arrays may nest: msgpack-python's C decoder stops at its fixed stack.
+MAX_DEPTH: Final = 1024
 WS_PATH: Final = "/v1/stream"
-#: Frames queued in one event-loop turn share a message up to this size; larger ones go alone.
-#: Joining saves a system call and a wake-up per small frame; for large frames it saves next
-#: to nothing, costs a copy, and the receiver cannot start on the first frame until the whole
-#: message arrived.
-COALESCE_BYTES: Final = 128 * 1024
-#: An :class:`Outbox` makes its senders wait while more than this many bytes are queued.
-QUEUE_HIGH_WATER: Final = 4 * 1024 * 1024
 
 Frame = dict[str, Any]
 
@@ -81,6 +89,17 @@ CALLER_STREAM_ID: Final = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_STREAM_ID
 #: dead-letter stream (``-dl-`` and 12 hex digits). They end up in every Delta commit's lane
 #: marks, so a node refuses anything else.
 STREAM_ID: Final = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_CALLER_STREAM_ID + 32}}}")
+#: The longest client id a ``hello`` may carry.
+MAX_CLIENT_ID: Final = 64
+#: What a client id may look like: it goes into the node's log lines, so nothing that could
+#: break or forge one (the client sends a random hex id).
+CLIENT_ID: Final = re.compile(rf"[A-Za-z0-9._:@/-]{{1,{MAX_CLIENT_ID}}}")
+#: The most characters of a value from the wire that an error message or a log line shows.
+_SHOWN_CHARS: Final = 64
+#: A lane's window: a node takes batch ``seq`` of a (stream, partition) only when ``0 <= base
+#: <= seq < base + LANE_WINDOW``, and a client sends none outside it: a lane never has more
+#: than this many batches in flight or waiting for their turn.
+LANE_WINDOW: Final = 64
 
 # Field table: frame type -> {field: accepted python types}. Fields not listed are rejected,
 # so a frame can never smuggle data a handler does not expect.
@@ -88,7 +107,7 @@ _OPTIONAL = "?"
 _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
     "hello": {"v": (list,), "caps": (list,), "client": (str,), "token?": (str, type(None))},
     "welcome": {"v": (int,), "caps": (list,), "node": (str,), "map": (dict,), "max": (int,)},
-    "open": {"sid": (str,), "receiver": (str,), "args?": (object,)},
+    "open": {"sid": (str,), "receiver": (str,), "key": (bytes,), "args?": (object,)},
     "opened": {"sid": (str,)},
     "close": {"sid": (str,)},
     "batch": {
@@ -182,8 +201,108 @@ def encode_frame(frame: Mapping[str, Any]) -> bytes:
     )
 
 
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded ``repr``, also for bytes, with a string's start (not its start and
+    end) and a map's first keys in wire order (reprlib sorts them all): it costs no more for a
+    huge value than for a small one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = _SHOWN_CHARS
+
+    def repr_str(self, x: str, level: int) -> str:
+        return repr(x[: self.maxstring]) + (self.fillvalue if len(x) > self.maxstring else "")
+
+    repr_bytes = repr_str
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{" + self.fillvalue + "}"
+        pieces = [
+            f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}"
+            for key, value in itertools.islice(x.items(), self.maxdict)
+        ]
+        if len(x) > self.maxdict:
+            pieces.append(self.fillvalue)
+        return "{" + ", ".join(pieces) + "}"
+
+
+_short_repr: Final = _ShortRepr()
+
+
+def truncated_repr(value: object) -> str:
+    """``%r`` of a value from the wire, for an error message or a log line: at most 64
+    characters of it, then ``...``, however large or deep the value (a peer must not write
+    megabytes into a log, nor break a log line)."""
+    text = _short_repr.repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+def _max_containers(max_bytes: int) -> int:
+    """How many maps, arrays and extension values one message under ``max_bytes`` may hold."""
+    return max(max_bytes // BYTES_PER_CONTAINER, 64)
+
+
+class _Budget:
+    """Counts the maps, arrays and extension values one decoding builds and stops it past the
+    limit, before they fill memory (msgpack calls these hooks as it builds each one)."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int, *, spare: int = 0) -> None:
+        self.limit = limit
+        self.left = limit + spare  # ``spare``: the decoder's own, not the message's
+
+    def count(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError(
+                f"message holds more than {self.limit} maps, arrays and extension values (one "
+                f"per {BYTES_PER_CONTAINER} bytes of the frame limit); send fewer items per batch"
+            )
+        return value
+
+    def ext(self, code: int, data: bytes) -> Any:
+        self.count(None)
+        return _ext_hook(code, data)
+
+
+def _unpack_options(max_bytes: int, size: int, *, wrapped: bool = False) -> dict[str, Any]:
+    """msgpack's options for decoding ``size`` bytes of a message under ``max_bytes``
+    (``wrapped``: behind one more array header, which the limit does not count)."""
+    limit = _max_containers(max_bytes)
+    options: dict[str, Any] = {
+        "raw": False,
+        # Maps inside items and frame values may have int, float or bytes keys, as the
+        # application's do: in 64 bits they cannot make Python's dict hashes collide at length.
+        # A frame's own fields are strings (the field table has no other names).
+        "strict_map_key": False,
+        "timestamp": 3,
+        "ext_hook": _ext_hook,
+        "max_str_len": max_bytes,
+        "max_bin_len": max_bytes,
+        "max_ext_len": max_bytes,
+        "max_array_len": limit,
+        "max_map_len": limit,
+    }
+    if size > limit:  # fewer bytes cannot hold more than the limit: no hook calls to pay
+        budget = _Budget(limit, spare=int(wrapped))
+        options.update(object_hook=budget.count, list_hook=budget.count, ext_hook=budget.ext)
+    return options
+
+
+def _not_msgpack(subject: str, exc: Exception) -> ProtocolError:
+    """What msgpack's ``exc`` means, of ``subject`` ("frame is", "batch items are")."""
+    if isinstance(exc, msgpack.StackError):  # its message is empty
+        return ProtocolError(f"{subject} nested deeper than {MAX_DEPTH} levels")
+    return ProtocolError(f"{subject} not valid msgpack: {exc}")
+
+
 def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """Decode and validate a message that must hold exactly one frame (the handshake).
+    """Decode and validate a message that must hold exactly one frame.
 
     Raises:
         FrameTooLargeError: ``data`` is larger than ``max_bytes``.
@@ -195,23 +314,38 @@ def decode_frame(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Fr
     return frames[0]
 
 
+def decode_hello(data: bytes) -> Frame:
+    """Decode a connection's first message, which must be one ``hello`` of at most
+    :data:`MAX_HELLO_BYTES` (checked before anything is decoded).
+
+    Raises:
+        FrameTooLargeError: ``data`` is larger than :data:`MAX_HELLO_BYTES`.
+        ProtocolError: not one valid ``hello`` frame.
+    """
+    if len(data) > MAX_HELLO_BYTES:
+        raise FrameTooLargeError(
+            f"hello of {len(data)} bytes exceeds the limit of {MAX_HELLO_BYTES} bytes for a "
+            "hello; send only the versions, capabilities, client id and token"
+        )
+    hello = decode_frame(data, max_bytes=MAX_HELLO_BYTES)
+    if hello["t"] != "hello":
+        raise ProtocolError(f"expected hello, got {hello['t']!r}")
+    return hello
+
+
 def decode_frames(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Frame]:
     """Decode and validate the frames of one message: one, or several back to back.
 
     Raises:
         FrameTooLargeError: ``data`` is larger than ``max_bytes``.
-        ProtocolError: not msgpack, not a map, unknown type, or fields of the wrong type.
+        ProtocolError: not msgpack, not a map, unknown type, fields of the wrong type, or more
+            than the limits allow (see :data:`BYTES_PER_CONTAINER`, :data:`MAX_DEPTH`).
     """
     if len(data) > max_bytes:
         raise FrameTooLargeError(
             f"frame of {len(data)} bytes exceeds the limit of {max_bytes} bytes"
         )
-    options: dict[str, Any] = {
-        "raw": False,
-        "strict_map_key": True,
-        "timestamp": 3,
-        "ext_hook": _ext_hook,
-    }
+    options = _unpack_options(max_bytes, len(data))
     values: list[Any]
     try:
         try:
@@ -228,142 +362,15 @@ def decode_frames(data: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> l
     except ProtocolError:
         raise
     except Exception as exc:
-        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+        raise _not_msgpack("frame is", exc) from exc
     for frame in values:
         if not isinstance(frame, dict):
             raise ProtocolError(f"frame must be a msgpack map, got {type(frame).__name__}")
         ftype = frame.get("t")
         if not isinstance(ftype, str) or ftype not in _COMPILED:
-            raise ProtocolError(f"unknown frame type {ftype!r}")
+            raise ProtocolError(f"unknown frame type {truncated_repr(ftype)}")
         _check_fields(ftype, frame)
     return values
-
-
-class Outbox:
-    """Frames waiting to go out on one WebSocket, written one message at a time, in order.
-
-    The first frame of an event-loop turn given to :meth:`send` is written at once (no added
-    latency for a lone frame). Frames sent while a write is running, later in the same turn, or
-    with :meth:`send_nowait`, queue up and are written by the outbox's task: with ``multi``
-    (both sides listed the capability) joined into messages of up to ``limit`` bytes, else one
-    message each. Fewer messages mean fewer system calls and wake-ups per batch on both ends.
-
-    :meth:`send` waits while more than :data:`QUEUE_HIGH_WATER` bytes are queued, so a peer
-    that stops reading slows its senders down instead of growing memory. :meth:`send_nowait`
-    queues without waiting, for callers that need no task of their own per frame (a batch sent
-    from the code that cut it, an ack sent from the lane that applied it); they check
-    :attr:`has_room` first and wait with :meth:`wait_for_room` when it is False.
-
-    Args:
-        write: sends one message.
-        multi: several frames may share a message.
-        on_error: called with what ``write`` raised. The frames still queued behind a failed
-            write are dropped (the connection is gone; its owner fails whatever waited on them).
-        limit: the largest message that joins frames: :data:`COALESCE_BYTES`, or the peer's
-            frame limit if lower. A frame alone may be larger (its sender checks it).
-    """
-
-    def __init__(
-        self,
-        write: Callable[[bytes], Awaitable[None]],
-        *,
-        multi: bool,
-        on_error: Callable[[BaseException], None],
-        limit: int = COALESCE_BYTES,
-    ) -> None:
-        self._write = write
-        self._multi = multi
-        self._limit = min(limit, COALESCE_BYTES)
-        self._on_error = on_error
-        self._queue: collections.deque[bytes] = collections.deque()
-        self._queued_bytes = 0
-        self._task: asyncio.Task[None] | None = None
-        self._hot = False  # a frame went out at once in this loop turn
-        self._idle = asyncio.Event()  # no write is running
-        self._idle.set()
-        self._room = asyncio.Event()  # the queue is below its high-water mark
-        self._room.set()
-
-    async def send(self, data: bytes) -> None:
-        """Send one encoded frame (see the class). Never raises a write's error: that goes to
-        ``on_error``."""
-        if self._task is None and not self._hot and self._idle.is_set():
-            self._hot = True
-            asyncio.get_running_loop().call_soon(self._cool)
-            await self._write_one(data)
-            return
-        self.send_nowait(data)
-        await self.wait_for_room()
-
-    def send_nowait(self, data: bytes) -> None:
-        """Queue one encoded frame for the outbox's task, which writes it (with the others of
-        this turn) on the next loop turn. Never waits: the caller checks :attr:`has_room`."""
-        self._queue.append(data)
-        self._queued_bytes += len(data)
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._flush())
-        if self._queued_bytes > QUEUE_HIGH_WATER:
-            self._room.clear()
-
-    @property
-    def has_room(self) -> bool:
-        """At most :data:`QUEUE_HIGH_WATER` bytes are queued: a frame may be added now."""
-        return self._room.is_set()
-
-    async def wait_for_room(self) -> None:
-        """Wait while more than :data:`QUEUE_HIGH_WATER` bytes are queued."""
-        while not self._room.is_set():
-            await self._room.wait()
-
-    def _cool(self) -> None:
-        self._hot = False
-
-    async def drain(self) -> None:
-        """Wait until every frame sent so far was written (or its write failed)."""
-        while self._task is not None or not self._idle.is_set():
-            if self._task is not None:
-                await asyncio.shield(self._task)
-            else:  # an immediate write waiting for the socket to drain
-                await self._idle.wait()
-
-    async def _write_one(self, data: bytes) -> bool:
-        """Write one message after any write still running; False if it failed."""
-        while not self._idle.is_set():
-            await self._idle.wait()
-        self._idle.clear()
-        try:
-            await self._write(data)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- reported to the owner, which fails the waiters
-            self._on_error(exc)
-            return False
-        finally:
-            self._idle.set()
-        return True
-
-    async def _flush(self) -> None:
-        queue = self._queue
-        try:
-            while queue:
-                data = queue.popleft()
-                taken = len(data)
-                if self._multi and queue and len(data) < self._limit:
-                    parts = [data]
-                    while queue and taken + len(queue[0]) <= self._limit:
-                        taken += len(queue[0])
-                        parts.append(queue.popleft())
-                    data = b"".join(parts)
-                self._queued_bytes -= taken
-                if self._queued_bytes <= QUEUE_HIGH_WATER:
-                    self._room.set()
-                if not await self._write_one(data):
-                    break
-        finally:
-            queue.clear()  # empty unless a write failed or the task was cancelled
-            self._queued_bytes = 0
-            self._room.set()
-            self._task = None
 
 
 def _compile(
@@ -397,8 +404,8 @@ def _check_fields(ftype: str, frame: Frame) -> None:
         if not isinstance(value, types) or (isinstance(value, bool) and not accepts_bool):
             raise ProtocolError(f"{ftype!r} frame field {field!r} has type {type(value).__name__}")
     if not allowed.issuperset(frame):
-        extra = set(frame) - allowed
-        raise ProtocolError(f"{ftype!r} frame has unexpected fields {sorted(extra)}")
+        extra = [name for name in frame if name not in allowed]  # in wire order: no sort
+        raise ProtocolError(f"{ftype!r} frame has unexpected fields {truncated_repr(extra)}")
 
 
 class _Packer(threading.local):
@@ -443,28 +450,31 @@ def _array_header(count: int) -> bytes:
 
 
 def unpack_items(blob: bytes, count: int, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> list[Any]:
-    """Unpack a batch's ``items`` field, checking it holds exactly ``count`` items."""
-    if 0 <= count < 1 << 32:
+    """Unpack a batch's ``items`` field, checking it holds exactly ``count`` items and keeps
+    to the limits of a message under ``max_bytes`` (see :data:`BYTES_PER_CONTAINER`).
+
+    Raises:
+        ProtocolError: not ``count`` valid msgpack values, or more than the limits allow.
+    """
+    limit = _max_containers(max_bytes)
+    if count > limit:
+        raise ProtocolError(
+            f"batch declares {count} items; a batch holds at most {limit} (one per "
+            f"{BYTES_PER_CONTAINER} bytes of the frame limit): send fewer items per batch"
+        )
+    if count >= 0:
         # One C call: the items read as the array they are, behind an array header.
         try:
             return msgpack.unpackb(  # type: ignore[no-any-return]
-                _array_header(count) + blob,
-                raw=False,
-                strict_map_key=False,
-                timestamp=3,
-                ext_hook=_ext_hook,
+                _array_header(count) + blob, **_unpack_options(max_bytes, len(blob), wrapped=True)
             )
         except ProtocolError:
             raise
         except Exception:  # noqa: BLE001 - the item by item pass below says what is wrong
             pass
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        strict_map_key=False,
-        timestamp=3,
-        ext_hook=_ext_hook,
-        max_buffer_size=max(max_bytes, len(blob)),
-    )
+    # Its buffer holds the blob, no more: msgpack allocates a share of it up front.
+    options = _unpack_options(max_bytes, len(blob))
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(blob), 1), **options)
     unpacker.feed(blob)
     items: list[Any] = []
     try:
@@ -472,7 +482,7 @@ def unpack_items(blob: bytes, count: int, *, max_bytes: int = DEFAULT_MAX_FRAME_
     except ProtocolError:
         raise
     except Exception as exc:
-        raise ProtocolError(f"batch items are not valid msgpack: {exc}") from exc
+        raise _not_msgpack("batch items are", exc) from exc
     if len(items) != count:
         more = "more" if len(items) > count else str(len(items))  # read no further
         raise ProtocolError(f"batch declares {count} items but carries {more}")

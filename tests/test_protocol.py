@@ -4,11 +4,16 @@ tests/test_partitioning.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import datetime as dt
 import decimal
 import pickle
 import threading
+import time
+import tracemalloc
+import uuid
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -23,16 +28,18 @@ from deltaflow.errors import (
     ServerError,
     is_retriable,
 )
+from deltaflow.outbox import COALESCE_BYTES, QUEUE_HIGH_WATER, Outbox
 from deltaflow.protocol import (
-    COALESCE_BYTES,
-    QUEUE_HIGH_WATER,
-    Outbox,
+    CLIENT_ID,
+    MAX_HELLO_BYTES,
     decode_frame,
     decode_frames,
+    decode_hello,
     encode_frame,
     join_items,
     pack_item,
     pack_items,
+    truncated_repr,
     unpack_items,
 )
 from deltaflow.server.frames import error_frame
@@ -64,7 +71,8 @@ def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
     [
         ({"t": "batch", "sid": "s", "p": "0", "seq": 0, "n": 0, "items": b""}, "field 'p'"),
         ({"t": "batch", "sid": "s", "p": True, "seq": 0, "n": 0, "items": b""}, "field 'p'"),
-        ({"t": "open", "sid": "s", "receiver": "r", "extra": 1}, "unexpected fields"),
+        ({"t": "open", "sid": "s", "receiver": "r", "key": b"k", "extra": 1}, "unexpected fields"),
+        ({"t": "open", "sid": "s", "receiver": "r"}, "^'open' frame lacks field 'key'$"),
         ({"t": "ack", "sid": "s", "p": 0, "seq": 0}, "lacks field 'n'"),
         # Optional fields left out do not end the check of the fields after them.
         ({"t": "error", "code": "X", "msg": "m"}, "^'error' frame lacks field 'retriable'$"),
@@ -272,11 +280,12 @@ def test_a_frame_is_a_map_with_string_keys_in_valid_msgpack() -> None:
         decode_frame(msgpack.packb([1, 2]))
     with pytest.raises(ProtocolError, match=r"^frame is not valid msgpack: "):
         decode_frame(b"\xc1")  # a byte msgpack never uses
-    open_frame = {"t": "open", "sid": "s", "receiver": "r", "args": {1: "x"}}
-    with pytest.raises(ProtocolError, match=r"^frame is not valid msgpack: int is not allowed"):
-        decode_frame(encode_frame(open_frame))
-    # Items are not frames: their maps may have keys of any type.
+    with pytest.raises(ProtocolError, match=r"^'opened' frame has unexpected fields \[1\]$"):
+        decode_frame(msgpack.packb({"t": "opened", "sid": "s", 1: "x"}))
+    # Maps inside items, and so inside results and args, may have keys of other types.
     assert unpack_items(pack_item({1: "x", b"k": None}), 1) == [{1: "x", b"k": None}]
+    result = {"t": "result", "sid": "s", "p": 0, "seq": 0, "values": [{1: "x", 2.5: b"k"}]}
+    assert decode_frame(encode_frame(result)) == result
 
 
 def test_a_frame_of_exactly_the_size_limit_is_taken() -> None:
@@ -292,8 +301,8 @@ def test_every_frame_of_a_message_is_decoded_as_strictly_as_the_first() -> None:
     )
     with pytest.raises(ProtocolError, match="extension type 42 is not allowed"):
         decode_frames(first + smuggled)
-    int_keys = msgpack.packb({"t": "open", "sid": "s", "receiver": "r", "args": {1: "x"}})
-    with pytest.raises(ProtocolError, match="int is not allowed for map key"):
+    int_keys = msgpack.packb({"t": "opened", "sid": "s", 1: "x"})
+    with pytest.raises(ProtocolError, match=r"unexpected fields \[1\]"):
         decode_frames(first + int_keys)
     when = dt.datetime(2026, 1, 2, tzinfo=dt.UTC)
     result = {"t": "result", "sid": "s", "p": 0, "seq": 0, "values": [when]}
@@ -540,3 +549,113 @@ def test_an_errors_retry_decision_is_fixed_when_it_is_built() -> None:
     for kept in (copy.copy(final), pickle.loads(pickle.dumps(final))):
         assert type(kept) is OverloadedError and kept.retriable is False
         assert (kept.args, kept.node, kept.details) == (err.args, err.node, err.details)
+
+
+@contextlib.contextmanager
+def allocation_peak() -> Iterator[list[int]]:
+    """The most memory Python allocated inside the block, in bytes (appended on exit)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+MiB = 1024 * 1024
+
+
+def test_a_hello_is_capped_before_it_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    hello = {"t": "hello", "v": [1], "caps": [], "client": "c", "token": "t" * 4000}
+    assert len(encode_frame(hello)) <= MAX_HELLO_BYTES
+    assert decode_hello(encode_frame(hello)) == hello
+    with pytest.raises(ProtocolError, match=r"^expected hello, got 'opened'$"):
+        decode_hello(encode_frame({"t": "opened", "sid": "s"}))
+    big = encode_frame({**hello, "token": "t" * MAX_HELLO_BYTES})
+
+    def unread(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a hello over the limit was decoded")
+
+    monkeypatch.setattr(protocol.msgpack, "unpackb", unread)
+    with pytest.raises(FrameTooLargeError, match=rf"^hello of {len(big)} bytes exceeds the limit "):
+        decode_hello(big)
+
+
+def test_a_batch_holds_at_most_one_item_per_16_bytes_of_the_frame_limit() -> None:
+    limit = MiB // 16
+    rows = join_items(pack_items({"i": i % 100} for i in range(limit)))
+    assert len(unpack_items(rows, limit, max_bytes=MiB)) == limit  # up to the limit: taken
+    empty_maps = b"\x80" * MiB
+    with (
+        allocation_peak() as peak,
+        pytest.raises(ProtocolError, match=rf"^batch declares {MiB} items; a batch holds at most "),
+    ):
+        unpack_items(empty_maps, MiB, max_bytes=MiB)
+    assert peak[0] < 64 * 1024  # refused unread
+
+
+def nested_empty_maps(count: int, per_item: int) -> bytes:
+    """``count`` items, each an array of ``per_item`` empty maps (1 byte each)."""
+    return (b"\xdd" + per_item.to_bytes(4, "big") + b"\x80" * per_item) * count
+
+
+def test_maps_arrays_and_extension_values_are_counted_however_they_nest() -> None:
+    limit = MiB // 16  # one per 16 bytes of the limit
+    over = f"^message holds more than {limit} maps, arrays and extension values"
+    with allocation_peak() as peak, pytest.raises(ProtocolError, match=over):
+        unpack_items(nested_empty_maps(8, limit // 8), 8, max_bytes=MiB)
+    assert peak[0] < 16 * MiB  # they took 75 MiB before they were counted
+    decimals = join_items(pack_items([[decimal.Decimal(1)] * (limit // 2)] * 2))
+    with pytest.raises(ProtocolError, match=over):
+        unpack_items(decimals, 2, max_bytes=MiB)
+    # In frames too, and in every frame of a message.
+    result = {"t": "result", "sid": "s", "p": 0, "seq": 0}
+    crowded = encode_frame({**result, "values": [[{}] * limit]})
+    opened = encode_frame({"t": "opened", "sid": "s"})
+    for data in (crowded, opened + crowded):
+        with pytest.raises(ProtocolError, match=over):
+            decode_frames(data, max_bytes=MiB)
+    # The limit is the whole message's: the two frames' maps and the two arrays fill it.
+    fits = {**result, "values": [[{}] * (limit - 4)]}
+    assert decode_frames(opened + encode_frame(fits), max_bytes=MiB)[1] == fits
+
+
+def test_values_nested_deeper_than_msgpacks_stack_are_refused_by_name() -> None:
+    deep = b"\x91" * 1025 + b"\xc0"
+    with pytest.raises(ProtocolError, match=r"^batch items are nested deeper than 1024 levels$"):
+        unpack_items(deep, 1)
+    args = b"\x84" + b"".join(map(msgpack.packb, ("t", "open", "sid", "s", "receiver", "r")))
+    with pytest.raises(ProtocolError, match=r"^frame is nested deeper than 1024 levels$"):
+        decode_frame(args + msgpack.packb("args") + deep)
+    nested: object = None
+    for _ in range(500):
+        nested = [nested]
+    assert unpack_items(b"\x91" * 500 + b"\xc0", 1) == [nested]
+
+
+def test_values_from_the_wire_reach_protocol_errors_cut_short() -> None:
+    for frame, start in (
+        ({"t": "x" * 100_000}, "unknown frame type 'xxxx"),
+        ({"t": "opened", "sid": "s", **{f"f{i}": 1 for i in range(10_000)}}, "'opened' frame has"),
+    ):
+        with pytest.raises(ProtocolError) as info:
+            decode_frame(encode_frame(frame))
+        assert str(info.value).startswith(start) and "..." in str(info.value)
+        assert len(str(info.value)) < 120
+    assert truncated_repr("a\nb") == "'a\\nb'"  # quoted: no line of its own in a log
+    deep: list[object] = []
+    for _ in range(5000):
+        deep = [deep]
+    started = time.monotonic()
+    for value in (b"\x00" * MiB, "x" * MiB, [{}] * MiB, dict.fromkeys(range(MiB)), deep):
+        shown = truncated_repr(value)
+        assert len(shown) <= 67 and shown[0] in "'b[{", shown
+    assert time.monotonic() - started < 0.5  # none of them is walked whole
+
+
+def test_client_ids_are_plain_and_short() -> None:
+    for good in (uuid.uuid4().hex, "worker-3@host:7700/a.b_c", "a" * 64):
+        assert CLIENT_ID.fullmatch(good), good
+    for bad in ("", "a" * 65, "id\n", "a b", "é", "x\r", "\x1b[2J", "\x00"):
+        assert not CLIENT_ID.fullmatch(bad), bad

@@ -27,13 +27,13 @@ from ..errors import (
     UnknownStreamError,
     server_error,
 )
+from ..outbox import Outbox
 from ..protocol import (
     CAPABILITIES,
     DEFAULT_MAX_FRAME_BYTES,
     SUPPORTED_VERSIONS,
     WS_PATH,
     Frame,
-    Outbox,
     decode_frames,
     encode_frame,
 )
@@ -206,9 +206,11 @@ class Connection:
             transport.abort()
 
     async def open_stream(
-        self, sid: str, receiver: str, args: Any, results: ResultSink | None
+        self, sid: str, receiver: str, args: Any, results: ResultSink | None, *, key: bytes
     ) -> None:
-        """Declare a stream on this connection (once); raises what the node reports."""
+        """Declare a stream on this connection (once), under its secret ``key``: the node lets
+        only connections that opened it with that key feed or close it. Raises what the node
+        reports."""
         if results is not None:
             self._result_sinks[sid] = results
         fut = self._opening.get(sid)
@@ -218,7 +220,9 @@ class Connection:
             fut = asyncio.get_running_loop().create_future()
             self._opening[sid] = fut
             try:
-                await self._send({"t": "open", "sid": sid, "receiver": receiver, "args": args})
+                await self._send(
+                    {"t": "open", "sid": sid, "receiver": receiver, "args": args, "key": key}
+                )
             except BaseException as exc:
                 if self._opening.get(sid) is fut:
                     del self._opening[sid]

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Iterable
 
 from ..errors import UnknownReceiverError, UsageError
+from ..protocol import truncated_repr
 from .base import Receiver
 
 __all__ = ["ReceiverRegistry"]
@@ -58,8 +59,11 @@ class ReceiverRegistry:
         try:
             return self._classes[name]
         except KeyError:
+            # The name comes from the wire: shown whole only if it is short and printable.
+            short = len(name) <= 200 and name.isprintable()
+            shown = name if short else truncated_repr(name)
             raise UnknownReceiverError(
-                f"receiver {name!r} is not registered on this node; the operator must start it "
-                f"with --receiver {name} (registered: {', '.join(self.names()) or 'none'})",
+                f"receiver {shown!r} is not registered on this node; the operator must start "
+                f"it with --receiver {shown} (registered: {', '.join(self.names()) or 'none'})",
                 node=node,
             ) from None

@@ -2,13 +2,18 @@
 
 A connection that breaks the protocol (malformed or oversize frame, bad handshake) gets an
 ``error`` frame saying what and is closed; other connections and their streams are untouched.
+Before its hello passes, a connection costs the node little: the hello is read within
+:data:`HELLO_TIMEOUT`, at most :data:`~deltaflow.protocol.MAX_HELLO_BYTES` of it are decoded,
+its token is checked before anything else in it, and at most :data:`MAX_UNAUTHENTICATED` such
+connections wait at once.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-from typing import NoReturn, Protocol
+from collections.abc import Iterable
+from typing import Final, NoReturn, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -18,29 +23,44 @@ from ..errors import (
     BadFrameError,
     FrameTooLargeError,
     FrameTooLargeServerError,
+    OverloadedError,
     ProtocolError,
     ServerError,
     UnknownReceiverError,
     UnsupportedVersionError,
 )
+from ..outbox import Outbox
 from ..partitioning import PartitionMap
 from ..protocol import (
     CAPABILITIES,
+    CLIENT_ID,
+    MAX_CLIENT_ID,
     SUPPORTED_VERSIONS,
     Frame,
-    Outbox,
-    decode_frame,
     decode_frames,
+    decode_hello,
     encode_frame,
+    truncated_repr,
 )
 from .dispatcher import Dispatcher
 from .frames import error_frame
 
-__all__ = ["ClientConnection", "NodeView"]
+__all__ = [
+    "HELLO_TIMEOUT",
+    "MAX_UNAUTHENTICATED",
+    "ClientConnection",
+    "NodeView",
+    "unauthenticated",
+]
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 10.0
+#: Seconds a node waits for the hello after the upgrade (a client sends it at once).
+HELLO_TIMEOUT: Final = 5.0
+#: Connections of a node that upgraded but whose hello has not passed yet: a new one beyond
+#: these is refused at once (``OVERLOADED``). Each may hold one message of up to the frame
+#: limit, which aiohttp reads whole before the node sees it, for at most HELLO_TIMEOUT.
+MAX_UNAUTHENTICATED: Final = 16
 
 
 class NodeView(Protocol):
@@ -76,8 +96,10 @@ class ClientConnection:
         self._node = node
         self._ws = ws
         self._remote = remote
-        self.client_id = "?"
+        self.client_id = "?"  # the hello's, once it passed the check
+        self.authenticated = False  # its hello passed: token, client id and version
         self._caps: list[str] = []  # the capabilities both sides listed, from the hello
+        self._opened: dict[str, str] = {}  # stream id -> its owner, for streams opened here
         # Until the hello says otherwise, one frame per message.
         self._outbox = Outbox(self._write, multi=False, on_error=self._write_failed)
 
@@ -114,8 +136,24 @@ class ClientConnection:
         # The client sees the connection drop and resends what was not acknowledged.
         log.info("sending to %s (client %s) failed: %r", self._remote, self.client_id, exc)
 
-    async def serve(self) -> None:
+    async def serve(self, *, unauthenticated: int = 0) -> None:
+        """Serve the connection until it closes.
+
+        Args:
+            unauthenticated: how many other connections of the node have not passed their
+                hello yet; at :data:`MAX_UNAUTHENTICATED` this one is refused at once.
+        """
         node_id = self._node.node_id
+        if unauthenticated >= MAX_UNAUTHENTICATED:
+            await self._abort(
+                OverloadedError(
+                    f"{unauthenticated} connections to this node are still in their handshake "
+                    f"(at most {MAX_UNAUTHENTICATED}); connect again later",
+                    node=node_id,
+                ),
+                aiohttp.WSCloseCode.TRY_AGAIN_LATER,
+            )
+            return
         try:
             await self._handshake()
             while True:
@@ -156,7 +194,7 @@ class ClientConnection:
                     f"frame exceeds this node's limit of {self._node.max_frame_bytes} "
                     "bytes; lower StreamerOptions.max_batch_bytes"
                 )
-            raise ProtocolError(f"WebSocket error: {exc}")
+            raise ProtocolError(f"WebSocket error: {truncated_repr(str(exc))}")
         raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
 
     async def _abort(self, err: ServerError, code: int) -> None:
@@ -166,25 +204,31 @@ class ClientConnection:
         await self._ws.close(code=code, message=err.code.encode())
 
     async def _handshake(self) -> None:
+        # Checked in order of cost to a stranger: size before decoding, the token before
+        # anything else in the hello, and only then what the client says about itself.
         try:
-            msg = await self._ws.receive(timeout=HANDSHAKE_TIMEOUT)
+            msg = await self._ws.receive(timeout=HELLO_TIMEOUT)
         except TimeoutError:
-            raise ProtocolError(f"no hello within {HANDSHAKE_TIMEOUT}s") from None
+            raise ProtocolError(f"no hello within {HELLO_TIMEOUT}s") from None
         if msg.type != aiohttp.WSMsgType.BINARY:
             raise ProtocolError("expected a binary hello frame")
-        hello = decode_frame(msg.data, max_bytes=self._node.max_frame_bytes)
-        if hello["t"] != "hello":
-            raise ProtocolError(f"expected hello, got {hello['t']!r}")
-        self.client_id = hello["client"]
-        versions = [v for v in hello["v"] if v in SUPPORTED_VERSIONS]
-        if not versions:
-            raise UnsupportedVersionError(
-                f"client speaks protocol versions {hello['v']}, "
-                f"this node {list(SUPPORTED_VERSIONS)}; upgrade the older side"
-            )
+        hello = decode_hello(msg.data)
         if not self._node.check_token(hello.get("token")):
             raise AuthenticationError(
                 "wrong or missing token; pass the cluster token to deltaflow.connect(token=...)"
+            )
+        if not CLIENT_ID.fullmatch(hello["client"]):
+            raise ProtocolError(
+                f"client id {truncated_repr(hello['client'])} is not allowed: 1 to "
+                f"{MAX_CLIENT_ID} of A-Z a-z 0-9 . _ : @ / -"
+            )
+        self.client_id = hello["client"]
+        # type(): True == 1, and a version is an int, not a bool
+        versions = [v for v in hello["v"] if type(v) is int and v in SUPPORTED_VERSIONS]
+        if not versions:
+            raise UnsupportedVersionError(
+                f"client speaks protocol versions {truncated_repr(hello['v'])}, "
+                f"this node {list(SUPPORTED_VERSIONS)}; upgrade the older side"
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
         self._caps = caps
@@ -196,6 +240,7 @@ class ClientConnection:
                 on_error=self._write_failed,
                 limit=self._node.max_frame_bytes,
             )
+        self.authenticated = True
         await self.send(
             {
                 "t": "welcome",
@@ -208,19 +253,28 @@ class ClientConnection:
         )
 
     async def _handle(self, frame: Frame) -> None:
+        # A stream is fed and closed only through connections that opened it, as its owner
+        # (the hash of the key they presented): its id alone, which is public, is not enough.
         dispatcher = self._node.dispatcher
         ftype = frame["t"]
         if ftype == "batch":
-            dispatcher.submit(self, frame)
+            dispatcher.submit(self, frame, self._opened.get(frame["sid"]))
         elif ftype == "open":
+            sid = frame["sid"]
             try:
-                dispatcher.open(frame["sid"], frame["receiver"], frame.get("args"))
+                owner = dispatcher.open(sid, frame["receiver"], frame.get("args"), frame["key"])
             except (UnknownReceiverError, ServerError) as err:
-                await self.send(error_frame(err, sid=frame["sid"]))
+                await self.send(error_frame(err, sid=sid[:160]))  # a refused id may be long
             else:
-                await self.send({"t": "opened", "sid": frame["sid"]})
+                self._opened[sid] = owner
+                await self.send({"t": "opened", "sid": sid})
         elif ftype == "close":
-            dispatcher.close(frame["sid"])
+            opener = self._opened.pop(frame["sid"], None)
+            if opener is None:
+                sid = frame["sid"][:160]  # echoed: no longer than a valid id
+                await self.send(error_frame(dispatcher.not_open(sid), sid=sid))
+            else:
+                dispatcher.close(frame["sid"], opener)
         else:
             raise ProtocolError(f"a client may not send {ftype!r} frames")
 
@@ -229,3 +283,8 @@ def token_matches(expected: str | None, given: str | None) -> bool:
     if expected is None:
         return True
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def unauthenticated(connections: Iterable[ClientConnection]) -> int:
+    """How many of ``connections`` have not passed their hello yet."""
+    return sum(not conn.authenticated for conn in connections)
