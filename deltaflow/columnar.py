@@ -10,21 +10,36 @@ table, and the table engine stages the columns as they are.
 Rows whose ``DELETE_COLUMN`` (a boolean column, optional) is true delete their key, as
 :class:`deltaflow.Delete` items do.
 
-Decoding reads data only: an IPC stream holds schemas and buffers, and pyarrow never loads
-Python extension types from it unless a program registered one (deltaflow registers none).
+Decoding reads data only, within bounds a page's size sets (:func:`decode_page`): nothing is
+inflated, no extension type is built, and every batch is validated in full before a receiver
+sees it.
 
 Importing this module does not import pyarrow.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, overload
 
+from ._arrow_ipc import Declared, count_fields, declared
 from .errors import ProtocolError
 
-__all__ = ["DELETE_COLUMN", "ArrowRows", "byte_offsets", "decode_page", "encode_page", "is_arrow"]
+__all__ = [
+    "DELETE_COLUMN",
+    "PAGE_LIMITS",
+    "ArrowRows",
+    "PageLimits",
+    "byte_offsets",
+    "decode_page",
+    "encode_page",
+    "is_arrow",
+]
 
 #: The optional boolean column of an Arrow source whose true rows delete their key.
 DELETE_COLUMN: Final = "__deltaflow_delete"
@@ -200,20 +215,193 @@ def encode_page(rows: ArrowRows) -> bytes:
     return bytes(sink.getvalue())
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PageLimits:
+    """What a node reads of an Arrow page: a page beyond these is refused (``BAD_FRAME``).
+
+    Attributes:
+        batches: most record batches in a page, and most dictionary messages (the client
+            sends one record batch).
+        fields: most fields in a page's schema, nested ones included.
+        depth: how deep fields may nest.
+        per_byte: most values an array may hold, and most bytes its batches may decode to,
+            per byte of the page. 8 is one bit per row: the delete column every page of the
+            client carries. Uncompressed buffers are slices of the page, so only a dictionary
+            that several batches share counts more than once.
+    """
+
+    batches: int = 64
+    fields: int = 10_000
+    depth: int = 32
+    per_byte: int = 8
+
+
+#: The bounds every node applies to Arrow pages.
+PAGE_LIMITS: Final = PageLimits()
+
+
 def decode_page(data: Any, count: int) -> ArrowRows:
     """The page in a batch frame's ``arrow`` field, checked to hold ``count`` rows.
 
+    Every message's metadata is checked before any body is read (:func:`_scan`); then the
+    batches are read one at a time, each validated in full (offsets, lengths, UTF-8,
+    dictionary indexes), with running caps on rows and decoded bytes. It takes time in
+    proportion to the page: a node calls it off its event loop.
+
     Raises:
-        ProtocolError: not an Arrow IPC stream, a wrong row count, or a bad delete column.
+        ProtocolError: not an Arrow IPC stream, a page beyond :data:`PAGE_LIMITS`, a
+            compressed body, other than ``count`` rows, a malformed batch, an extension type,
+            a repeated column name, or a delete column that is not boolean.
     """
     import pyarrow as pa
 
     if not isinstance(data, bytes):
         raise ProtocolError("'arrow' must be bytes")
+    buffer = pa.py_buffer(data)
+    expected = _scan(buffer, count)
+    bound = PAGE_LIMITS.per_byte * len(data)
+    with _not_arrow("is not an Arrow IPC stream"):
+        reader = pa.ipc.open_stream(buffer)
+    with _not_arrow("schema is refused"):  # names that are not UTF-8, say
+        _check_schema(reader.schema)
+    batches = []
+    rows = size = 0
+    for index, metadata in enumerate(expected):
+        with _not_arrow(f"record batch {index} is malformed"):
+            batch = reader.read_next_batch()
+            batch.validate(full=True)
+        rows += batch.num_rows
+        size += batch.get_total_buffer_size()
+        if batch.num_rows != metadata.rows or rows > count:  # pyarrow read what _scan did
+            raise ProtocolError(f"'arrow' record batch {index} is not the one declared")
+        if size > bound:
+            raise ProtocolError(
+                f"'arrow' decodes to more than {bound} bytes ({PAGE_LIMITS.per_byte} per byte)"
+            )
+        batches.append(batch)
+    if rows != count:
+        raise ProtocolError(f"'arrow' holds {rows} rows, the frame says {count}")
+    return ArrowRows.of(pa.Table.from_batches(batches, reader.schema))
+
+
+def _scan(buffer: Any, count: int) -> list[Declared]:
+    """What the record batches of the IPC stream in ``buffer`` declare, read from the
+    messages' metadata only: nothing is decompressed or decoded. Refuses compressed bodies
+    (pyarrow would decompress them as it reads, to any size), dictionary deltas, more rows
+    than ``count`` and whatever is beyond :data:`PAGE_LIMITS`, at the first such message.
+    """
+    limits = PAGE_LIMITS
+    bound = limits.per_byte * buffer.size
+    messages = _messages(buffer)
+    schema = next(messages, None)
+    if schema is None or schema.type != "schema":
+        raise ProtocolError("'arrow' is not an Arrow IPC stream: it does not start with a schema")
+    with _not_arrow("schema is refused"):
+        count_fields(schema.metadata.to_pybytes(), limit=limits.fields, max_depth=limits.depth)
+    batches: list[Declared] = []
+    dictionaries = rows = 0
+    for message in messages:
+        if message.type == "record batch":
+            name = f"record batch {len(batches)}"
+        elif message.type == "dictionary":
+            name = f"dictionary {dictionaries}"
+            dictionaries += 1
+        else:
+            raise ProtocolError(f"'arrow' holds a message of type {message.type!r}")
+        with _not_arrow(f"{name} is refused"):
+            body = 0 if message.body is None else message.body.size
+            what = declared(message.metadata.to_pybytes(), body, max_arrays=limits.fields)
+        if message.type == "record batch":
+            rows += what.rows
+            if rows > count:
+                raise ProtocolError(f"'arrow' holds more than {count} rows (the frame's n)")
+            batches.append(what)
+        if what.compressed:
+            raise ProtocolError(
+                f"'arrow' {name} is compressed: send pages uncompressed (as the deltaflow "
+                "client does; a compressed body can expand far beyond the frame)"
+            )
+        if what.delta:
+            raise ProtocolError(f"'arrow' {name} is a dictionary delta; send whole dictionaries")
+        wrong = [n for n in (what.rows, *what.lengths) if not 0 <= n <= bound]
+        if wrong:
+            raise ProtocolError(
+                f"'arrow' {name} declares an array of {wrong[0]} values (at most {bound}: "
+                f"{limits.per_byte} per byte of the page)"
+            )
+        if max(len(batches), dictionaries) > limits.batches:
+            raise ProtocolError(f"'arrow' holds more than {limits.batches} batches or dictionaries")
+    return batches
+
+
+def _messages(buffer: Any) -> Iterator[Any]:
+    """The messages of the IPC stream in ``buffer`` (``pyarrow.ipc.Message``), one at a time:
+    pyarrow checks each one's framing and metadata, and reads its body as a slice of
+    ``buffer``."""
+    import pyarrow as pa
+
     try:
-        table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+        reader = pa.ipc.MessageReader.open_stream(buffer)
+        while True:
+            try:
+                message = reader.read_next_message()
+            except StopIteration:
+                return
+            yield message
     except (pa.ArrowException, OSError, ValueError) as exc:
-        raise ProtocolError(f"'arrow' is not an Arrow IPC stream: {exc}") from exc
-    if table.num_rows != count:
-        raise ProtocolError(f"'arrow' holds {table.num_rows} rows, the frame says {count}")
-    return ArrowRows.of(table)
+        raise ProtocolError(f"'arrow' is not an Arrow IPC stream: {str(exc)[:200]}") from exc
+
+
+def _check_schema(schema: Any) -> None:
+    """Refuse what the metadata scan does not look at: repeated column names (a column would
+    be ambiguous), names that are not UTF-8, an extension type however it came, and types
+    whose values neither Python nor a table holds (an unknown time zone, a decimal scale
+    outside 0 to its precision).
+
+    Raises:
+        ProtocolError: the schema holds one of those.
+        UnicodeDecodeError: a field name or time zone is not UTF-8.
+    """
+    import pyarrow as pa
+
+    repeated = [name for name, seen in collections.Counter(schema.names).items() if seen > 1]
+    if repeated:
+        raise ProtocolError(f"'arrow' repeats column names: {str(repeated[:3])[:200]}")
+    fields = list(schema)
+    while fields:
+        field = fields.pop()
+        kind = field.type
+        if isinstance(kind, pa.DictionaryType):
+            kind = kind.value_type
+        if isinstance(kind, pa.BaseExtensionType):
+            raise ProtocolError(f"'arrow' field {field.name[:64]!r} has an extension type")
+        if pa.types.is_timestamp(kind) and kind.tz and not _known_zone(kind.tz):
+            raise ProtocolError(f"'arrow' field {field.name[:64]!r}: unknown time zone")
+        if pa.types.is_decimal(kind) and not 0 <= kind.scale <= kind.precision:
+            raise ProtocolError(f"'arrow' field {field.name[:64]!r}: a decimal scale out of range")
+        children = [kind.field(i) for i in range(kind.num_fields)]
+        for child in children:
+            _ = child.name  # decoded here, not in a receiver
+        fields += children
+
+
+@functools.lru_cache(maxsize=64)
+def _known_zone(name: str) -> bool:
+    import pyarrow as pa
+
+    try:
+        pa.lib.string_to_tzinfo(name)
+    except (KeyError, ValueError, pa.ArrowException):  # zoneinfo's not-found is a KeyError
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _not_arrow(what: str) -> Iterator[None]:
+    """pyarrow's and the metadata scan's errors as a ``ProtocolError``: ``'arrow' <what>``."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise ProtocolError(f"'arrow' {what}: {str(exc)[:200]}") from exc

@@ -3,6 +3,7 @@ and ``result`` frames (see docs/protocol.md)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -16,12 +17,28 @@ __all__ = ["ack_frame", "batch_items", "error_frame", "result_frames"]
 _RESULT_CHUNK: Final = 1000
 
 
-def batch_items(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
-    """The items of a ``batch`` frame, and the indexes of those that are deletes.
+#: An ``items`` field larger than this is unpacked in a worker thread. A thread hop costs
+#: about 0.1 ms: a fifth of unpacking a 1,000-item batch, under 1% of unpacking 1 MiB. (The
+#: loop gains only while the unpacker lets go of the GIL: one ``msgpack.unpackb`` call holds it.)
+_ITEMS_IN_THREAD_BYTES: Final = 1024 * 1024
+
+
+async def batch_items(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
+    """The items of a ``batch`` frame, and the indexes of those that are deletes. An Arrow
+    page (read and validated in full), and a large ``items`` field, are decoded in a worker
+    thread, off the event loop; the caller's lane waits for it, so its order holds.
+
+    Cancelling it leaves the worker to finish on its own; its result is dropped.
 
     Raises:
         ProtocolError: the frame's payload is malformed.
     """
+    if "arrow" in frame or len(frame.get("items", b"")) > _ITEMS_IN_THREAD_BYTES:
+        return await asyncio.to_thread(_decode_batch, frame)
+    return _decode_batch(frame)
+
+
+def _decode_batch(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
     if ("items" in frame) == ("arrow" in frame):
         raise ProtocolError("a batch carries exactly one of 'items' and 'arrow'")
     if "arrow" in frame:
