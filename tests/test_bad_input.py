@@ -23,6 +23,7 @@ from deltaflow.server import Node
 from .support import StartCluster, read_delta
 
 TOKEN = "s3cret-token"
+KEY = b"k" * 32  # the stream key raw connections open their streams with
 
 
 @pytest.fixture
@@ -195,13 +196,17 @@ async def test_a_stream_id_outside_the_allowed_characters_is_refused(guarded: li
     session, ws, _ = await raw_session(guarded[0].address)
     try:
         for sid in ("../../etc/passwd", "x" * 161, "a\nb"):
-            await ws.send_bytes(encode_frame({"t": "open", "sid": sid, "receiver": "x"}))
+            await ws.send_bytes(
+                encode_frame({"t": "open", "sid": sid, "receiver": "x", "key": KEY})
+            )
             answer = decode_frame((await ws.receive()).data)
             assert answer["t"] == "error" and answer["code"] == "BAD_FRAME"
             assert "stream id" in answer["msg"] and "not allowed" in answer["msg"]
         # The connection stays usable for a good stream id.
         await ws.send_bytes(
-            encode_frame({"t": "open", "sid": "good-1", "receiver": "deltaflow.testing.Echo"})
+            encode_frame(
+                {"t": "open", "sid": "good-1", "receiver": "deltaflow.testing.Echo", "key": KEY}
+            )
         )
         assert decode_frame((await ws.receive()).data) == {"t": "opened", "sid": "good-1"}
     finally:
@@ -220,7 +225,7 @@ async def test_frames_share_a_message_only_with_a_client_that_lists_multi(
         sid = "raw-multi-" + "-".join(caps)
         # Echo answers each item with itself: 6 results of 9 KB from one message's batches.
         items = {p: pack_item({"i": p, "blob": "x" * 9_000}) for p in partitions}
-        frames = [{"t": "open", "sid": sid, "receiver": "deltaflow.testing.Echo"}]
+        frames = [{"t": "open", "sid": sid, "receiver": "deltaflow.testing.Echo", "key": KEY}]
         frames += [
             {"t": "batch", "sid": sid, "p": p, "seq": 0, "n": 1, "items": items[p]}
             for p in partitions
@@ -259,3 +264,17 @@ async def test_a_client_joins_frames_only_up_to_the_nodes_limit(guarded: list[No
         )
     assert summary.items_acked == len(items)
     assert summary.batches_retried == 0
+
+
+async def test_a_table_name_with_a_trailing_newline_is_refused(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """Finding 7: ``re.match`` with ``$`` took ``"events\\n"`` and the node made a directory
+    named so. Every name pattern is matched whole now."""
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data([{"id": 1}], table="events\n", key="id")
+    assert isinstance(info.value.cause, SchemaError)
+    assert "table name 'events\\n' is not allowed" in str(info.value.cause)
+    names = await asyncio.to_thread(lambda: [p.name for p in Path(warehouse).iterdir()])
+    assert not any(name.startswith("events") for name in names)

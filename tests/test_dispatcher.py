@@ -23,7 +23,12 @@ from deltaflow.errors import (
 from deltaflow.protocol import decode_frame, encode_frame, join_items, pack_item
 from deltaflow.receivers import Receiver, ReceiverContext, ReceiverRegistry
 from deltaflow.server import lanes as lanes_module
-from deltaflow.server.dispatcher import MAX_LANE_PENDING, Dispatcher, error_frame
+from deltaflow.server.dispatcher import LANE_WINDOW, Dispatcher, error_frame
+from deltaflow.server.streams import stream_owner
+
+#: The key every stream of these tests is opened with, and so their owner.
+KEY = b"k" * 32
+OWNER = stream_owner(KEY)
 
 
 class Recorder(Receiver):
@@ -127,7 +132,7 @@ def make_dispatcher(receiver: type[Receiver], writer: Any = None, **options: Any
     settings: dict[str, Any] = {"owns": lambda p: True, "map_wire": dict, "partitions": 4}
     settings.update(options)
     d = Dispatcher(node_id="n1", registry=registry, writer=writer, **settings)
-    d.open("s", "r", None)
+    d.open("s", "r", None, KEY)
     return d
 
 
@@ -161,7 +166,7 @@ def batch(seq: int, *, base: int = 0, p: int = 0) -> dict[str, Any]:
 async def test_batches_arriving_out_of_order_are_applied_in_sequence(dispatcher: Dispatcher):
     peer = Peer()
     for seq in (2, 0, 1):
-        dispatcher.submit(peer, batch(seq))
+        dispatcher.submit(peer, batch(seq), OWNER)
     for seq in (0, 1, 2):
         assert (await peer.wait_for("ack", seq))["n"] == 1
     assert Recorder.applied == [0, 1, 2]
@@ -170,9 +175,9 @@ async def test_batches_arriving_out_of_order_are_applied_in_sequence(dispatcher:
 async def test_a_resend_during_apply_is_answered_once_the_original_lands(dispatcher: Dispatcher):
     Recorder.gate = asyncio.Event()
     first, second = Peer(), Peer()
-    dispatcher.submit(first, batch(0))
+    dispatcher.submit(first, batch(0), OWNER)
     await Recorder.entered.wait()  # the lane is applying seq 0
-    dispatcher.submit(second, batch(0))  # the client resent over a new connection
+    dispatcher.submit(second, batch(0), OWNER)  # the client resent over a new connection
     Recorder.gate.set()
     assert (await second.wait_for("ack", 0)).get("dup") is True
     await first.wait_for("ack", 0)
@@ -181,10 +186,10 @@ async def test_a_resend_during_apply_is_answered_once_the_original_lands(dispatc
 
 async def test_base_lets_a_new_owner_start_mid_stream(dispatcher: Dispatcher):
     peer = Peer()
-    dispatcher.submit(peer, batch(7, base=7))
+    dispatcher.submit(peer, batch(7, base=7), OWNER)
     await peer.wait_for("ack", 7)
     # A late resend of an older, already acknowledged batch is not applied again.
-    dispatcher.submit(peer, batch(3, base=7))
+    dispatcher.submit(peer, batch(3, base=3), OWNER)
     assert (await peer.wait_for("ack", 3)).get("dup") is True
     assert Recorder.applied == [7]
 
@@ -194,7 +199,7 @@ async def test_a_failed_batch_closes_its_lane_for_good(dispatcher: Dispatcher, e
     Recorder.fail = {1: error}
     peer = Peer()
     for seq in (0, 1, 2):
-        dispatcher.submit(peer, batch(seq))
+        dispatcher.submit(peer, batch(seq), OWNER)
     await peer.wait_for("ack", 0)
     failed = await peer.wait_for("error", 1)
     assert failed["retriable"] is False
@@ -202,23 +207,23 @@ async def test_a_failed_batch_closes_its_lane_for_good(dispatcher: Dispatcher, e
     behind = await peer.wait_for("error", 2)
     assert behind["code"] == "LANE_FAILED" and "batch 1 of partition 0 failed" in behind["msg"]
     peer.frames.clear()
-    dispatcher.submit(peer, batch(1))  # a resend cannot succeed either
+    dispatcher.submit(peer, batch(1), OWNER)  # a resend cannot succeed either
     assert (await peer.wait_for("error", 1))["retriable"] is False
     assert Recorder.applied == [0]
     # Other partitions are unaffected.
-    dispatcher.submit(peer, batch(0, p=1))
+    dispatcher.submit(peer, batch(0, p=1), OWNER)
     await peer.wait_for("ack", 0)
 
 
 async def test_a_retriable_failure_keeps_the_lane_for_the_resend(dispatcher: Dispatcher):
     Recorder.fail = {0: OverloadedError("busy")}
     peer = Peer()
-    dispatcher.submit(peer, batch(0))
-    dispatcher.submit(peer, batch(1))
+    dispatcher.submit(peer, batch(0), OWNER)
+    dispatcher.submit(peer, batch(1), OWNER)
     err = await peer.wait_for("error", 0)
     assert err["retriable"] is True
     peer.frames.clear()
-    dispatcher.submit(peer, batch(0))
+    dispatcher.submit(peer, batch(0), OWNER)
     await peer.wait_for("ack", 0)
     await peer.wait_for("ack", 1)
     assert Recorder.applied == [0, 1]
@@ -275,7 +280,7 @@ async def test_a_failed_commit_abandons_later_batches_of_its_lane_before_they_co
     d = make_dispatcher(TableWriterReceiver, engine)
     peer = Peer()
     for seq in (0, 1, 2):
-        d.submit(peer, batch(seq))
+        d.submit(peer, batch(seq), OWNER)
     await engine.three_staged.wait()  # all staged: the lane does not wait for commits
     engine.commit_all()
     assert engine.committed == []
@@ -387,12 +392,12 @@ async def test_a_batch_of_an_unknown_stream_is_refused_with_what_to_do(
     dispatcher: Dispatcher,
 ) -> None:
     peer = Peer()
-    dispatcher.submit(peer, {**batch(0), "sid": "other"})
+    dispatcher.submit(peer, {**batch(0), "sid": "other"}, OWNER)
     err = await peer.wait_for("error", 0)
     assert err == {
         "t": "error",
         "code": "UNKNOWN_STREAM",
-        "msg": "stream other is not open on this node; send 'open' first",
+        "msg": "stream 'other' is not open on this connection; send 'open' first",
         "node": "n1",
         "retriable": True,
         "sid": "other",
@@ -407,24 +412,24 @@ async def test_a_batch_outside_the_partitions_or_sequence_is_a_bad_frame(
     dispatcher: Dispatcher, p: int, seq: int
 ) -> None:
     peer = Peer()
-    dispatcher.submit(peer, batch(seq, p=p))
+    dispatcher.submit(peer, batch(seq, p=p), OWNER)
     err = await peer.wait_for("error", seq)
     assert (err["code"], err["retriable"], err["node"], err["p"]) == ("BAD_FRAME", False, "n1", p)
     assert err["msg"] == f"partition {p} / sequence {seq} out of range (partitions: 4)"
     assert Recorder.applied == []
-    dispatcher.submit(peer, batch(0, p=3))  # the last partition is in range
+    dispatcher.submit(peer, batch(0, p=3), OWNER)  # the last partition is in range
     await peer.wait_for("ack", 0)
 
 
 async def test_a_partition_this_node_does_not_own_is_refused_with_the_current_map() -> None:
     d = make_dispatcher(Recorder, owns=lambda p: p != 2, map_wire=lambda: {"version": 9})
     peer = Peer()
-    d.submit(peer, batch(0, p=2))
+    d.submit(peer, batch(0, p=2), OWNER)
     err = await peer.wait_for("error", 0)
     assert err["code"] == "NOT_OWNER" and err["retriable"] is True and err["node"] == "n1"
     assert err["msg"] == "partition 2 is not owned by this node; refresh the partition map"
     assert err["details"] == {"map": {"version": 9}}
-    d.submit(peer, batch(0, p=1))
+    d.submit(peer, batch(0, p=1), OWNER)
     await peer.wait_for("ack", 0)
 
 
@@ -435,129 +440,188 @@ async def test_a_batch_that_taken_ones_wait_for_is_taken_after_the_partition_mov
     owned = {0: True}
     d = make_dispatcher(Recorder, owns=lambda p: owned[p], map_wire=lambda: {"version": 9})
     peer = Peer()
-    d.submit(peer, batch(1))
+    d.submit(peer, batch(1), OWNER)
     owned[0] = False
-    d.submit(peer, batch(2))
+    d.submit(peer, batch(2), OWNER)
     assert (await peer.wait_for("error", 2))["code"] == "NOT_OWNER"
-    d.submit(peer, batch(0))
+    d.submit(peer, batch(0), OWNER)
     await peer.wait_for("ack", 0)
     await peer.wait_for("ack", 1)
     assert Recorder.applied == [0, 1]
 
 
-async def test_a_lane_keeps_at_most_MAX_LANE_PENDING_batches_waiting_for_their_turn(
+async def test_a_lane_takes_only_batches_inside_its_window_above_base(
     scripted: type[Scripted],
 ) -> None:
     d = make_dispatcher(scripted)
     first, again = Peer(), Peer()
-    for seq in range(1, MAX_LANE_PENDING + 1):  # all wait for batch 0
-        d.submit(first, frame(seq))
-    d.submit(first, frame(MAX_LANE_PENDING + 1))
-    err = await first.wait_for("error", MAX_LANE_PENDING + 1)
-    assert (err["code"], err["retriable"], err["node"]) == ("OVERLOADED", True, "n1")
+    for seq in range(1, LANE_WINDOW):  # all wait for batch 0
+        d.submit(first, frame(seq, base=0), OWNER)
+    d.submit(first, frame(LANE_WINDOW, base=0), OWNER)
+    err = await first.wait_for("error", LANE_WINDOW)
+    assert (err["code"], err["retriable"], err["node"]) == ("BAD_FRAME", False, "n1")
     assert err["msg"] == (
-        f"more than {MAX_LANE_PENDING} batches of partition 0 waiting; lower "
-        "per_partition_in_flight"
+        f"batch {LANE_WINDOW} of stream 's' partition 0 has base 0: a node takes a batch only "
+        f"when 0 <= base <= seq < base + {LANE_WINDOW} (the lane's window)"
     )
+    d.submit(first, frame(3, base=4), OWNER)  # base above seq: refused, moves nothing
+    assert (await first.wait_for("error", 3))["code"] == "BAD_FRAME"
+    assert scripted.calls == []
     # A resend of a waiting batch is taken (its answer goes to the resend's connection); this
     # one says the client has batch 0 acknowledged, so the lane goes on from batch 1.
-    d.submit(again, frame(5, base=1))
-    await first.wait_for("ack", MAX_LANE_PENDING)
+    d.submit(again, frame(5, base=1), OWNER)
+    await first.wait_for("ack", LANE_WINDOW - 1)
     assert (await again.wait_for("ack", 5))["n"] == 1
     assert first.answers(5) == []
-    d.submit(first, frame(MAX_LANE_PENDING + 1, base=1))
-    await first.wait_for("ack", MAX_LANE_PENDING + 1)
-    assert [ctx.seq for _, ctx in scripted.calls] == list(range(1, MAX_LANE_PENDING + 2))
+    d.submit(first, frame(LANE_WINDOW, base=1), OWNER)
+    await first.wait_for("ack", LANE_WINDOW)
+    assert [ctx.seq for _, ctx in scripted.calls] == list(range(1, LANE_WINDOW + 1))
 
 
-async def test_the_batch_a_full_lane_waits_for_is_not_refused(scripted: type[Scripted]) -> None:
+async def test_the_batch_a_full_window_waits_for_is_taken(scripted: type[Scripted]) -> None:
     d = make_dispatcher(scripted)
     peer = Peer()
-    for seq in range(1, MAX_LANE_PENDING + 1):
-        d.submit(peer, frame(seq))
-    d.submit(peer, frame(0))
-    assert peer.answers(0) == [], "the batch every waiting one needs was refused"
-    await peer.wait_for("ack", MAX_LANE_PENDING)
-    assert [peer.answers(seq) for seq in range(MAX_LANE_PENDING + 1)] == [["ack"]] * (
-        MAX_LANE_PENDING + 1
-    )
+    for seq in range(1, LANE_WINDOW):
+        d.submit(peer, frame(seq, base=0), OWNER)
+    d.submit(peer, frame(0, base=0), OWNER)
+    await peer.wait_for("ack", LANE_WINDOW - 1)
+    assert [peer.answers(seq) for seq in range(LANE_WINDOW)] == [["ack"]] * LANE_WINDOW
 
 
-async def test_a_full_lane_that_base_moves_onto_a_waiting_batch_runs(
+async def test_a_batch_outside_the_window_leaves_an_idle_lane_where_it_was(
     scripted: type[Scripted],
 ) -> None:
     d = make_dispatcher(scripted)
     peer = Peer()
-    for seq in range(2, MAX_LANE_PENDING + 2):  # they wait for 0 and 1
-        d.submit(peer, frame(seq))
-    await eventually(lambda: d._streams["s"].lanes[0].task is None)  # the lane went idle
-    # The client settled 0 and 1 elsewhere (a failover): base moves the lane onto batch 2.
-    # This frame itself is one too many and is refused, but the lane must run.
-    d.submit(peer, frame(MAX_LANE_PENDING + 2, base=2))
-    assert peer.answers(MAX_LANE_PENDING + 2) == ["error"]
-    await peer.wait_for("ack", MAX_LANE_PENDING + 1)
-    assert [(items, ctx.partition, ctx.seq) for items, ctx in scripted.calls] == [
-        ([seq], 0, seq) for seq in range(2, MAX_LANE_PENDING + 2)
-    ]
+    for seq in range(2, LANE_WINDOW):  # they wait for 0 and 1
+        d.submit(peer, frame(seq, base=0), OWNER)
+    await eventually(lambda: d.streams.get("s", OWNER).lanes[0].task is None)  # the lane is idle
+    # A base far ahead with a seq past its window: refused, and the lane does not move there
+    # (it would skip batches 0 and 1 as duplicates, and drop the waiting ones).
+    d.submit(peer, frame(LANE_WINDOW + 10, base=10), OWNER)
+    assert (await peer.wait_for("error", LANE_WINDOW + 10))["code"] == "BAD_FRAME"
+    for seq in (0, 1):
+        d.submit(peer, frame(seq, base=0), OWNER)
+    await peer.wait_for("ack", LANE_WINDOW - 1)
+    assert [ctx.seq for _, ctx in scripted.calls] == list(range(LANE_WINDOW))
+    assert [peer.answers(seq) for seq in range(LANE_WINDOW)] == [["ack"]] * LANE_WINDOW
 
 
-async def test_a_full_lane_that_base_moves_past_its_running_batch_still_runs_one_at_a_time(
+async def test_a_lane_that_base_moves_past_its_running_batch_still_runs_one_at_a_time(
     scripted: type[Scripted],
 ) -> None:
     d = make_dispatcher(scripted)
     scripted.gate = asyncio.Event()
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await eventually(lambda: len(scripted.calls) == 1)  # batch 0 is in receive()
-    for seq in range(1, MAX_LANE_PENDING + 1):
-        d.submit(peer, frame(seq))
+    for seq in range(1, LANE_WINDOW):
+        d.submit(peer, frame(seq), OWNER)
     # The client has batch 0 acknowledged elsewhere (a failover): base moves the lane onto
-    # batch 1 while batch 0 still runs here. This frame is one too many and is refused.
-    d.submit(peer, frame(MAX_LANE_PENDING + 1, base=1))
-    assert peer.answers(MAX_LANE_PENDING + 1) == ["error"]
+    # batch 1 while batch 0 still runs here.
+    d.submit(peer, frame(LANE_WINDOW, base=1), OWNER)
     for _ in range(10):
         await asyncio.sleep(0)
     assert [ctx.seq for _, ctx in scripted.calls] == [0], "a second receive() of the lane ran"
     scripted.gate.set()
-    await peer.wait_for("ack", MAX_LANE_PENDING)
-    assert [ctx.seq for _, ctx in scripted.calls] == list(range(MAX_LANE_PENDING + 1))
-    assert [peer.answers(seq) for seq in range(MAX_LANE_PENDING + 1)] == [["ack"]] * (
-        MAX_LANE_PENDING + 1
-    )
+    await peer.wait_for("ack", LANE_WINDOW)
+    assert [ctx.seq for _, ctx in scripted.calls] == list(range(LANE_WINDOW + 1))
+    assert [peer.answers(seq) for seq in range(LANE_WINDOW + 1)] == [["ack"]] * (LANE_WINDOW + 1)
 
 
 def test_a_stream_id_outside_the_allowed_characters_is_refused(dispatcher: Dispatcher) -> None:
     with pytest.raises(ServerError) as info:
-        dispatcher.open("a b", "r", None)
+        dispatcher.open("a b", "r", None, KEY)
     assert info.value.code == "BAD_FRAME" and info.value.node == "n1"
     assert info.value.args[0] == (
         "stream id 'a b' is not allowed: use 1 to 160 characters of A-Z a-z 0-9 . _ : -"
     )
     with pytest.raises(ServerError, match=r"stream id '(x){64}' is not allowed"):
-        dispatcher.open("x" * 200, "r", None)  # named by its first 64 characters
+        dispatcher.open("x" * 200, "r", None, KEY)  # named by its first 64 characters
+
+
+def test_a_stream_key_outside_16_to_64_bytes_is_refused(dispatcher: Dispatcher) -> None:
+    for key in (b"k" * 15, b"k" * 65):
+        with pytest.raises(ServerError) as info:
+            dispatcher.open("s2", "r", None, key)
+        assert info.value.code == "BAD_FRAME" and info.value.node == "n1"
+        assert info.value.args[0] == (
+            f"stream 's2' was opened with a key of {len(key)} bytes; a stream key has 16 to 64 "
+            "bytes (the deltaflow client sends 32)"
+        )
+    assert dispatcher.open("s2", "r", None, b"k" * 16) == stream_owner(b"k" * 16)
+    assert dispatcher.stats.streams == 2
+
+
+def test_a_node_holds_at_most_max_streams_open(
+    dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client holding the token cannot make a node keep streams without bound."""
+    from deltaflow.server import streams
+
+    monkeypatch.setattr(streams, "MAX_STREAMS", 3)
+    for i in range(2):  # "s" is open already
+        dispatcher.open(f"more{i}", "r", None, KEY)
+    with pytest.raises(ServerError) as info:
+        dispatcher.open("one-too-many", "r", None, KEY)
+    assert info.value.code == "OVERLOADED" and info.value.retriable
+    assert "this node has 3 streams open, its most" in info.value.args[0]
+    dispatcher.open("s", "r", None, KEY)  # an open stream opens again
+    dispatcher.close("more0", OWNER)
+    dispatcher.open("one-too-many", "r", None, KEY)
+
+
+async def test_the_same_id_under_another_key_is_a_stream_of_its_own(
+    scripted: type[Scripted],
+) -> None:
+    """An intruder who opens the owner's id under its own key, even with a different
+    receiver, gets lanes of its own: its base jump moves none of the owner's, its batches
+    carry its own owner (and so lane marks), and closing its stream leaves the owner's."""
+    d = make_dispatcher(scripted)
+    d.streams.registry.register(scripted, "r2")
+    intruder = d.open("s", "r2", None, b"i" * 32)
+    assert intruder != OWNER and d.stats.streams == 2
+    peer, bad = Peer(), Peer()
+    d.submit(bad, frame(10**6, base=10**6), intruder)
+    await bad.wait_for("ack", 10**6)
+    d.submit(peer, frame(0), OWNER)
+    assert (await peer.wait_for("ack", 0)).get("dup") is None
+    d.close("s", intruder)
+    d.submit(peer, frame(1), OWNER)
+    await peer.wait_for("ack", 1)
+    assert [(ctx.seq, ctx.stream_id, ctx.stream_owner) for _, ctx in scripted.calls] == [
+        (10**6, "s", intruder),
+        (0, "s", OWNER),
+        (1, "s", OWNER),
+    ]
+    marks = [ctx._next_mark("t")[0] for _, ctx in scripted.calls]
+    assert marks == [f"s/{intruder}/0", f"s/{OWNER}/0", f"s/{OWNER}/0"]
+    # A frame of the stream from a connection that did not open it names no owner.
+    d.submit(bad, frame(2), None)
+    assert (await bad.wait_for("error", 2))["code"] == "UNKNOWN_STREAM"
 
 
 async def test_reopening_a_stream_keeps_its_lanes_but_not_with_another_receiver(
     dispatcher: Dispatcher,
 ) -> None:
     peer = Peer()
-    dispatcher.submit(peer, batch(0))
+    dispatcher.submit(peer, batch(0), OWNER)
     await peer.wait_for("ack", 0)
-    dispatcher.open("s", "r", {"other": "args"})  # a new connection of the same stream
+    dispatcher.open("s", "r", {"other": "args"}, KEY)  # a new connection of the same stream
     assert dispatcher.stats.streams == 1
     result = {"t": "result", "sid": "s", "p": 0, "seq": 0, "values": [0]}
     assert peer.frames == [result, {"t": "ack", "sid": "s", "p": 0, "seq": 0, "n": 1}]
     resent = Peer()
-    dispatcher.submit(resent, batch(0))
+    dispatcher.submit(resent, batch(0), OWNER)
     await resent.wait_for("ack", 0)
     dup = {"t": "ack", "sid": "s", "p": 0, "seq": 0, "n": 1, "dup": True}
     assert resent.frames == [result, dup], "a resend gets the results again, then a dup ack"
     assert Recorder.applied == [0]
     assert dispatcher.stats.duplicates == 1
     with pytest.raises(ServerError) as info:
-        dispatcher.open("s", "other", None)
+        dispatcher.open("s", "other", None, KEY)
     assert info.value.code == "BAD_FRAME" and info.value.node == "n1"
-    assert info.value.args[0] == "stream s was opened with receiver 'r', not 'other'"
+    assert info.value.args[0] == "stream 's' was opened with receiver 'r', not 'other'"
 
 
 def test_a_receiver_that_cannot_be_created_fails_the_open(dispatcher: Dispatcher) -> None:
@@ -565,13 +629,13 @@ def test_a_receiver_that_cannot_be_created_fails_the_open(dispatcher: Dispatcher
         def __init__(self) -> None:
             raise RuntimeError("no config")
 
-    dispatcher._registry.register(Broken, "broken")
+    dispatcher.streams.registry.register(Broken, "broken")
     with pytest.raises(ServerError) as info:
-        dispatcher.open("t", "broken", None)
+        dispatcher.open("t", "broken", None, KEY)
     assert info.value.code == "RECEIVER_FAILED" and info.value.node == "n1"
     assert info.value.args[0] == "receiver broken could not be created: RuntimeError: no config"
     with pytest.raises(ServerError) as unknown:
-        dispatcher.open("t", "nope", None)
+        dispatcher.open("t", "nope", None, KEY)
     assert unknown.value.code == "UNKNOWN_RECEIVER" and unknown.value.node == "n1"
     assert dispatcher.stats.streams == 1
 
@@ -581,10 +645,12 @@ async def test_the_receiver_sees_the_batch_its_stream_and_its_deletes(
 ) -> None:
     side_inputs = SideInputs()
     d = make_dispatcher(scripted, side_inputs=side_inputs)
-    d.open("t", "r", {"limit": 3})
+    d.open("t", "r", {"limit": 3}, KEY)
     peer = Peer()
     d.submit(
-        peer, {**frame(4, ["a", "b", "c"], p=2), "sid": "t", "del": [0, 2], "att": 3, "base": 4}
+        peer,
+        {**frame(4, ["a", "b", "c"], p=2), "sid": "t", "del": [0, 2], "att": 3, "base": 4},
+        OWNER,
     )
     await peer.wait_for("ack", 4)
     [(items, ctx)] = scripted.calls
@@ -596,7 +662,7 @@ async def test_the_receiver_sees_the_batch_its_stream_and_its_deletes(
     assert ctx.side_input("prices") == "prices@1"
     with pytest.raises(IndexError, match="outside the batch of 3 items"):
         ctx.fail(3, "no such item")
-    d.submit(peer, frame(0))  # no att: a first delivery
+    d.submit(peer, frame(0), OWNER)  # no att: a first delivery
     await peer.wait_for("ack", 0)
     assert scripted.calls[1][1].attempt == 1 and scripted.calls[1][1].deletes == frozenset()
 
@@ -620,7 +686,7 @@ async def test_a_batch_frame_that_makes_no_sense_is_refused_as_a_bad_frame(
     if bad["items"] is None:
         del bad["items"]
     peer = Peer()
-    d.submit(peer, bad)
+    d.submit(peer, bad, OWNER)
     err = await peer.wait_for("error", 0)
     assert (err["code"], err["retriable"], err["node"]) == ("BAD_FRAME", False, "n1")
     assert err["msg"].startswith(message)
@@ -639,16 +705,17 @@ async def test_an_arrow_page_reaches_the_receiver_as_rows_with_its_deletes(
     peer = Peer()
     arrow = {**frame(0, [None] * 3), "arrow": encode_page(page)}
     del arrow["items"]
-    d.submit(peer, arrow)
+    d.submit(peer, arrow, OWNER)
     await peer.wait_for("ack", 0)
     [(items, ctx)] = scripted.calls
     assert items == [{"id": 1}, {"id": 2}, {"id": 3}]
     assert ctx.deletes == frozenset({1})
-    d.submit(peer, {**arrow, "seq": 1, "del": [0]})
+    d.submit(peer, {**arrow, "seq": 1, "del": [0]}, OWNER)
     err = await peer.wait_for("error", 1)
     assert err["msg"] == "an Arrow page carries its deletes as a column"
-    d.submit(peer, {**arrow, "p": 1, "n": 2})
-    assert (await peer.wait_for("error", 0))["msg"] == "'arrow' holds 3 rows, the frame says 2"
+    d.submit(peer, {**arrow, "p": 1, "n": 2}, OWNER)
+    answer = await peer.wait_for("error", 0)
+    assert answer["msg"] == "'arrow' holds more than 2 rows (the frame's n)"
 
 
 async def test_results_come_back_in_chunks_before_an_ack_that_lists_failed_items(
@@ -658,7 +725,7 @@ async def test_results_come_back_in_chunks_before_an_ack_that_lists_failed_items
     scripted.results[0] = list(range(2500))
     scripted.fail_items[0] = {2: "negative", 0: "too large"}
     peer = Peer()
-    d.submit(peer, frame(0, [5, 6, 7, 8]))
+    d.submit(peer, frame(0, [5, 6, 7, 8]), OWNER)
     ack = await peer.wait_for("ack", 0)
     assert peer.results(0) == [list(range(1000)), list(range(1000, 2000)), list(range(2000, 2500))]
     assert peer.frames[-1] is ack, "the ack came before a result"
@@ -670,7 +737,7 @@ async def test_results_come_back_in_chunks_before_an_ack_that_lists_failed_items
         "n": 4,
         "failed": [[0, "too large"], [2, "negative"]],
     }
-    d.submit(peer, frame(1, [9]))
+    d.submit(peer, frame(1, [9]), OWNER)
     assert await peer.wait_for("ack", 1) == {"t": "ack", "sid": "s", "p": 0, "seq": 1, "n": 1}
     assert peer.results(1) == []
     stats = d.stats
@@ -697,10 +764,12 @@ async def test_results_of_every_kind_of_receiver_reach_the_client_and_are_replay
     for receiver, expected in ((Yielding, [[10], [20], [30]]), (Plain, [[2, 3, 4]])):
         d = make_dispatcher(receiver)
         peer, resent = Peer(), Peer()
-        d.submit(peer, frame(0, [1, 2, 3]))
+        d.submit(peer, frame(0, [1, 2, 3]), OWNER)
         await peer.wait_for("ack", 0)
         assert peer.results(0) == expected, receiver.__name__
-        d.submit(resent, frame(0, [1, 2, 3]))  # the ack was lost: results again, then the ack
+        d.submit(
+            resent, frame(0, [1, 2, 3]), OWNER
+        )  # the ack was lost: results again, then the ack
         await resent.wait_for("ack", 0)
         replayed = [value for values in resent.results(0) for value in values]
         assert replayed == [value for values in expected for value in values], receiver.__name__
@@ -713,22 +782,22 @@ async def test_a_resend_after_a_lost_ack_gets_results_and_failed_items_again(
     scripted.results[0] = list(range(1500))
     scripted.fail_items[0] = {1: "bad"}
     peer, resent, late = Peer(), Peer(), Peer()
-    d.submit(peer, frame(0, [1, 2]))
+    d.submit(peer, frame(0, [1, 2]), OWNER)
     await peer.wait_for("ack", 0)
-    d.submit(resent, frame(0, [1, 2]))
+    d.submit(resent, frame(0, [1, 2]), OWNER)
     dup = await resent.wait_for("ack", 0)
     assert resent.results(0) == [list(range(1000)), list(range(1000, 1500))]
     assert dup["dup"] is True and dup["failed"] == [[1, "bad"]]
     assert len(scripted.calls) == 1, "the batch ran again"
     # Once the client's base passed the batch it has the ack: a late resend gets no results.
     scripted.results[1] = ["r1"]
-    d.submit(peer, frame(1, base=1))
+    d.submit(peer, frame(1, base=1), OWNER)
     await peer.wait_for("ack", 1)
     resent_1 = Peer()
-    d.submit(resent_1, frame(1, base=1))  # base 1: the client does not have batch 1's ack
+    d.submit(resent_1, frame(1, base=1), OWNER)  # base 1: the client does not have batch 1's ack
     await resent_1.wait_for("ack", 1)
     assert resent_1.results(1) == [["r1"]]
-    d.submit(late, frame(0, [1, 2], base=1))
+    d.submit(late, frame(0, [1, 2], base=0), OWNER)
     assert (await late.wait_for("ack", 0)) == {
         "t": "ack",
         "sid": "s",
@@ -746,7 +815,7 @@ async def apply_three_with_results(d: Dispatcher, scripted: type[Scripted]) -> P
     peer = Peer()
     for seq in range(3):
         scripted.results[seq] = [f"r{seq}"]
-        d.submit(peer, frame(seq))
+        d.submit(peer, frame(seq), OWNER)
     await peer.wait_for("ack", 2)
     return peer
 
@@ -756,7 +825,7 @@ async def replay_three(d: Dispatcher, **extra: Any) -> dict[int, list[object]]:
     replayed = {}
     for seq in range(3):
         resent = Peer()
-        d.submit(resent, frame(seq, **extra))
+        d.submit(resent, frame(seq, **extra), OWNER)
         await resent.wait_for("ack", seq)
         replayed[seq] = resent.results(seq)
     return replayed
@@ -767,9 +836,9 @@ async def test_results_are_dropped_only_for_batches_the_client_has_acks_for(
 ) -> None:
     d = make_dispatcher(scripted)
     peer = await apply_three_with_results(d, scripted)
-    d.submit(peer, frame(3, base=1))  # the client has batch 0's ack, not 1's or 2's
+    d.submit(peer, frame(3, base=1), OWNER)  # the client has batch 0's ack, not 1's or 2's
     await peer.wait_for("ack", 3)
-    assert await replay_three(d, base=1) == {0: [], 1: [["r1"]], 2: [["r2"]]}
+    assert await replay_three(d) == {0: [], 1: [["r1"]], 2: [["r2"]]}
 
 
 async def test_results_are_kept_for_the_latest_batches_only(
@@ -788,7 +857,7 @@ async def test_a_receiver_that_raises_fails_its_batch_with_an_error_naming_it(
     scripted.errors[0] = [KeyError("price")]
     peer = Peer()
     with caplog.at_level(logging.WARNING, logger="deltaflow.server.dispatcher"):
-        d.submit(peer, frame(0, [1, 2, 3]))
+        d.submit(peer, frame(0, [1, 2, 3]), OWNER)
         err = await peer.wait_for("error", 0)
     assert (err["code"], err["node"], err["retriable"]) == ("RECEIVER_FAILED", "n1", False)
     assert err["msg"] == "receiver r raised KeyError: 'price' (partition 0, batch 0, 3 items)"
@@ -814,7 +883,7 @@ async def test_a_deltaflow_error_from_a_receiver_keeps_its_own_retry_decision(
     d = make_dispatcher(scripted)
     scripted.errors[0] = [error]
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     err = await peer.wait_for("error", 0)
     assert (err["code"], err["node"], err["retriable"]) == (code, node, retriable)
     assert err["msg"] == (str(error) if code == "INTERNAL" else error.args[0])
@@ -829,7 +898,7 @@ async def test_an_idempotent_receiver_is_retried_on_the_node_quickly_with_a_risi
     peer = Peer()
     loop = asyncio.get_running_loop()
     started = loop.time()
-    d.submit(peer, frame(0, [7, 8], p=1, att=2, **{"del": [1]}))
+    d.submit(peer, frame(0, [7, 8], p=1, att=2, **{"del": [1]}), OWNER)
     await peer.wait_for("ack", 0)
     # Backoff 0.05 s, then 0.1 s: cheaper than a round trip through the client.
     assert 0.15 <= loop.time() - started < 1.0
@@ -842,13 +911,13 @@ async def test_an_idempotent_receiver_is_retried_on_the_node_quickly_with_a_risi
     assert d.stats.node_retries == 2
     # Retries stop after node_retries; the client is then told, and may resend.
     Scripted.calls, Scripted.errors = [], {1: [OverloadedError("busy")] * 3}
-    d.submit(peer, frame(1, p=1))
+    d.submit(peer, frame(1, p=1), OWNER)
     err = await peer.wait_for("error", 1)
     assert err["code"] == "OVERLOADED" and err["retriable"] is True
     assert [ctx.attempt for _, ctx in Scripted.calls] == [1, 2, 3]
     # An error that is not retriable is not retried.
     Scripted.calls, Scripted.errors = [], {0: [SchemaError("bad row")]}
-    d.submit(peer, frame(0, p=2))
+    d.submit(peer, frame(0, p=2), OWNER)
     assert (await peer.wait_for("error", 0))["code"] == "SCHEMA_MISMATCH"
     assert len(Scripted.calls) == 1
     assert d.stats.node_retries == 4
@@ -873,7 +942,7 @@ async def test_the_node_waits_at_most_a_second_between_retries_of_an_idempotent_
 
     monkeypatch.setattr(asyncio, "sleep", no_wait)
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await peer.wait_for("ack", 0)
     # Doubling from 0.05 s, capped at 1 s: a receiver with many node retries does not keep
     # its lane waiting for seconds between two of them.
@@ -887,7 +956,7 @@ async def test_a_receiver_that_is_not_idempotent_is_run_once_per_delivery(
     d = make_dispatcher(scripted)
     scripted.errors[0] = [OverloadedError("busy")]
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     assert (await peer.wait_for("error", 0))["retriable"] is True
     assert len(scripted.calls) == 1 and d.stats.node_retries == 0
 
@@ -950,7 +1019,7 @@ async def test_a_batch_is_acked_once_its_writes_are_committed_not_before(
     scripted.writes[0] = ["t", "u"]
     scripted.gate = asyncio.Event()
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await engine.until(lambda: len(engine.writes) == 2)
     assert [w.held() for w in engine.writes] == [True, True], "committable while receive() runs"
     scripted.gate.set()
@@ -962,7 +1031,7 @@ async def test_a_batch_is_acked_once_its_writes_are_committed_not_before(
     assert (await peer.wait_for("ack", 0))["n"] == 1
     # The lane did not wait for the commit to run the next batch; a batch without writes does
     # not wake the engine.
-    d.submit(peer, frame(1))
+    d.submit(peer, frame(1), OWNER)
     await peer.wait_for("ack", 1)
     assert engine.releases == 1
     assert d.stats.batches_acked == 2
@@ -975,7 +1044,7 @@ async def test_a_batch_that_raises_after_writing_leaves_nothing_in_any_table(
     scripted.writes[0] = ["t"]
     scripted.errors[0] = [ValueError("half done")]
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await peer.wait_for("error", 0)
     assert engine.commit("t", 0) == "abandoned"
 
@@ -986,8 +1055,8 @@ async def test_an_earlier_batch_commits_whatever_later_batches_of_its_lane_do(
     d = make_dispatcher(scripted, engine)
     scripted.writes = {0: ["a"], 1: ["b"]}
     peer = Peer()
-    d.submit(peer, frame(0))
-    d.submit(peer, frame(1))
+    d.submit(peer, frame(0), OWNER)
+    d.submit(peer, frame(1), OWNER)
     await engine.until(lambda: len(engine.writes) == 2)
     # Table b commits first (tables commit independently); batch 1's commit fails.
     assert engine.commit("b", 1, ValueError("disk full")) == "failed"
@@ -1005,7 +1074,7 @@ async def test_a_failed_commit_fails_its_batch_and_every_batch_behind_it(
     scripted.writes = {0: ["t"], 1: ["t"]}
     peer = Peer()
     for seq in (0, 1, 3):  # 3 waits for 2, which has not arrived
-        d.submit(peer, frame(seq))
+        d.submit(peer, frame(seq), OWNER)
     await engine.until(lambda: len(engine.writes) == 2)
     assert engine.commit("t", 0, CommitConflictError("lost the race", node="n1")) == "failed"
     err = await peer.wait_for("error", 0)
@@ -1027,16 +1096,16 @@ async def test_a_lane_reopens_once_the_client_settled_its_failed_batch(
     d = make_dispatcher(scripted, engine)
     scripted.writes = {0: ["t"], 1: ["t"], 2: ["t"]}
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await engine.until(lambda: len(engine.writes) == 1)
     engine.commit("t", 0, ValueError("disk full"))
     await peer.wait_for("error", 0)
     # A resend of the failed batch gets its own error again; a later batch is refused, also
     # while the client's base has not passed the failed batch.
     resent, later = Peer(), Peer()
-    d.submit(resent, frame(0))
+    d.submit(resent, frame(0), OWNER)
     assert (await resent.wait_for("error", 0))["msg"] == "commit failed: ValueError('disk full')"
-    d.submit(later, frame(1, base=0))
+    d.submit(later, frame(1, base=0), OWNER)
     refused = await later.wait_for("error", 1)
     assert (refused["code"], refused["node"]) == ("LANE_FAILED", "n1")
     assert refused["msg"] == (
@@ -1045,15 +1114,15 @@ async def test_a_lane_reopens_once_the_client_settled_its_failed_batch(
         "keep per-key order"
     )
     # The client dead-lettered batch 0 (base 1): the lane goes on, and its writes commit.
-    d.submit(peer, frame(1, base=1))
+    d.submit(peer, frame(1, base=1), OWNER)
     await engine.until(lambda: len(engine.writes) == 2)
     assert engine.commit("t", 1) == "committed"
     await peer.wait_for("ack", 1)
-    d.submit(peer, frame(2, base=1))
+    d.submit(peer, frame(2, base=1), OWNER)
     await engine.until(lambda: len(engine.writes) == 3)
     assert engine.commit("t", 2) == "committed"
     await peer.wait_for("ack", 2)
-    lane = d._streams["s"].lanes[0]
+    lane = d.streams.get("s", OWNER).lanes[0]
     assert (lane.pending, lane.committing, lane.staged) == ({}, {}, {}), "a lane holds on"
 
 
@@ -1065,9 +1134,9 @@ async def test_a_resend_during_a_commit_is_answered_when_the_commit_lands_or_fai
     scripted.results = {0: ["r0"]}
     log: list[tuple[Peer, dict[str, Any]]] = []
     first, resent = Peer(log), Peer(log)
-    d.submit(first, frame(0))
+    d.submit(first, frame(0), OWNER)
     await engine.until(lambda: engine.releases == 1)
-    d.submit(resent, frame(0))  # the ack is late: the client resent over another connection
+    d.submit(resent, frame(0), OWNER)  # the ack is late: the client resent over another connection
     engine.commit("t", 0)
     await resent.wait_for("ack", 0)
     answers = [(peer is first, f["t"], f.get("dup", False)) for peer, f in log]
@@ -1078,9 +1147,9 @@ async def test_a_resend_during_a_commit_is_answered_when_the_commit_lands_or_fai
         (False, "ack", True),
     ]
     assert len(scripted.calls) == 1
-    d.submit(first, frame(1))
+    d.submit(first, frame(1), OWNER)
     await engine.until(lambda: engine.releases == 2)
-    d.submit(resent, frame(1))
+    d.submit(resent, frame(1), OWNER)
     engine.commit("t", 1, ValueError("disk full"))
     err = await resent.wait_for("error", 1)
     assert err["msg"] == "commit failed: ValueError('disk full')" and err["seq"] == 1
@@ -1093,10 +1162,10 @@ async def test_closing_a_stream_answers_its_waiting_batches_and_lets_commits_fin
     d = make_dispatcher(scripted, engine)
     scripted.writes = {0: ["t"]}
     peer = Peer()
-    d.submit(peer, frame(0))
-    d.submit(peer, frame(2))  # waits for 1
+    d.submit(peer, frame(0), OWNER)
+    d.submit(peer, frame(2), OWNER)  # waits for 1
     await engine.until(lambda: engine.releases == 1)
-    d.close("s")
+    d.close("s", OWNER)
     err = await peer.wait_for("error", 2)
     assert (err["code"], err["node"], err["retriable"]) == ("LANE_FAILED", "n1", False)
     assert err["msg"] == (
@@ -1105,16 +1174,16 @@ async def test_closing_a_stream_answers_its_waiting_batches_and_lets_commits_fin
     for _ in range(3):  # turns of the loop (no time passes): the commit has not landed
         await asyncio.sleep(0)
     assert d.stats.streams == 1, "forgotten while its commit runs"
-    d.close("s")  # the client closed it twice (once per connection): no harm
+    d.close("s", OWNER)  # the client closed it twice (once per connection): no harm
     engine.commit("t", 0)
     await peer.wait_for("ack", 0)
     await eventually(lambda: d.stats.streams == 0)
-    d.submit(peer, frame(3))
+    d.submit(peer, frame(3), OWNER)
     assert (await peer.wait_for("error", 3))["code"] == "UNKNOWN_STREAM"
-    d.close("s")  # closing it again, or a stream never opened, does nothing
-    d.close("never")
-    d.open("t", "r", None)
-    d.close("t")  # nothing running: forgotten at once
+    d.close("s", OWNER)  # closing it again, or a stream never opened, does nothing
+    d.close("never", OWNER)
+    d.open("t", "r", None, KEY)
+    d.close("t", OWNER)  # nothing running: forgotten at once
     assert d.stats.streams == 0
 
 
@@ -1124,9 +1193,9 @@ async def test_a_stream_closed_while_a_commit_fails_is_forgotten_too(
     d = make_dispatcher(scripted, engine)
     scripted.writes = {0: ["t"]}
     peer = Peer()
-    d.submit(peer, frame(0))
+    d.submit(peer, frame(0), OWNER)
     await engine.until(lambda: engine.releases == 1)
-    d.close("s")
+    d.close("s", OWNER)
     engine.commit("t", 0, ValueError("disk full"))
     await peer.wait_for("error", 0)
     await eventually(lambda: d.stats.streams == 0)
@@ -1146,7 +1215,7 @@ async def test_stopping_the_dispatcher_cancels_its_running_receivers() -> None:
                 raise
 
     d = make_dispatcher(Blocking)
-    d.submit(Peer(), frame(0))
+    d.submit(Peer(), frame(0), OWNER)
     await asyncio.wait_for(Blocking.entered.wait(), ANSWER_WAIT)
     async with asyncio.timeout(ANSWER_WAIT):
         await d.stop()
@@ -1157,11 +1226,11 @@ async def test_answers_reach_a_backed_up_client_once_and_others_at_once(
     dispatcher: Dispatcher,
 ) -> None:
     slow, fast = Peer(backed_up=True), Peer()
-    dispatcher.submit(slow, batch(0))
-    dispatcher.submit(slow, batch(0, p=9))
+    dispatcher.submit(slow, batch(0), OWNER)
+    dispatcher.submit(slow, batch(0, p=9), OWNER)
     await slow.wait_for("ack", 0)
     assert (await slow.wait_for("error", 0))["code"] == "BAD_FRAME"
-    dispatcher.submit(fast, batch(0, p=1))
+    dispatcher.submit(fast, batch(0, p=1), OWNER)
     await fast.wait_for("ack", 0)
     assert fast.answers(0) == ["ack"] and sorted(slow.answers(0)) == ["ack", "error"]
 
@@ -1194,10 +1263,10 @@ async def test_a_receiver_runs_at_most_its_concurrency_at_once_across_streams(
     monkeypatch.setattr(Counting, "max_concurrency", max_concurrency)
     Counting.running, Counting.most, Counting.gate = 0, 0, asyncio.Event()
     d = make_dispatcher(Counting, concurrency=node_setting)
-    d.open("t", "r", None)
+    d.open("t", "r", None, KEY)
     peer = Peer()
     for sid, p in (("s", 0), ("s", 1), ("t", 0)):
-        d.submit(peer, {**frame(0, p=p), "sid": sid})
+        d.submit(peer, {**frame(0, p=p), "sid": sid}, OWNER)
     await eventually(lambda: Counting.running == expected)  # as many as may start have
     Counting.gate.set()
     await peer.until(lambda: len(peer.answers(0)) == 3)

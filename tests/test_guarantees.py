@@ -20,10 +20,10 @@ import deltaflow
 from deltaflow import DataStreamerError, Delete, StreamerOptions
 from deltaflow.client.results import ResultDispatcher
 from deltaflow.engines import create_table
-from deltaflow.errors import FrameTooLargeError, OverloadedError, UsageError
+from deltaflow.errors import FrameTooLargeError, UsageError
 from deltaflow.protocol import WS_PATH, decode_frames, encode_frame, join_items, pack_item
 from deltaflow.server import Node
-from deltaflow.server.dispatcher import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES
+from deltaflow.server.dispatcher import LANE_WINDOW
 from deltaflow.testing import RecordOrder, RequestDropper, at_fault_point
 
 from .support import Eventually, StartCluster, holding, read_delta
@@ -351,7 +351,8 @@ async def raw_stream(address: str, sid: str, receiver: str) -> AsyncIterator[Any
         hello = {"t": "hello", "v": [1], "caps": ["results"], "client": "raw", "token": None}
         await ws.send_bytes(encode_frame(hello))
         await ws.receive()
-        await ws.send_bytes(encode_frame({"t": "open", "sid": sid, "receiver": receiver}))
+        open_frame = {"t": "open", "sid": sid, "receiver": receiver, "key": b"k" * 32}
+        await ws.send_bytes(encode_frame(open_frame))
         opened = await ws.receive()
         assert decode_frames(opened.data)[0]["t"] == "opened"
         yield ws
@@ -359,21 +360,21 @@ async def raw_stream(address: str, sid: str, receiver: str) -> AsyncIterator[Any
         await ws.close()
 
 
-async def test_a_lane_holds_at_most_64_waiting_batches_then_answers_overloaded(
+async def test_a_lane_holds_at_most_its_window_of_waiting_batches(
     cluster: list[Node], eventually: Eventually
 ) -> None:
     node = cluster[0]
     p = node.partition_map.owners.index(node.node_id)
     async with raw_stream(node.address, "bounded", "deltaflow.testing.Echo") as ws:
-        # Batches 1.. wait for batch 0, which never comes.
-        for seq in range(1, MAX_LANE_PENDING + 2):
-            frame = {"t": "batch", "sid": "bounded", "p": p, "seq": seq, "n": 1}
+        # Batches 1.. wait for batch 0, which never comes; the window ends at 0 + 64.
+        for seq in range(1, LANE_WINDOW + 1):
+            frame = {"t": "batch", "sid": "bounded", "p": p, "seq": seq, "n": 1, "base": 0}
             await ws.send_bytes(encode_frame({**frame, "items": join_items([pack_item(seq)])}))
         answer = decode_frames((await asyncio.wait_for(ws.receive(), 10)).data)[0]
-    assert answer["t"] == "error" and answer["code"] == OverloadedError.code, answer
-    assert answer["seq"] == MAX_LANE_PENDING + 1 and answer["retriable"] is True
-    assert f"more than {MAX_LANE_PENDING} batches of partition {p} waiting" in answer["msg"]
-    # The stream's state, its 64 waiting batches included, is freed by its close.
+    assert answer["t"] == "error" and answer["code"] == "BAD_FRAME", answer
+    assert answer["seq"] == LANE_WINDOW and answer["retriable"] is False
+    assert f"< base + {LANE_WINDOW} (the lane's window)" in answer["msg"]
+    # The stream's state, its 63 waiting batches included, is freed by its close.
     await eventually(lambda: node.dispatcher.stats.streams == 0, "stream state freed on close")
 
 
@@ -428,15 +429,14 @@ async def test_a_receiver_whose_constructor_raises_fails_its_stream_only(
     assert isinstance(fine, deltaflow.StreamSummary) and fine.items_acked == 300
 
 
-async def test_results_of_the_last_1024_batches_of_a_lane_are_replayed_to_a_resend(
+async def test_results_are_replayed_to_a_resend_until_base_passes_their_batch(
     cluster: list[Node],
 ) -> None:
     node = cluster[0]
     p = node.partition_map.owners.index(node.node_id)
-    total = RESULT_REPLAY_BATCHES + 6
 
-    def batch(seq: int) -> bytes:
-        frame = {"t": "batch", "sid": "kept", "p": p, "seq": seq, "n": 1}
+    def batch(seq: int, base: int) -> bytes:
+        frame = {"t": "batch", "sid": "kept", "p": p, "seq": seq, "n": 1, "base": base}
         return encode_frame({**frame, "items": join_items([pack_item(f"r{seq}")])})
 
     async def answers(ws: Any, seq: int) -> list[dict[str, Any]]:
@@ -449,20 +449,23 @@ async def test_results_of_the_last_1024_batches_of_a_lane_are_replayed_to_a_rese
         return got
 
     async with raw_stream(node.address, "kept", "deltaflow.testing.Echo") as ws:
-        for seq in range(total):
-            await ws.send_bytes(batch(seq))
+        for seq in range(6):  # the client has none of their acks yet: base stays 0
+            await ws.send_bytes(batch(seq, 0))
             assert [f["t"] for f in await answers(ws, seq)] == ["result", "ack"], seq
-        # A resend of a recent batch (its ack lost) gets its results again, then its ack.
-        recent = total - RESULT_REPLAY_BATCHES
-        await ws.send_bytes(batch(recent))
-        replay = await answers(ws, recent)
+        # A resend (its ack lost) gets its results again, then its ack.
+        await ws.send_bytes(batch(3, 0))
+        replay = await answers(ws, 3)
         assert [f["t"] for f in replay] == ["result", "ack"]
-        assert replay[0]["values"] == [f"r{recent}"]
-        # One older than the last 1,024 is acknowledged without them (they were dropped).
-        await ws.send_bytes(batch(recent - 1))
-        assert [f["t"] for f in await answers(ws, recent - 1)] == ["ack"]
-    assert node.dispatcher.stats.duplicates == 2
-    assert node.dispatcher.stats.batches_acked == total
+        assert replay[0]["values"] == ["r3"] and replay[1]["dup"] is True
+        # The client now has the acks of batches 0 to 3: their results are dropped.
+        await ws.send_bytes(batch(6, 4))
+        assert [f["t"] for f in await answers(ws, 6)] == ["result", "ack"]
+        await ws.send_bytes(batch(3, 3))  # a late copy: acknowledged without them
+        assert [f["t"] for f in await answers(ws, 3)] == ["ack"]
+        await ws.send_bytes(batch(5, 4))
+        assert [f["t"] for f in await answers(ws, 5)] == ["result", "ack"]
+    assert node.dispatcher.stats.duplicates == 3
+    assert node.dispatcher.stats.batches_acked == 7
 
 
 async def test_a_full_result_buffer_makes_its_reader_wait() -> None:

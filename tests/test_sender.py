@@ -14,6 +14,7 @@ from deltaflow.client.accumulator import Batch
 from deltaflow.client.router import Routes
 from deltaflow.client.sender import Sender, StreamStoppedError
 from deltaflow.errors import ConnectionLostError, NotOwnerError
+from deltaflow.protocol import LANE_WINDOW
 
 FAST_RETRY = {"retry_initial_backoff": 0.001, "retry_max_backoff": 0.001}
 
@@ -34,7 +35,9 @@ class FakeConnection:
     def has_room(self) -> bool:
         return True
 
-    async def open_stream(self, sid: str, receiver: str, args: Any, results: Any) -> None:
+    async def open_stream(
+        self, sid: str, receiver: str, args: Any, results: Any, *, key: bytes
+    ) -> None:
         return None
 
     def start_batch(self, frame: dict[str, Any], *, timeout: float) -> asyncio.Future[Any]:
@@ -105,6 +108,7 @@ def make_sender(router: FakeRouter, outcomes: Outcomes, **options: Any) -> Sende
     return Sender(
         cast("Routes", router),
         sid="s",
+        key=b"k" * 32,
         receiver=("r", None),
         options=StreamerOptions(**options),
         on_acked=outcomes.on_acked,
@@ -280,3 +284,31 @@ async def test_a_batch_whose_route_cannot_be_looked_up_fails_instead_of_hanging(
     [(p, seq, exc, _)] = outcomes.failed
     assert (p, seq) == (0, 0) and isinstance(exc, IndexError)
     assert sender.has_room and sender.counters.in_flight == 0
+
+
+async def test_no_batch_goes_a_lane_window_or_more_past_its_partitions_lowest_unsettled() -> None:
+    """Batch 0's answer is slow (its ack was lost: it waits for its timeout) while the later
+    batches of its partition are acknowledged. The lane slots they free go on to later
+    batches, but to none ``LANE_WINDOW`` or more past batch 0, which a node would refuse;
+    batch 0's ack lets the rest go."""
+    conn, outcomes = FakeConnection("a"), Outcomes()
+    sender = make_sender(FakeRouter({0: conn}), outcomes, per_partition_in_flight=4)
+    total = LANE_WINDOW + 10
+    for seq in range(total):
+        sender.submit(batch(0, seq))
+
+    async def ack_all_but_zero() -> None:
+        while later := [key for key in conn.answers if key != (0, 0)]:
+            for key in later:
+                conn.ack(*key)
+            await turns()
+
+    await ack_all_but_zero()
+    assert max(seq for _, seq in conn.sent_keys()) == LANE_WINDOW - 1
+    conn.ack(0, 0)
+    await turns()
+    await ack_all_but_zero()
+    await asyncio.wait_for(sender.join(), 5)
+    assert sorted(outcomes.acked) == [(0, seq) for seq in range(total)]
+    assert all(0 <= f["base"] <= f["seq"] < f["base"] + LANE_WINDOW for f in conn.sent)
+    assert conn.sent_keys() == [(0, seq) for seq in range(total)]

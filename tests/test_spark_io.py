@@ -256,6 +256,24 @@ def test_columns_the_wire_cannot_carry_are_rejected_before_any_job(
         stream_dataframe(
             spark.range(1), nodes=["127.0.0.1:1"], table="t", key="id", stream_id="a/b"
         )
+    # A stream key goes with a caller's id, and is checked once, on the driver.
+    with pytest.raises(UsageError, match="stream_key= goes with stream_id="):
+        stream_dataframe(
+            spark.range(1), nodes=["127.0.0.1:1"], table="t", key="id", stream_key="k" * 16
+        )
+    with pytest.raises(UsageError, match="stream_key= has 5 bytes"):
+        stream_dataframe(
+            spark.range(1),
+            nodes=["127.0.0.1:1"],
+            table="t",
+            key="id",
+            stream_id="s",
+            stream_key="short",
+        )
+    with pytest.raises(UsageError, match="stream_key= has 5 bytes"):
+        foreach_batch(
+            nodes=["127.0.0.1:1"], query_name="q", table="t", key="id", stream_key="short"
+        )
     with pytest.raises(UsageError, match="query_name='my query' is not allowed"):
         foreach_batch(nodes=["127.0.0.1:1"], query_name="my query", table="t", key="id")
     with pytest.raises(UsageError, match="needs key="):

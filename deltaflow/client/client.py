@@ -18,6 +18,7 @@ from .options import StreamerOptions
 from .results import OnResult
 from .router import ConnectionFactory, Router
 from .stream import StreamRun, run_stream
+from .stream_keys import stream_key as make_stream_key
 from .stream_types import (
     TABLE_RECEIVER,
     KeyFn,
@@ -77,6 +78,7 @@ class Client:
         )
         self._state = ClientState.UNOPENED
         self._active: dict[str, StreamRun] = {}
+        self._token = token  # what a caller-chosen stream id's key is derived from
 
     def __repr__(self) -> str:
         router = self._router
@@ -132,6 +134,7 @@ class Client:
         on_commit: Callable[[CommitPosition], Any] | None = None,
         options: StreamerOptions | None = None,
         stream_id: str | None = None,
+        stream_key: str | bytes | None = None,
     ) -> StreamSummary:
         """Stream ``source`` to the cluster and wait until every item is applied.
 
@@ -161,6 +164,14 @@ class Client:
                 ``auto_flush_interval=0`` and no ``linger`` (batches cut by count and bytes
                 only, never by time).
                 Two streams running at the same time must not share an id.
+            stream_key: the secret that makes the stream yours, with ``stream_id``: a str or
+                bytes of at least 16 bytes (e.g. ``secrets.token_hex(16)``), the same for a
+                replay. Nodes know a stream by its id and its key: only connections that opened
+                it with the key may feed, close or replay it, and its lane marks are its own,
+                so a stream of the same id under another key neither skips nor is skipped for
+                yours. Default None: a random stream has a random key; a ``stream_id`` without
+                ``stream_key`` has one derived from the token, which keeps strangers out but
+                not other clients holding the token (see ``docs/security.md``).
 
         Returns:
             A :class:`StreamSummary` once every item is acknowledged as applied.
@@ -189,6 +200,7 @@ class Client:
                     f"a stream with id {stream_id!r} is already running on this client; "
                     "streams running at the same time need different ids"
                 )
+        secret = make_stream_key(stream_id, stream_key, token=self._token)
         if table is not None:
             if not isinstance(key, (str, tuple, list)):
                 raise UsageError(
@@ -211,6 +223,7 @@ class Client:
             on_commit=on_commit,
             options=options or StreamerOptions(),
             stream_id=stream_id,
+            stream_key=secret,
         )
 
     def statistics(self) -> ClientStatistics:

@@ -15,6 +15,7 @@ from .accumulator import Batch
 from .ledger import Ledger
 from .options import StreamerOptions
 from .sender import Sender, StreamStoppedError
+from .stream_keys import stream_key
 from .stream_types import DEAD_LETTER_RECEIVER
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class DeadLetters:
             self._sender = Sender(
                 self._routes,
                 sid=self.sid,
+                key=stream_key(None, None, token=None),  # random, as its id
                 receiver=(
                     DEAD_LETTER_RECEIVER,
                     {"table": self._options.dead_letter_table, "stream": self._stream_sid},

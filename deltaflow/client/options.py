@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from ..errors import UsageError
-from ..protocol import DEFAULT_MAX_FRAME_BYTES
+from ..protocol import DEFAULT_MAX_FRAME_BYTES, LANE_WINDOW
 from .accumulator import BatchCreator
 
 __all__ = [
@@ -58,7 +58,8 @@ class StreamerOptions:
         max_in_flight: batches sent and not yet acknowledged, across the whole stream. While
             the window is full the source is not pulled. Default 128.
         per_partition_in_flight: batches of one partition in flight at once (pipelining; the
-            owner applies them in sequence order). Default 4.
+            owner applies them in sequence order). Default 4; at most 64, the nodes' lane
+            window (:data:`deltaflow.protocol.LANE_WINDOW`).
         retry_limit: resends of one batch after a retriable error before it fails. Default 16.
         retry_initial_backoff: seconds before the first resend; doubles each time, with
             jitter. Default 0.05.
@@ -120,6 +121,12 @@ class StreamerOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UsageError(f"StreamerOptions.{name} must be a positive int, got {value!r}")
+        if self.per_partition_in_flight > LANE_WINDOW:
+            raise UsageError(
+                f"StreamerOptions.per_partition_in_flight={self.per_partition_in_flight} is more "
+                f"than a node takes of one partition at once; use at most {LANE_WINDOW} (the "
+                "lane window)"
+            )
         if self.max_batch_bytes > DEFAULT_MAX_FRAME_BYTES - 64 * 1024:
             raise UsageError(
                 f"StreamerOptions.max_batch_bytes={self.max_batch_bytes} leaves no room under the "

@@ -38,7 +38,7 @@ from ..errors import (
     TransportError,
     is_retriable,
 )
-from ..protocol import Frame, join_items
+from ..protocol import LANE_WINDOW, Frame, join_items
 from .accumulator import Batch
 from .latency import LatencyHistogram
 from .options import StreamerOptions
@@ -84,9 +84,13 @@ class Sender:
     sends still at a previous owner) or failed goes on a task of its own, which retries with
     tenacity.
 
+    A batch is also held back while it is ``LANE_WINDOW`` or more past its partition's lowest
+    unsettled batch (its ``base``), which nodes would refuse: after a lost ack, say.
+
     Args:
         routes: routes partitions to connections and keeps the partition map fresh.
         sid: the stream id.
+        key: the stream's secret key, sent when the stream opens on a connection.
         receiver: receiver name and arguments declared when the stream opens on a connection.
         options: window, retry and timeout settings.
         on_acked: called with each acknowledged batch.
@@ -99,6 +103,7 @@ class Sender:
         routes: Routes,
         *,
         sid: str,
+        key: bytes,
         receiver: tuple[str, Any],
         options: StreamerOptions,
         on_acked: Callable[[Batch], None],
@@ -107,6 +112,7 @@ class Sender:
     ) -> None:
         self._routes = routes
         self._sid = sid
+        self._key = key
         self._receiver = receiver
         self._options = options
         self._on_acked = on_acked
@@ -117,8 +123,8 @@ class Sender:
         self._waiting: collections.deque[Batch] = collections.deque()
         self._window_used = 0
         self._lane_used: dict[int, int] = {}
-        # Batches holding a window slot while their partition's lane is full (FIFO per lane),
-        # and batches just handed a lane slot by a settled one, to be sent by ``_start``.
+        # Batches holding a window slot while their partition's lane is full or they are past
+        # its window (FIFO per lane), and batches just handed a lane slot, sent by ``_start``.
         self._lane_waiting: dict[int, collections.deque[Batch]] = {}
         self._ready: collections.deque[Batch] = collections.deque()
         self._starting = False
@@ -206,18 +212,29 @@ class Sender:
                 elif waiting and self._window_used < opts.max_in_flight:
                     batch = waiting.popleft()
                     self._window_used += 1
-                    used = self._lane_used.get(batch.partition, 0)
-                    if used < opts.per_partition_in_flight:
-                        self._lane_used[batch.partition] = used + 1
-                        self._launch(batch)
-                    else:
-                        self._lane_waiting.setdefault(batch.partition, collections.deque()).append(
-                            batch
-                        )
+                    self._lane_waiting.setdefault(batch.partition, collections.deque()).append(
+                        batch
+                    )
+                    self._admit(batch.partition)  # into ``ready`` if its lane takes it now
                 else:
                     return
         finally:
             self._starting = False
+
+    def _lane_takes(self, partition: int, seq: int) -> bool:
+        """Batch ``seq`` may be sent now: its lane has a free slot, and ``seq`` is inside the
+        lane's window above the partition's lowest unsettled batch (the ``base`` it carries)."""
+        return (
+            self._lane_used.get(partition, 0) < self._options.per_partition_in_flight
+            and seq < min(self._unacked[partition]) + LANE_WINDOW
+        )
+
+    def _admit(self, partition: int) -> None:
+        """Hand the lane's free slots to its waiting batches, in order, while they fit."""
+        lane_waiting = self._lane_waiting.get(partition)
+        while lane_waiting and self._lane_takes(partition, lane_waiting[0].seq):
+            self._lane_used[partition] = self._lane_used.get(partition, 0) + 1
+            self._ready.append(lane_waiting.popleft())
 
     def _launch(self, batch: Batch) -> None:
         """The first send of a batch that holds its window and lane slots."""
@@ -283,13 +300,10 @@ class Sender:
             self._report(batch, error)
         finally:  # whatever a callback raised, the window must not shrink for good
             p = batch.partition
-            lane_waiting = self._lane_waiting.get(p)
-            if lane_waiting:  # the lane's slot goes to its next batch, which has a window slot
-                self._ready.append(lane_waiting.popleft())
-            else:
-                self._lane_used[p] -= 1
+            self._lane_used[p] -= 1
             self._window_used -= 1
-            self._forget(batch)
+            self._forget(batch)  # may move the lane's base, and so its window
+            self._admit(p)  # its waiting batches hold window slots already
             self._start()
 
     def _report(self, batch: Batch, error: BaseException | None) -> None:
@@ -402,7 +416,7 @@ class Sender:
             # Later batches of the partition are at ``holder``, which may have taken them and
             # now waits for this one: it goes there too, or both wait for an ack timeout.
             conn = self._routes.connection_to(holder) or conn
-        await conn.open_stream(self._sid, *self._receiver, self._results)
+        await conn.open_stream(self._sid, *self._receiver, self._results, key=self._key)
         await self._claim(batch.partition, conn.node_id)
         try:
             frame["base"] = min(self._unacked[batch.partition])

@@ -40,6 +40,8 @@ class StreamRun:
     Args:
         router: routes the stream's batches, gives the partition count, and closes the
             stream on the nodes at its end.
+        stream_key: the secret key the stream opens with on every node (see
+            :mod:`.stream_keys`).
     """
 
     def __init__(
@@ -55,9 +57,11 @@ class StreamRun:
         on_commit: Callable[[CommitPosition], Any] | None,
         options: StreamerOptions,
         stream_id: str | None = None,
+        stream_key: bytes,
     ) -> None:
         self.router = router
-        # A caller-chosen id (validated by the facade) makes a replay hit the same lane marks.
+        # A caller-chosen id (validated by the facade) makes a replay hit the same lane marks,
+        # when it comes with the same key (see stream_keys).
         self.sid = stream_id or uuid.uuid4().hex
         self.options = options
         self.key = key
@@ -75,6 +79,7 @@ class StreamRun:
         self.sender = Sender(
             router,
             sid=self.sid,
+            key=stream_key,
             receiver=(receiver, receiver_args),
             options=options,
             on_acked=self._acked,

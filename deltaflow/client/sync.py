@@ -33,6 +33,7 @@ def stream_data(
     on_commit: Callable[[CommitPosition], Any] | None = None,
     options: StreamerOptions | None = None,
     stream_id: str | None = None,
+    stream_key: str | bytes | None = None,
 ) -> StreamSummary:
     """Connect, stream ``source`` and return its summary, blocking the calling thread.
 
@@ -42,7 +43,8 @@ def stream_data(
 
     ``stream_id`` (default: random) names the stream; a deterministic id makes a replay of the
     same input exactly-once (see :meth:`~deltaflow.client.Client.stream_data` for what a
-    replay must keep the same).
+    replay must keep the same), with the same ``stream_key`` (the secret that makes the stream
+    the caller's; default: derived from the token).
     """
     try:
         asyncio.get_running_loop()
@@ -67,6 +69,7 @@ def stream_data(
                 on_commit=on_commit,
                 options=options,
                 stream_id=stream_id,
+                stream_key=stream_key,
             )
 
     return asyncio.run(main())

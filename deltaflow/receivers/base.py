@@ -19,14 +19,14 @@ __all__ = [
     "check_table_name",
 ]
 
-_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 def check_table_name(name: Any) -> str:
     """A table name is a plain identifier: it becomes a directory under the warehouse."""
-    if not isinstance(name, str) or not _TABLE_NAME.match(name):
+    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
         raise SchemaError(
-            f"table name {name!r} is not allowed; use letters, digits and '_' (at most 128), "
+            f"table name {name!r:.140} is not allowed; use letters, digits and '_' (at most 128), "
             "starting with a letter or '_'"
         )
     return name
@@ -68,7 +68,12 @@ class ReceiverContext:
     """Everything a receiver may know or use while applying one batch.
 
     Attributes:
-        stream_id: id of the client's stream.
+        stream_id: id of the client's stream, as the client named it (public: any client may
+            open a stream of that id under a key of its own).
+        stream_owner: who opened the stream: 32 hex digits of a hash of its secret key. The
+            stream is ``(stream_id, stream_owner)``: key effects outside the node's tables by
+            ``(stream_id, stream_owner, partition, seq)``, or another client's stream of the
+            same id could pass for this one.
         partition: the partition this batch belongs to (all its items hash there).
         seq: the batch's sequence number within (stream, partition).
         node_id: the node applying the batch.
@@ -86,6 +91,7 @@ class ReceiverContext:
     args: Any
     deletes: frozenset[int] = frozenset()
     attempt: int = 1
+    stream_owner: str = ""
     _failed: dict[int, str] = field(default_factory=dict)
     _size: int = 0
     _writer: TableWriter | None = None
@@ -96,10 +102,13 @@ class ReceiverContext:
     _writes: dict[str, int] = field(default_factory=dict)
 
     def _next_mark(self, table: str) -> tuple[str, tuple[int, int]]:
-        """The lane mark of this batch's next write to ``table`` (see tables.marks)."""
+        """The lane mark of this batch's next write to ``table`` (see tables.marks). The lane
+        is named by the stream's owner too, so a batch under another key can never mark,
+        skip or be skipped as one of the owner's, also after a node restart."""
         k = self._writes.get(table, 0)
         self._writes[table] = k + 1
-        return f"{self.stream_id}/{self.partition}", (self.seq, k)
+        owner = f"{self.stream_owner}/" if self.stream_owner else ""
+        return f"{self.stream_id}/{owner}{self.partition}", (self.seq, k)
 
     def side_input(self, name: str, *, parse: Callable[[bytes], Any] | None = None) -> Any:
         """The current value of the side input ``name`` (see ``docs/side-inputs.md``).
@@ -123,7 +132,7 @@ class ReceiverContext:
     @property
     def redelivered(self) -> bool:
         """Whether this batch may have been seen before (``attempt > 1``): key effects outside
-        the node's tables by ``(stream_id, partition, seq)`` or skip them."""
+        the node's tables by ``(stream_id, stream_owner, partition, seq)`` or skip them."""
         return self.attempt > 1
 
     def fail(self, index: int, reason: str | BaseException) -> None:
@@ -230,7 +239,8 @@ class Receiver:
     a reconnect, or a retriable error. Table writes made through ``ctx.table`` are committed
     with the batch and acknowledged only once durable. Effects outside the node's tables (an
     HTTP call, a message) may be repeated on a resend, so make them idempotent or keyed by
-    ``(ctx.stream_id, ctx.partition, ctx.seq)``. Results of a resent batch are sent again.
+    ``(ctx.stream_id, ctx.stream_owner, ctx.partition, ctx.seq)``. Results of a resent batch
+    are sent again.
 
     **Errors.** Raising fails the whole batch: its items are reported to the client as not
     applied and later batches of the same partition are refused. Raise an error whose class

@@ -1,5 +1,6 @@
 """The deltaflow node: :mod:`.node` (app and lifecycle), :mod:`.connection` (one client
-WebSocket), :mod:`.dispatcher` (streams, receivers, acks) over :mod:`.lanes` (ordering) and
+WebSocket), :mod:`.dispatcher` (receivers, acks) over :mod:`.streams` (who owns which stream),
+:mod:`.lanes` (ordering) and
 :mod:`.frames` (frames in and out), :mod:`.side_inputs`, :mod:`.topology` (membership and
 partition map), :mod:`.statistics` and :mod:`.metrics`. Table commits live in
 :mod:`deltaflow.spark_integration`."""

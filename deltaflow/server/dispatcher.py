@@ -17,12 +17,15 @@ batch (it has the ack), at most ``RESULT_REPLAY_BATCHES`` batches per lane.
 When a batch fails for good, its lane is failed: later batches of the lane are refused with
 ``LANE_FAILED`` (and those already staged behind it are abandoned before they commit), so a
 later write can never overtake an earlier one that was not applied.
+
+A stream is its id and its owner, the hash of the key it was opened with (see :mod:`.streams`):
+the connection hands every frame of a stream in with the owner it opened the stream as, so a
+client can only feed or close streams it opened itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -40,24 +43,24 @@ from ..errors import (
     DeltaflowError,
     LaneFailedError,
     NotOwnerError,
-    OverloadedError,
     ProtocolError,
     ReceiverError,
     ServerError,
     UnknownStreamError,
     is_retriable,
 )
-from ..protocol import STREAM_ID, Frame
-from ..receivers.base import Receiver, ReceiverContext, SideInputReader, TableWriter
+from ..protocol import Frame
+from ..receivers.base import ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
 from .frames import ack_frame, batch_items, error_frame, result_frames
-from .lanes import MAX_LANE_PENDING, RESULT_REPLAY_BATCHES, Lane, Peer, Stream
+from .lanes import LANE_WINDOW, RESULT_REPLAY_BATCHES, Lane, Peer, in_window
 from .receiving import call_receiver
 from .statistics import DispatcherStatistics
+from .streams import Stream, StreamTable
 
 # Also imported from here: error_frame (tests), the lane bounds (tests) and the statistics.
 __all__ = [
-    "MAX_LANE_PENDING",
+    "LANE_WINDOW",
     "RESULT_REPLAY_BATCHES",
     "Dispatcher",
     "DispatcherStatistics",
@@ -104,65 +107,47 @@ class Dispatcher:
         concurrency: Mapping[str, int] | None = None,
     ) -> None:
         self.node_id = node_id
-        self._registry = registry
         self._writer = writer
         self._owns = owns
         self._map_wire = map_wire
         self._partitions = partitions
         self._side_inputs = side_inputs
-        self._concurrency = dict(concurrency or {})
-        self._limits: dict[str, asyncio.Semaphore] = {}
-        self._streams: dict[str, Stream] = {}
+        self.streams = StreamTable(
+            node_id=node_id, registry=registry, concurrency=concurrency or {}
+        )
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = DispatcherStatistics()
 
     # -- stream lifecycle (synchronous) ---------------------------------------------------
 
-    def open(self, sid: str, receiver: str, args: Any) -> None:
-        """Declare a stream (idempotent: reopening on another connection keeps its lanes).
+    def open(self, sid: str, receiver: str, args: Any, key: bytes) -> str:
+        """Declare stream ``sid`` opened with ``key``, and return its owner.
+
+        The same id and key again, on any connection (a client that reconnected, or a replay
+        after a restart of either side), is the same stream: it keeps its lanes. The same id
+        under another key is another stream, which can neither see nor move this one's lanes:
+        an intruder who opens an id first does not lock its owner out.
 
         Raises:
+            BadFrameError: the id or the key is not allowed, or this stream is open with
+                another receiver.
             UnknownReceiverError: ``receiver`` is not on the allow-list.
+            ReceiverError: the receiver could not be created.
         """
-        if not STREAM_ID.fullmatch(sid):
-            raise BadFrameError(
-                f"stream id {sid[:64]!r} is not allowed: use 1 to 160 characters of "
-                "A-Z a-z 0-9 . _ : -",
-                node=self.node_id,
-            )
-        stream = self._streams.get(sid)
-        if stream is not None:
-            if stream.receiver_name != receiver:
-                raise BadFrameError(
-                    f"stream {sid} was opened with receiver {stream.receiver_name!r}, not "
-                    f"{receiver!r}",
-                    node=self.node_id,
-                )
-            return
-        cls = self._registry.get(receiver, node=self.node_id)
-        try:
-            instance = cls()
-        except Exception as exc:
-            raise ReceiverError(
-                f"receiver {receiver} could not be created: {type(exc).__name__}: {exc}",
-                node=self.node_id,
-            ) from exc
-        self._streams[sid] = Stream(sid, receiver, instance, args, self._limit(receiver, cls))
-        self.stats.streams = len(self._streams)
+        owner = self.streams.open(sid, receiver, args, key).owner
+        self.stats.streams = len(self.streams)
+        return owner
 
-    def _limit(
-        self, name: str, cls: type[Receiver]
-    ) -> asyncio.Semaphore | contextlib.nullcontext[None]:
-        """The bound on concurrent ``receive`` calls of one receiver class on this node."""
-        bound = self._concurrency.get(name, cls.max_concurrency)
-        if bound is None:
-            return contextlib.nullcontext()
-        if name not in self._limits:
-            self._limits[name] = asyncio.Semaphore(bound)
-        return self._limits[name]
+    def not_open(self, sid: str) -> UnknownStreamError:
+        """What a frame of stream ``sid`` gets on a connection that did not open it."""
+        return UnknownStreamError(
+            f"stream {sid[:64]!r} is not open on this connection; send 'open' first",
+            node=self.node_id,
+        )
 
-    def close(self, sid: str) -> None:
-        stream = self._streams.get(sid)
+    def close(self, sid: str, owner: str) -> None:
+        """The owner ends stream ``sid``; a no-op if the node forgot it already."""
+        stream = self.streams.get(sid, owner)
         if stream is None:
             return
         # Batches still waiting for their turn will not get it: tell their senders they were not
@@ -180,19 +165,19 @@ class Dispatcher:
                 )
         committing = [f for lane in stream.lanes.values() for f in lane.committing.values()]
         if committing:  # let running commits finish (and ack) before forgetting the stream
-            self._spawn(self._forget_after(sid, committing))
+            self._spawn(self._forget_after(stream, committing))
         else:
-            self._forget(sid)
+            self._forget(stream)
 
-    async def _forget_after(self, sid: str, committing: list[asyncio.Future[None]]) -> None:
+    async def _forget_after(self, stream: Stream, committing: list[asyncio.Future[None]]) -> None:
         await asyncio.gather(*(asyncio.shield(f) for f in committing), return_exceptions=True)
-        self._forget(sid)
+        self._forget(stream)
 
-    def _forget(self, sid: str) -> None:
+    def _forget(self, stream: Stream) -> None:
         # Batches still waiting for a predecessor the client gave up on are dropped unanswered:
         # the client that closed the stream no longer waits for them.
-        self._streams.pop(sid, None)
-        self.stats.streams = len(self._streams)
+        self.streams.forget(stream)
+        self.stats.streams = len(self.streams)
 
     async def settled(self) -> None:
         """Wait until no batch this node accepted is running or committing: every one is
@@ -201,7 +186,7 @@ class Dispatcher:
         while True:
             busy: list[asyncio.Future[Any]] = [
                 f
-                for stream in self._streams.values()
+                for stream in self.streams
                 for lane in stream.lanes.values()
                 for f in (lane.task, *lane.committing.values())
                 if f is not None and not f.done()
@@ -217,24 +202,31 @@ class Dispatcher:
 
     # -- batches --------------------------------------------------------------------------
 
-    def submit(self, peer: Peer, frame: Frame) -> None:
-        """Take a batch frame (synchronous); its ack or error is sent to ``peer`` later."""
+    def submit(self, peer: Peer, frame: Frame, owner: str | None) -> None:
+        """Take a batch frame (synchronous); its ack or error is sent to ``peer`` later.
+        ``owner`` is who ``peer`` opened the frame's stream as (None: it did not open it)."""
         sid, p, seq = frame["sid"], frame["p"], frame["seq"]
         self.stats.batches_received += 1
-        stream = self._streams.get(sid)
-        if stream is None:
-            return self._reply_error(
-                peer,
-                UnknownStreamError(
-                    f"stream {sid} is not open on this node; send 'open' first", node=self.node_id
-                ),
-                frame,
-            )
+        stream = self.streams.get(sid, owner)
+        if stream is None:  # the id comes back in the answer: no longer than a valid one
+            return self._reply_error(peer, self.not_open(sid), {**frame, "sid": sid[:160]})
         if not 0 <= p < self._partitions or seq < 0:
             return self._reply_error(
                 peer,
                 BadFrameError(
                     f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
+                    node=self.node_id,
+                ),
+                frame,
+            )
+        base = frame.get("base", 0)
+        if not in_window(seq, base):
+            return self._reply_error(
+                peer,
+                BadFrameError(
+                    f"batch {seq} of stream {sid!r} partition {p} has base {base}: a node takes "
+                    f"a batch only when 0 <= base <= seq < base + {LANE_WINDOW} (the lane's "
+                    "window)",
                     node=self.node_id,
                 ),
                 frame,
@@ -250,7 +242,6 @@ class Dispatcher:
                 frame,
             )
         lane = stream.lanes.setdefault(p, Lane())
-        base = frame.get("base", 0)
         lane.reopen_past(base)
         refusal = lane.refusal(seq, self.node_id, p)
         if refusal is not None:
@@ -260,19 +251,8 @@ class Dispatcher:
             self.stats.duplicates += 1
             self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
-        if lane.is_full_for(seq):
-            # A lane that ``base`` moved onto a waiting batch runs even if this one is refused.
-            if lane.task is None and lane.next_seq in lane.pending:
-                lane.task = self._spawn(self._run_lane(stream, p, lane))
-            return self._reply_error(
-                peer,
-                OverloadedError(
-                    f"more than {MAX_LANE_PENDING} batches of partition {p} waiting; lower "
-                    "per_partition_in_flight",
-                    node=self.node_id,
-                ),
-                frame,
-            )
+        # The window bounds what waits: every batch here is below base + LANE_WINDOW, and
+        # base is at most next_seq now.
         lane.pending[seq] = (peer, frame)  # a resend of a waiting batch replaces its peer
         if lane.task is None:
             lane.task = self._spawn(self._run_lane(stream, p, lane))
@@ -311,7 +291,7 @@ class Dispatcher:
         self, stream: Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: Lane
     ) -> ReceiverContext:
         try:
-            items, deletes = batch_items(frame)
+            items, deletes = await batch_items(frame)
         except ProtocolError as exc:
             raise BadFrameError(str(exc), node=self.node_id) from exc
         first = max(1, frame.get("att", 1))
@@ -360,6 +340,7 @@ class Dispatcher:
 
         ctx = ReceiverContext(
             stream_id=stream.sid,
+            stream_owner=stream.owner,
             partition=p,
             seq=seq,
             node_id=self.node_id,

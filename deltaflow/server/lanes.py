@@ -4,30 +4,33 @@ A lane applies its batches strictly in sequence order: ``next_seq`` is the batch
 ``pending`` holds batches that arrived early, ``committing`` those applied and not yet durable,
 ``staged`` their table writes, ``results`` what recent batches produced (replayed to a
 resend). A batch that fails for good fails the lane at ``failed_at``: from there on batches are
-refused until the client's ``base`` passes it. The dispatcher runs the lanes; everything here
-is synchronous.
+refused until the client's ``base`` passes it. A lane takes only batches inside its window
+(:func:`in_window`), so no more than ``LANE_WINDOW`` wait. The dispatcher runs the lanes;
+everything here is synchronous.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from ..errors import LaneFailedError, ServerError
-from ..protocol import Frame
-from ..receivers.base import Receiver
+from ..protocol import LANE_WINDOW, Frame
 
-__all__ = ["MAX_LANE_PENDING", "RESULT_REPLAY_BATCHES", "Lane", "Peer", "Stream"]
-
-#: Most batches waiting in a lane for their predecessors; more are answered ``OVERLOADED``.
-MAX_LANE_PENDING: Final = 64
+__all__ = ["LANE_WINDOW", "RESULT_REPLAY_BATCHES", "Lane", "Peer", "in_window"]
 #: Most batches per lane whose results are kept for replay to a resend. Results are dropped as
-#: soon as the client's ``base`` passes their batch, so this bound only matters for a client
-#: that falls this far behind (a batch then resent gets its ack without its results).
+#: soon as the client's ``base`` passes their batch, which the window keeps within
+#: ``LANE_WINDOW`` of the latest: a second bound, for memory's sake.
 RESULT_REPLAY_BATCHES: Final = 1024
+
+
+def in_window(seq: int, base: int) -> bool:
+    """Whether a lane takes batch ``seq`` sent with ``base``: ``base`` is the client's lowest
+    batch of the lane not yet settled, so at most ``seq``, and the deltaflow client sends no
+    batch ``LANE_WINDOW`` or more past it. A batch outside moves nothing."""
+    return 0 <= base <= seq < base + LANE_WINDOW
 
 
 class Peer(Protocol):
@@ -83,15 +86,6 @@ class Lane:
         """Batch ``seq`` was applied already, or is being committed."""
         return seq < self.next_seq or seq in self.committing
 
-    def is_full_for(self, seq: int) -> bool:
-        """Batch ``seq`` finds no room. The bound never refuses the batch the waiting ones need
-        (the lane could not move), nor a resend of one already waiting."""
-        return (
-            seq not in self.pending
-            and seq != self.next_seq
-            and len(self.pending) >= MAX_LANE_PENDING
-        )
-
     def keep_results(self, seq: int, produced: list[Any], failed: dict[int, str]) -> None:
         """Keep what batch ``seq`` produces (filled in as it runs) for a resend of it."""
         self.results[seq] = (produced, failed)
@@ -129,13 +123,3 @@ class Lane:
             "order",
             node=node,
         )
-
-
-@dataclass(slots=True)
-class Stream:
-    sid: str
-    receiver_name: str
-    receiver: Receiver
-    args: Any
-    limit: asyncio.Semaphore | contextlib.nullcontext[None]
-    lanes: dict[int, Lane] = field(default_factory=dict)

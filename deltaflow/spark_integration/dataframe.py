@@ -5,9 +5,11 @@ travels back to the driver.
 
 The stream id of Spark partition ``i`` is ``"<base id>:<i>"``, and batches are cut by count and
 bytes only (``auto_flush_interval=0``): a partition that Spark runs again is cut into the same
-batches under the same stream id, so the nodes' lane marks (``tables/marks.py``) skip the
-writes that already landed. :mod:`.streaming` builds Structured Streaming's exactly-once
-micro-batches on the same machinery. See ``docs/spark.md``.
+batches under the same stream id and key, so the nodes' lane marks (``tables/marks.py``) skip
+the writes that already landed. The key of each partition's stream is derived from one secret
+the driver ships to the executors in the task's closure: random with a random base id, else
+the caller's ``stream_key`` (or, without one, the token). :mod:`.streaming` builds Structured
+Streaming's exactly-once micro-batches on the same machinery. See ``docs/spark.md``.
 
 Importing this module does not import PySpark.
 """
@@ -18,13 +20,16 @@ import dataclasses
 import itertools
 import logging
 import re
+import secrets
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 from ..client.options import StreamerOptions
+from ..client.stream_keys import STREAM_KEY_BYTES
+from ..client.stream_keys import stream_key as make_stream_key
 from ..client.stream_types import KeyFn
 from ..client.sync import stream_data
 from ..errors import DataStreamerError, DeltaflowError, UsageError
@@ -148,6 +153,7 @@ def stream_dataframe(
     token: str | None = None,
     tls: ClientTls | None = None,
     stream_id: str | None = None,
+    stream_key: str | bytes | None = None,
 ) -> DataFrameSummary:
     """Stream the rows of ``df`` through deltaflow from the executors and return the totals.
 
@@ -181,6 +187,10 @@ def stream_dataframe(
             a random one. Streaming the same DataFrame again under the same id writes only what
             the first run did not (same rows, same partitioning, same options). Never reuse an
             id for other data: rows whose lane marks a table already holds are skipped.
+        stream_key: with ``stream_id``, the secret that makes the streams the caller's (see
+            :meth:`deltaflow.Client.stream_data`); a rerun needs the same. Default None: derived
+            from ``token``. Each partition's stream gets a key of its own derived from it.
+            Without ``stream_id``, the driver makes a random one.
 
     Returns:
         A :class:`DataFrameSummary` once every partition's stream has ended.
@@ -199,16 +209,21 @@ def stream_dataframe(
     check_target(table=table, key=key, receiver=receiver)
     check_tls(tls)
     if stream_id is None:
-        stream_id = uuid.uuid4().hex
+        make_stream_key(None, stream_key, token=token)  # refuses a key without an id
+        # Shipped in the closure, so a retried task opens its stream with the same key.
+        stream_id, stream_key = uuid.uuid4().hex, secrets.token_bytes(STREAM_KEY_BYTES)
     elif not isinstance(stream_id, str) or not _STREAM_ID.fullmatch(stream_id):
         raise UsageError(
             f"stream_id={stream_id!r} is not allowed; use 1 to 100 characters of "
             "A-Z a-z 0-9 . _ - (':<partition index>' is appended per Spark partition)"
         )
+    else:
+        make_stream_key(stream_id, stream_key, token=token)  # a bad key fails here, once
     return stream_partitions(
         df,
         PartitionStreamer(
             base_id=stream_id,
+            stream_key=stream_key,
             nodes=node_list(nodes),
             token=token,
             tls=tls,
@@ -292,6 +307,8 @@ class PartitionStreamer:
     """What runs on the executors, once per Spark partition (pickled with its settings)."""
 
     base_id: str
+    #: What each partition's stream key is derived from (None: the token).
+    stream_key: str | bytes | None = field(default=None, repr=False)
     nodes: tuple[str, ...]
     token: str | None
     tls: ClientTls | None
@@ -331,6 +348,7 @@ class PartitionStreamer:
                 on_ack=count_applied,
                 options=self.options,
                 stream_id=sid,
+                stream_key=self.stream_key,
             )
         except DataStreamerError as exc:
             if exc.cause is not None and not isinstance(exc.cause, DeltaflowError):

@@ -8,7 +8,8 @@ skipped where it already landed if it is streamed under the *same stream ids* an
 *same batches*. This module makes both deterministic: the stream id of Spark partition ``i`` of
 micro-batch ``b`` is ``"<query_name>:<b>:<i>"``, and batches are cut by count and bytes only
 (``auto_flush_interval=0``). What is left to the query is to give the same rows in the same
-partition order when Spark replays a batch, which Spark's file and rate sources do. See
+partition order when Spark replays a batch, which Spark's file and rate sources do. The streams'
+keys are derived from the caller's ``stream_key`` (or the token), the same after a restart. See
 ``docs/spark.md``.
 
 Importing this module does not import PySpark.
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from ..client.options import StreamerOptions
+from ..client.stream_keys import stream_key as make_stream_key
 from ..client.stream_types import KeyFn
 from ..errors import UsageError
 from ..security import ClientTls
@@ -98,6 +100,7 @@ def foreach_batch(
     options: StreamerOptions | None = None,
     token: str | None = None,
     tls: ClientTls | None = None,
+    stream_key: str | bytes | None = None,
 ) -> ForeachBatchWriter:
     """A ``foreachBatch`` function that writes each micro-batch through deltaflow, exactly once.
 
@@ -127,6 +130,10 @@ def foreach_batch(
             again): give it a new name, e.g. ``"clicks-v2"``.
         table, key, receiver, receiver_args, options, token, tls: as for
             :func:`stream_dataframe`.
+        stream_key: the secret the query's streams are opened with, the same across restarts
+            (see :meth:`deltaflow.Client.stream_data`). Default None: derived from ``token``,
+            which keeps strangers from replaying or skipping the query's batches, but not other
+            clients holding the token.
 
     Returns:
         A :class:`ForeachBatchWriter`, a callable ``(df, batch_id) -> None``. A micro-batch
@@ -140,8 +147,10 @@ def foreach_batch(
         )
     check_target(table=table, key=key, receiver=receiver)
     check_tls(tls)
+    make_stream_key(query_name, stream_key, token=token)  # a bad key fails here, once
     streamer = PartitionStreamer(
         base_id=query_name,
+        stream_key=stream_key,
         nodes=node_list(nodes),
         token=token,
         tls=tls,
