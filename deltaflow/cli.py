@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any
 
-from .cli_cluster import add_cluster_commands, token_of
+from .cli_cluster import add_cluster_commands, peer_token_of, token_of
 from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
 from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
 from .errors import UsageError
@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         receivers=args.receiver or [],
         receiver_concurrency=dict(args.receiver_concurrency or []),
         token=token_of(args),
+        peer_token=peer_token_of(args),
         tls=tls,
         insecure=args.insecure,
         partitions=args.partitions,
@@ -226,7 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=N",
         help="at most N receive() calls of receiver NAME at once on this node (repeatable)",
     )
-    serve.add_argument("--token-file", help="file holding the shared cluster token")
+    serve.add_argument("--token-file", help="file holding the client token (clients present it)")
+    serve.add_argument(
+        "--peer-token-file",
+        help="file holding the peer token: nodes and operators prove it to change membership "
+        "or drain; clients never hold it",
+    )
     serve.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
     serve.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
     serve.add_argument("--tls-ca", help="the CA peers' (and clients') certificates must chain to")
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--insecure",
         action="store_true",
-        help="UNSAFE: listen beyond loopback with neither a token nor mutual TLS",
+        help="UNSAFE: listen beyond loopback without a credential, TLS or a peer credential",
     )
     serve.add_argument("--partitions", type=int, default=_node_default("partitions"))
     serve.add_argument(

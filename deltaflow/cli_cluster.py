@@ -1,25 +1,41 @@
 """The ``deltaflow`` subcommands that talk to running nodes: ``cluster status`` and ``node
 drain``, with the client's credentials (``--token-file``, ``--tls-ca``, ``--tls-cert``,
-``--tls-key``)."""
+``--tls-key``) and, to drain, the operator's (``--peer-token-file``, or a certificate with the
+peer role)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import socket
+import ssl
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import ConnectionLostError, NodeUnavailableError
-from .security import ClientTls
+from .security import ClientTls, read_secret
 
-__all__ = ["add_cluster_commands", "token_of"]
+if TYPE_CHECKING:
+    from .server.peers import PeerClient
+
+__all__ = ["add_cluster_commands", "peer_token_of", "token_of"]
 
 
 def token_of(args: argparse.Namespace) -> str | None:
-    """The token in ``--token-file``, stripped of surrounding whitespace (None: no file)."""
-    return Path(args.token_file).read_text().strip() if args.token_file else None
+    """The token in ``--token-file``, stripped of surrounding whitespace (None: no file).
+
+    Raises:
+        UsageError: the file cannot be read or is empty.
+    """
+    return read_secret(args.token_file, "--token-file") if args.token_file else None
+
+
+def peer_token_of(args: argparse.Namespace) -> str | None:
+    """The peer token in ``--peer-token-file`` (None: no file), checked like the token."""
+    path = args.peer_token_file
+    return read_secret(path, "--peer-token-file") if path else None
 
 
 def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,19 +66,68 @@ def _client_tls(args: argparse.Namespace) -> ClientTls | None:
 
 
 def _add_client_credentials(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token-file", help="file holding the shared cluster token")
+    parser.add_argument("--token-file", help="file holding the client token")
+    parser.add_argument(
+        "--peer-token-file",
+        help="file holding the peer token (operators: needed to drain a node that has one)",
+    )
     parser.add_argument("--tls-ca", help="reach the node over TLS, trusting this CA (PEM)")
     parser.add_argument("--tls-cert", help="this client's certificate, for mutual TLS (PEM)")
     parser.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
 
 
-def _cluster_status(args: argparse.Namespace) -> int:
+async def read_cluster(
+    address: str, token: str | None, peer_token: str | None, tls: ssl.SSLContext | None
+) -> dict[str, Any]:
+    """The node's view of its cluster: with the client token (or none) as a client reads it;
+    with only the peer token through a proven peer call, so that token is never sent.
+
+    Raises:
+        NodeUnavailableError, ConnectionLostError, AuthenticationError, TlsError: as
+            :func:`deltaflow.client.router.fetch_cluster` says.
+    """
+    from .client.connection import explain_dropped, map_transport_errors
     from .client.router import fetch_cluster
+    from .errors import AuthenticationError, TransportError
+
+    if token is not None or peer_token is None:
+        return await fetch_cluster(address, token, 5.0, tls)
+    try:
+        with map_transport_errors(address, tls):
+            async with _operator(peer_token, tls) as operator:
+                reply = await operator.call(address, "status")
+    except TransportError as exc:
+        await explain_dropped(address, exc, tls)
+        raise
+    except (ValueError, TypeError) as exc:
+        raise NodeUnavailableError(f"node at {address} gave no usable answer: {exc}") from exc
+    if reply.status in (401, 403) or (reply.status == 200 and not reply.proven):
+        why = reply.body.get("error") or "it did not prove it holds the peer token"
+        raise AuthenticationError(f"node at {address} and this operator disagree: {why}")
+    if reply.status != 200:
+        raise NodeUnavailableError(f"node at {address} answered {reply.status} for its map")
+    return reply.body
+
+
+def _operator(peer_token: str | None, tls: ssl.SSLContext | None) -> PeerClient:
+    """This command as a peer call's caller: an operator proving the peer token."""
+    from .server.peers import PeerClient
+
+    return PeerClient(
+        node_id="operator",
+        address=f"{socket.gethostname()}:0",
+        secret=peer_token,
+        tls=tls,
+        timeout=5.0,
+    )
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
     from .security import client_context
 
     tls = client_context(_client_tls(args))
     try:
-        body = asyncio.run(fetch_cluster(args.node, token_of(args), 5.0, tls))
+        body = asyncio.run(read_cluster(args.node, token_of(args), peer_token_of(args), tls))
     except (NodeUnavailableError, ConnectionLostError) as exc:
         print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
         return 2
@@ -98,26 +163,27 @@ def _cluster_status(args: argparse.Namespace) -> int:
 def _node_drain(args: argparse.Namespace) -> int:
     import aiohttp
 
-    from .client.router import fetch_cluster
     from .security import client_context, url
 
     tls = client_context(_client_tls(args))
     token = token_of(args)
+    peer_token = peer_token_of(args)
 
     async def run() -> int:
-        # Through fetch_cluster first: it checks the token and TLS without leaking the token.
-        body = await fetch_cluster(args.node, token, 5.0, tls)
+        # Checks the credentials and TLS first, sending no secret to an unproven node.
+        body = await read_cluster(args.node, token, peer_token, tls)
         others = [m["address"] for m in body["members"] if m["live"] and not m.get("self")]
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         ssl_option = tls if tls is not None else True
         started = time.monotonic()
+        # The drain is a peer call: it proves the peer token (on a loopback cluster with one
+        # token, the client token) without sending it.
+        async with _operator(peer_token or token, tls) as operator:
+            reply = await operator.call(args.node, "drain")
+        if reply.status != 202:
+            why = reply.body.get("error") or f"status {reply.status}"
+            print(f"node {args.node} refused the drain: {why}", file=sys.stderr)
+            return 2
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http:
-            async with http.post(
-                url(args.node, "/v1/drain", tls), headers=headers, ssl=ssl_option
-            ) as resp:
-                if resp.status != 202:
-                    print(f"node {args.node} answered {resp.status}", file=sys.stderr)
-                    return 2
             print(f"node {body['node']} at {args.node} is draining", flush=True)
             while time.monotonic() - started < args.timeout:
                 try:
@@ -132,7 +198,7 @@ def _node_drain(args: argparse.Namespace) -> int:
         print(f"node {body['node']} stopped {time.monotonic() - started:.1f}s later")
         for other in others:
             with contextlib.suppress(NodeUnavailableError, ConnectionLostError):
-                owners = (await fetch_cluster(other, token, 5.0, tls))["map"]["owners"]
+                owners = (await read_cluster(other, token, peer_token, tls))["map"]["owners"]
                 counts = {n: owners.count(n) for n in sorted(set(owners))}
                 print("partitions now: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
                 break

@@ -14,23 +14,42 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
+import secrets
 import ssl
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, Final, TypeAlias
 
 from .errors import TlsError, UsageError
 
 __all__ = [
+    "CHALLENGE_SECONDS",
+    "NODE_ID",
+    "PEER_ROLE_URI",
+    "Challenges",
     "ClientTls",
     "NodeTls",
     "TlsOption",
+    "answer_proof",
+    "call_proof",
     "client_context",
     "diagnose",
+    "has_peer_role",
     "is_loopback",
-    "peer_proof",
+    "read_secret",
     "tls_failure",
     "url",
 ]
+
+#: What a node id may look like: it names the node in maps, logs and peer proofs.
+NODE_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+#: The URI subject alternative name that makes a certificate a peer's (a node's or an
+#: operator's) rather than a client's, under mutual TLS without a peer token.
+PEER_ROLE_URI: Final = "urn:deltaflow:peer"
+#: Seconds a challenge a node issued stays valid (it is used once).
+CHALLENGE_SECONDS: Final = 10.0
 
 
 def _readable(path: str, what: str) -> str:
@@ -138,11 +157,84 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve to anything
 
 
-def peer_proof(token: str, nonce: str, node_id: str) -> str:
-    """What a node answers a peer's poll with to prove it holds the cluster token without
-    sending it: an HMAC of the poll's random nonce and its own node id."""
-    message = f"deltaflow-peer\0{nonce}\0{node_id}".encode()
-    return hmac.new(token.encode(), message, hashlib.sha256).hexdigest()
+def read_secret(path: str | os.PathLike[str], what: str) -> str:
+    """The secret in the file at ``path``, without surrounding whitespace.
+
+    Raises:
+        UsageError: the file cannot be read, or holds nothing (an empty secret would let
+            anyone in who sends an empty one).
+    """
+    try:
+        secret = open(path, encoding="utf-8").read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{what} {os.fspath(path)!r} cannot be read: {exc}") from exc
+    if not secret:
+        raise UsageError(f"{what} {os.fspath(path)!r} is empty; put the secret in it")
+    return secret
+
+
+def _mac(secret: str, *parts: str) -> str:
+    message = "\0".join(parts).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def call_proof(secret: str, op: str, challenge: str, nonce: str, node_id: str, address: str) -> str:
+    """What a peer sends to prove it holds the peer secret, without sending it: an HMAC of the
+    operation, the challenge the called node issued (used once), the caller's nonce and the
+    caller's name and address. Nothing in it is of use at another node or a second time."""
+    return _mac(secret, "deltaflow-peer-call", op, challenge, nonce, node_id, address)
+
+
+def answer_proof(secret: str, nonce: str, node_id: str) -> str:
+    """What a called node answers with to prove it holds the peer secret: an HMAC of the
+    caller's random nonce and its own node id."""
+    return _mac(secret, "deltaflow-peer-answer", nonce, node_id)
+
+
+def has_peer_role(certificate: Mapping[str, Any] | None) -> bool:
+    """Whether a verified certificate (as ``ssl.SSLSocket.getpeercert()`` gives it) names
+    :data:`PEER_ROLE_URI`: its holder is a peer or an operator, not only a client."""
+    names = (certificate or {}).get("subjectAltName", ())
+    return any(kind == "URI" and value == PEER_ROLE_URI for kind, value in names)
+
+
+class Challenges:
+    """Challenges a node issues to callers of its peer endpoints, checked without state.
+
+    A challenge is its issue time, a random part and an HMAC of both under a key only this
+    process knows, so issuing one to a stranger costs nothing kept. Only a challenge that a
+    valid proof used is remembered (until it expires), so it cannot be used twice.
+    """
+
+    def __init__(self, lifetime: float = CHALLENGE_SECONDS) -> None:
+        self._key = secrets.token_bytes(32)
+        self._lifetime = lifetime
+        self._used: dict[str, float] = {}
+
+    def issue(self) -> str:
+        stamp = f"{time.monotonic_ns() // 1_000_000}.{secrets.token_hex(8)}"
+        return f"{stamp}.{self._sign(stamp)}"
+
+    def fresh(self, challenge: str) -> bool:
+        """Whether ``challenge`` was issued here, has not expired and was not used."""
+        stamp, _, mac = challenge.rpartition(".")
+        issued, _, _ = stamp.partition(".")
+        if not (issued.isdigit() and len(challenge) <= 96):
+            return False
+        if not hmac.compare_digest(mac, self._sign(stamp)):
+            return False
+        age = time.monotonic() - int(issued) / 1000
+        return 0 <= age <= self._lifetime and challenge not in self._used
+
+    def use(self, challenge: str) -> None:
+        """Remember ``challenge`` as used (after a valid proof), forgetting expired ones."""
+        now = time.monotonic()
+        for old in [c for c, at in self._used.items() if now - at > self._lifetime]:
+            del self._used[old]
+        self._used[challenge] = now
+
+    def _sign(self, stamp: str) -> str:
+        return hmac.new(self._key, stamp.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def tls_failure(address: str, exc: BaseException, tls: ssl.SSLContext | None) -> TlsError | None:

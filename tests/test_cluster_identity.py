@@ -371,7 +371,7 @@ class Listener:
 
     async def __aenter__(self) -> Listener:
         app = web.Application()
-        app.router.add_get("/v1/cluster", self._cluster)
+        app.router.add_post("/v1/peer/poll", self._cluster)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()

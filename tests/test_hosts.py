@@ -58,7 +58,7 @@ async def test_nodes_on_separate_hosts_stream_fail_over_and_land_every_row(
              "--tls-ca", ca.cert, "--tls-client-auth"]  # fmt: skip
     nodes = []
     for i, host in enumerate(hosts.hosts):
-        cert = ca.issue(f"node-{i + 1}", hosts=[host.address])
+        cert = ca.issue(f"node-{i + 1}", hosts=[host.address], peer=True)
         scratch = tmp_path / f"host-{i + 1}"  # nothing on disk in common
         scratch.mkdir()
         nodes.append(

@@ -6,19 +6,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import web
 
 import deltaflow
 from deltaflow.errors import TlsError, UsageError
 from deltaflow.security import ClientTls, NodeTls
 from deltaflow.server import Node, NodeConfig
-from deltaflow.testing import free_port
 from deltaflow.testing.certificates import CertificateAuthority
 
 from .support import StartCluster, read_delta
@@ -32,7 +28,7 @@ def ca(tmp_path: Path) -> CertificateAuthority:
 
 
 def node_tls(ca: CertificateAuthority, name: str, *, client_auth: bool = False) -> NodeTls:
-    issued = ca.issue(name, hosts=["127.0.0.1", "localhost"])
+    issued = ca.issue(name, hosts=["127.0.0.1", "localhost"], peer=True)
     return NodeTls(issued.cert, issued.key, ca.cert, client_auth)
 
 
@@ -180,7 +176,7 @@ def test_a_node_reachable_beyond_loopback_needs_a_credential(
     assert "listens on '0.0.0.0' with neither a token nor mutual TLS" in str(refused.value)
     assert "--token-file" in str(refused.value) and "--insecure" in str(refused.value)
     # Each of these is enough; loopback needs none.
-    NodeConfig(**base, token=TOKEN)
+    NodeConfig(**base, token=TOKEN, peer_token="peers", tls=node_tls(ca, "node"))
     NodeConfig(**base, tls=node_tls(ca, "node", client_auth=True))
     NodeConfig(**base, insecure=True)
     NodeConfig(node_id="n1", warehouse=tmp_path)
@@ -194,95 +190,6 @@ def test_a_node_reachable_beyond_loopback_needs_a_credential(
     )  # fmt: skip
     assert served.returncode == 2
     assert "with neither a token nor mutual TLS" in served.stderr
-
-
-class FakePeer:
-    """An HTTP server on 127.0.0.1 posing as a deltaflow node: it answers ``/v1/cluster`` with
-    another node's identity (which anyone who can poll that node can read) and counts the
-    polls it gets."""
-
-    def __init__(self, identity: dict[str, Any]) -> None:
-        self.identity = identity
-        self.polls = 0
-        self.runner: web.AppRunner | None = None
-        self.address = ""
-
-    async def _answer(self, request: web.Request) -> web.Response:
-        self.polls += 1
-        return web.json_response(
-            {"node": "intruder", "address": self.address, "identity": self.identity,
-             "serving": True, "refused": None, "map": None, "members": []}
-        )  # fmt: skip
-
-    async def __aenter__(self) -> FakePeer:
-        app = web.Application()
-        app.router.add_get("/v1/cluster", self._answer)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        port = free_port()
-        await web.TCPSite(self.runner, "127.0.0.1", port).start()
-        self.address = f"127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.runner is not None
-        await self.runner.cleanup()
-
-
-@pytest.fixture
-async def guarded(warehouse: Path) -> AsyncIterator[Node]:
-    node = await one_node(warehouse, token=TOKEN, heartbeat_interval=0.1, failure_timeout=2.0)
-    yield node
-    await node.stop()
-
-
-async def members_of(node: Node) -> dict[str, dict[str, Any]]:
-    """The node's members by address, as ``/v1/cluster`` tells them to a holder of the token."""
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(
-            f"http://{node.address}/v1/cluster", headers={"Authorization": f"Bearer {TOKEN}"}
-        ) as resp,
-    ):
-        return {m["address"]: m for m in (await resp.json())["members"]}
-
-
-async def test_a_poll_without_the_token_enrols_no_one(guarded: Node) -> None:
-    """Without a token, a poll naming a peer made the node poll it and, given a copied
-    identity, admit it: 32 of 64 partitions went to an HTTP client. Now it is refused first."""
-    assert guarded.identity is not None
-    async with FakePeer(guarded.identity.to_wire()) as fake, aiohttp.ClientSession() as http:
-        for token in (None, "a-wrong-token"):
-            headers = {"X-Deltaflow-Peer": f"intruder@{fake.address}"}
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
-            async with http.get(f"http://{guarded.address}/v1/cluster", headers=headers) as resp:
-                assert resp.status == 401
-        # Refused before the node looked at who it was: it never learnt the address.
-        assert fake.address not in await members_of(guarded)
-        assert fake.polls == 0
-    assert set(guarded.partition_map.owners) == {"n1"}
-
-
-async def test_a_peer_that_cannot_prove_the_token_is_refused(warehouse: Path) -> None:
-    """An address in --peers answered by something that copied the cluster's identity but does
-    not hold the token (a typo'd address, a hijacked host) takes no partition."""
-    probe = await one_node(warehouse / "probe")
-    assert probe.identity is not None
-    identity = probe.identity.to_wire()
-    await probe.stop()
-    async with FakePeer(identity) as fake:
-        node = await one_node(
-            warehouse / "probe", token=TOKEN, peers=[fake.address], heartbeat_interval=0.1
-        )
-        try:
-            assert fake.polls > 0
-            members = await members_of(node)
-            assert members[fake.address]["state"] == "refused"
-            assert "did not prove it holds the cluster token" in members[fake.address]["refused"]
-            assert set(node.partition_map.owners) == {"n1"}
-        finally:
-            await node.stop()
 
 
 async def test_a_tls_client_to_a_plain_node_is_told_so(

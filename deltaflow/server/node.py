@@ -21,15 +21,15 @@ from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
 from ..receivers.table import TableUpsert
-from ..security import peer_proof
 from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
-from .connection import ClientConnection, token_matches
+from .connection import ClientConnection, token_matches, unauthenticated
 from .dispatcher import Dispatcher
 from .identity import NodeIdentity, load_identity
 from .metrics import NodeCollector
 from .node_config import DEFAULT_PORT, NodeConfig
+from .peer_gate import PeerGate
 from .side_inputs import (
     SideInputStore,
     load_side_inputs,
@@ -108,6 +108,11 @@ class Node:
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()
         self._websockets: set[web.WebSocketResponse] = set()
+        self._peer_gate = PeerGate(
+            node_id=config.node_id,
+            secret=config.peer_secret,
+            certificates=config.peer_certificates,
+        )
         self.dispatcher = Dispatcher(
             node_id=config.node_id,
             registry=self.registry,
@@ -153,7 +158,12 @@ class Node:
         return self._membership is not None and self._membership.owns(partition)
 
     def check_token(self, given: str | None) -> bool:
-        return token_matches(self.config.token, given)
+        """Whether ``given`` may stream and read the map: the client token (or the peer
+        token, which operators hold)."""
+        peer = self.config.peer_token
+        return token_matches(self.config.token, given) or (
+            peer is not None and token_matches(peer, given)
+        )
 
     def statistics(self) -> NodeStatistics:
         pmap = self.partition_map
@@ -199,10 +209,19 @@ class Node:
                 await self.side_inputs.stop()
             await self.engine.stop()
             raise
-        app = web.Application()
+        if self.config.token and self.config.peer_secret == self.config.token:
+            log.warning(
+                "node %s: clients and peers share the token, so a client could act as a peer; "
+                "give nodes a --peer-token-file of their own",
+                self.node_id,
+            )
+        # No endpoint reads a body beyond a few KiB (peer calls read theirs within a bound).
+        app = web.Application(client_max_size=64 * 1024)
         app.router.add_get(WS_PATH, self._ws_handler)
         app.router.add_get("/v1/cluster", self._cluster_handler)
-        app.router.add_post("/v1/leave", self._leave_handler)
+        app.router.add_post("/v1/peer/poll", self._peer_poll_handler)
+        app.router.add_post("/v1/peer/leave", self._leave_handler)
+        app.router.add_post("/v1/peer/status", self._peer_status_handler)
         app.router.add_post("/v1/drain", self._drain_handler)
         app.router.add_get("/healthz", self._health_handler)
         app.router.add_get("/metrics", self._metrics_handler)
@@ -225,7 +244,8 @@ class Node:
             heartbeat_interval=self.config.heartbeat_interval,
             failure_timeout=self.config.failure_timeout,
             peer_expiry=self.config.peer_expiry,
-            token=self.config.token,
+            secret=self.config.peer_secret,
+            certificates=self.config.peer_certificates,
             tls=peer_tls,
         )
         await self._membership.start()
@@ -313,52 +333,64 @@ class Node:
         return self.check_token(given)
 
     async def _cluster_handler(self, request: web.Request) -> web.Response:
+        """The map and the members, for clients (``GET /v1/cluster``)."""
         if not self._authorised(request):
             return web.json_response({"error": "wrong or missing token"}, status=401)
+        return web.json_response(self._cluster_body())
+
+    async def _peer_poll_handler(self, request: web.Request) -> web.Response:
+        """A peer's liveness poll: it proved itself; it learns this node's view."""
+        caller = await self._peer_gate.admit(request, "poll")
+        if self._membership is not None:
+            self._membership.observe(caller.node_id, caller.address)
+        return self._peer_gate.answer(caller, self._cluster_body())
+
+    async def _peer_status_handler(self, request: web.Request) -> web.Response:
+        """What ``GET /v1/cluster`` answers, for an operator proving the peer token (who then
+        never sends it); enrols no one."""
+        caller = await self._peer_gate.admit(request, "status")
+        return self._peer_gate.answer(caller, self._cluster_body())
+
+    def _cluster_body(self) -> dict[str, object]:
         membership = self._membership
-        peer = request.headers.get("X-Deltaflow-Peer")
-        if peer and membership is not None:
-            peer_id, _, peer_address = peer.partition("@")
-            membership.observe(peer_id, peer_address)
-        # Proves to a polling peer that this node holds the token, without sending it.
-        token, nonce = self.config.token, request.headers.get("X-Deltaflow-Nonce")
-        proof = peer_proof(token, nonce, self.node_id) if token and nonce else None
-        return web.json_response(
-            {
-                "proof": proof,
-                "draining": self.state is NodeState.DRAINING,
-                "node": self.node_id,
-                "address": self.address,
-                "protocol": PROTOCOL_VERSION,
-                "partitions": self.config.partitions,
-                "identity": self.identity.to_wire() if self.identity else None,
-                "serving": membership is not None and membership.serving,
-                "refused": membership.refusal if membership else None,
-                "map": self.partition_map.to_wire(),
-                "members": membership.members() if membership else [],
-                "receivers": self.registry.names(),
-                "side_inputs": {
-                    s.name: {"version": s.version, "leader": s.leader}
-                    for s in (self.side_inputs.statistics() if self.side_inputs else ())
-                },
-            }
-        )
+        return {
+            "draining": self.state is NodeState.DRAINING,
+            "node": self.node_id,
+            "address": self.address,
+            "protocol": PROTOCOL_VERSION,
+            "partitions": self.config.partitions,
+            "identity": self.identity.to_wire() if self.identity else None,
+            "serving": membership is not None and membership.serving,
+            "refused": membership.refusal if membership else None,
+            "map": self.partition_map.to_wire(),
+            "members": membership.members() if membership else [],
+            "receivers": self.registry.names(),
+            "side_inputs": {
+                s.name: {"version": s.version, "leader": s.leader}
+                for s in (self.side_inputs.statistics() if self.side_inputs else ())
+            },
+        }
 
     async def _leave_handler(self, request: web.Request) -> web.Response:
-        """A peer drains: it asks this node to take its partitions now."""
-        if not self._authorised(request):
-            return web.json_response({"error": "wrong or missing token"}, status=401)
-        peer_id, _, address = request.headers.get("X-Deltaflow-Peer", "").partition("@")
-        taken = self._membership is not None and self._membership.departed(peer_id, address)
-        return web.json_response({"node": self.node_id, "taken": taken})
+        """A peer drains: it asks this node to take its partitions now (taken only if the
+        caller is that peer and a poll of it confirms it drains)."""
+        caller = await self._peer_gate.admit(request, "leave")
+        membership = self._membership
+        taken = membership is not None and await membership.departed(caller.node_id, caller.address)
+        return self._peer_gate.answer(caller, {"node": self.node_id, "taken": taken})
 
     async def _drain_handler(self, request: web.Request) -> web.Response:
-        """``deltaflow node drain``: hand the partitions over, finish, stop."""
-        if not self._authorised(request):
-            return web.json_response({"error": "wrong or missing token"}, status=401)
+        """``deltaflow node drain``, by an operator holding the peer credential: hand the
+        partitions over, finish, stop."""
+        caller = await self._peer_gate.admit(request, "drain")
         if self.state is NodeState.RUNNING:
+            log.warning(
+                "node %s: drain asked by %s (from %s)", self.node_id, caller, request.remote
+            )
             self._drain_task = asyncio.create_task(self.drain(), name="deltaflow-drain")
-        return web.json_response({"node": self.node_id, "state": self.state.value}, status=202)
+        response = self._peer_gate.answer(caller, {"node": self.node_id, "state": self.state.value})
+        response.set_status(202)
+        return response
 
     async def _health_handler(self, request: web.Request) -> web.Response:
         return web.json_response({"node": self.node_id, "state": self.state.value})
@@ -378,10 +410,11 @@ class Node:
         )
         await ws.prepare(request)
         conn = ClientConnection(self, ws, request.remote or "?")
+        waiting = unauthenticated(self._connections)  # counted and joined in one loop turn
         self._connections.add(conn)
         self._websockets.add(ws)
         try:
-            await conn.serve()
+            await conn.serve(unauthenticated=waiting)
         finally:
             self._connections.discard(conn)
             self._websockets.discard(ws)

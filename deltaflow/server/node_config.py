@@ -11,7 +11,7 @@ from ..engines import DEFAULT_ENGINE, check_engine
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS
 from ..protocol import DEFAULT_MAX_FRAME_BYTES
-from ..security import NodeTls, is_loopback
+from ..security import NODE_ID, NodeTls, is_loopback
 from ..spark_integration.session import SparkConfig
 from ..spark_integration.spark_engine import SPARK_WRITERS
 from ..storage.paths import StorePath
@@ -54,11 +54,15 @@ class NodeConfig:
             the built-in table receiver.
         receiver_concurrency: receiver name -> the most ``receive`` calls of it running at
             once on this node, overriding the class's ``max_concurrency``.
-        token: shared secret clients and peers must present; None disables the check.
+        token: the secret clients present (the client token); None: clients need none.
+        peer_token: the secret peers and operators prove (never send) to call the peer
+            endpoints: membership, leave, drain. Clients do not hold it. None: under mutual TLS,
+            certificates with the peer role prove it; else ``token`` serves (roles not
+            separated: only on loopback). See ``docs/security.md``, "Roles".
         tls: serve TLS, verify peers against its CA, and with ``client_auth`` require
             certificates from clients and peers (see ``docs/security.md``). Default None.
-        insecure: let a node listening beyond loopback start with neither a token nor mutual
-            TLS, so anyone who reaches it may stream to it or join the cluster. Default False.
+        insecure: let a node listening beyond loopback start without a credential, with a
+            token but no TLS, or without a peer credential of its own. Default False.
         partitions: the fixed partition count; every node of a cluster must agree. Default 64.
         max_frame_bytes: largest frame accepted. Default 16 MiB.
         heartbeat_interval: seconds between peer liveness polls. Default 0.5.
@@ -107,6 +111,7 @@ class NodeConfig:
     receivers: Sequence[str] = ()
     receiver_concurrency: Mapping[str, int] = field(default_factory=dict)
     token: str | None = field(default=None, repr=False)
+    peer_token: str | None = field(default=None, repr=False)
     tls: NodeTls | None = None
     insecure: bool = False
     partitions: int = DEFAULT_PARTITIONS
@@ -129,8 +134,14 @@ class NodeConfig:
     side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
 
     def __post_init__(self) -> None:
-        if not self.node_id or "@" in self.node_id:
-            raise UsageError(f"node_id {self.node_id!r} must be a non-empty name without '@'")
+        if not (isinstance(self.node_id, str) and NODE_ID.fullmatch(self.node_id)):
+            raise UsageError(
+                f"node_id {self.node_id!r:.80} is not allowed: use 1 to 64 characters of A-Z a-z "
+                "0-9 . _ -, starting with a letter or digit"
+            )
+        for name, secret in (("token", self.token), ("peer_token", self.peer_token)):
+            if secret is not None and not secret.strip():
+                raise UsageError(f"{name} is empty; a secret must hold something")
         if not 1 <= self.partitions <= 65536:
             raise UsageError("partitions must be between 1 and 65536")
         if self.max_frame_bytes < 64 * 1024:
@@ -140,15 +151,8 @@ class NodeConfig:
                 f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
                 "advertise='host:port' (--advertise) so clients and peers can reach it"
             )
-        if not (self.token or (self.tls and self.tls.client_auth) or self.insecure):
-            if not is_loopback(self.host):
-                raise UsageError(
-                    f"node {self.node_id} listens on {self.host!r} with neither a token nor "
-                    "mutual TLS, so anyone who reaches it could stream to it or join the "
-                    "cluster and take partitions: give it --token-file FILE (with --tls-cert "
-                    "and --tls-key, so the token never crosses the network in clear), or "
-                    "--tls-client-auth with --tls-ca; --insecure starts it open anyway"
-                )
+        if not (self.insecure or is_loopback(self.host)):
+            self._check_network_credentials()
         check_engine(self.engine)
         if self.spark_writer not in SPARK_WRITERS:
             raise UsageError(
@@ -168,6 +172,46 @@ class NodeConfig:
             raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
         if not self.side_input_lease >= 0.3:
             raise UsageError("side_input_lease must be at least 0.3 seconds")
+
+    @property
+    def peer_certificates(self) -> bool:
+        """Peers prove themselves by certificates with the peer role (mutual TLS, no peer
+        token)."""
+        return self.peer_token is None and self.tls is not None and self.tls.client_auth
+
+    @property
+    def peer_secret(self) -> str | None:
+        """What peers prove on peer calls: the peer token; else, unless certificates prove
+        it, the client token (a loopback cluster without a peer token); else None (open)."""
+        if self.peer_token is not None or self.peer_certificates:
+            return self.peer_token
+        return self.token
+
+    def _check_network_credentials(self) -> None:
+        """A node reachable beyond loopback: every role needs a credential, and no secret
+        crosses the network in clear."""
+        mutual = self.tls is not None and self.tls.client_auth
+        fix = "; --insecure starts it anyway"
+        if not (self.token or self.peer_token or mutual):
+            raise UsageError(
+                f"node {self.node_id} listens on {self.host!r} with neither a token nor "
+                "mutual TLS, so anyone who reaches it could stream to it or join the "
+                "cluster and take partitions: give it --token-file FILE and --peer-token-file "
+                "FILE with --tls-cert and --tls-key, or --tls-client-auth with --tls-ca" + fix
+            )
+        if (self.token or self.peer_token) and self.tls is None:
+            raise UsageError(
+                f"node {self.node_id} listens on {self.host!r} with a token but without TLS, "
+                "so the client token would cross the network in clear: add --tls-cert and "
+                "--tls-key" + fix
+            )
+        if not (self.peer_token or mutual):
+            raise UsageError(
+                f"node {self.node_id} listens on {self.host!r} with a client token only, so "
+                "any client could act as a peer (change membership, drain nodes): give it "
+                "--peer-token-file FILE, a secret only nodes and operators hold, or mutual TLS "
+                "with peer certificates" + fix
+            )
 
     def engine_settings(self) -> EngineSettings:
         """The node's table engine settings (its bucket count follows ``partitions`` unless

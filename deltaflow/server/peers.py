@@ -1,29 +1,49 @@
-"""How a node talks to its peers over HTTP: the liveness poll (``GET /v1/cluster``, with the
-token, a nonce the answer must prove, and this node's own name) and the call that says it is
-leaving (``POST /v1/leave``). What the answers mean is :mod:`.topology`'s to decide."""
+"""How a node (or an operator's command) calls a peer: ``POST /v1/peer/<op>`` with a proof of
+the peer secret that sends no secret (see :mod:`.peer_gate` for the called side).
+
+Each call answers the challenge the called node issued: an HMAC of it, the operation, a fresh
+nonce and the caller's name (:func:`deltaflow.security.call_proof`). A call without a
+challenge, or with a stale one, is answered 401 with a new challenge and made once more. Every
+answer carries the next challenge, so a steady poll is one round trip. The answer must prove
+the secret in turn (an HMAC of the nonce), or under mutual TLS without a peer token present a
+certificate with the peer role. What the answers mean is :mod:`.topology`'s to decide.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import enum
 import hmac
+import json
 import secrets
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
 from .._faults import unreachable
-from ..security import peer_proof, url
+from ..security import answer_proof, call_proof, has_peer_role, url
 from .identity import NodeIdentity
 
-__all__ = ["Answer", "PeerClient", "Silence"]
+__all__ = ["MAX_PEER_ANSWER_BYTES", "Answer", "PeerClient", "PeerReply", "Silence"]
+
+#: The largest answer a peer call reads (a map of 65,536 partitions fits many times over).
+MAX_PEER_ANSWER_BYTES: Final = 8 * 1024 * 1024
 
 
 class Silence(enum.Enum):
     NO_ANSWER = "no answer"  # a timeout, an error status, a body that is not an answer
     REFUSED = "connection refused"  # nothing listens at the address
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReply:
+    """What a called node answered, and whether it proved it is a peer."""
+
+    status: int
+    body: dict[str, Any]
+    proven: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +53,18 @@ class Answer:
     serving: bool
     refused: str | None
     map_wire: Any
-    proven: bool  # proved it holds the cluster token (or none is set)
+    proven: bool  # proved it holds the peer secret (or the peer role; or none is set)
     draining: bool
 
 
 class PeerClient:
-    """This node's calls to its peers (``https`` when ``tls`` is set).
+    """Calls to peers (``https`` when ``tls`` is set).
 
     Args:
-        node_id, address: this node, as peers are told (``X-Deltaflow-Peer``).
-        token: the cluster token, sent with every call; each answer must prove it.
+        node_id, address: the caller, as the called node is told (and logs).
+        secret: the peer secret calls prove and answers must prove; None: none is set.
+        certificates: without a secret, the called node must present a certificate with the
+            peer role (mutual TLS); False: it need not.
         tls: the SSL context peers are reached over; None: plain ``http``.
         timeout: seconds each call may take.
     """
@@ -52,15 +74,18 @@ class PeerClient:
         *,
         node_id: str,
         address: str,
-        token: str | None,
+        secret: str | None,
+        certificates: bool = False,
         tls: ssl.SSLContext | None,
         timeout: float,
     ) -> None:
         self._node_id = node_id
         self._address = address
-        self._token = token
+        self._secret = secret
+        self._certificates = certificates and secret is None
         self._tls = tls
         self._timeout = timeout
+        self._challenges: dict[str, str] = {}  # address -> the challenge its last answer gave
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -70,26 +95,82 @@ class PeerClient:
         if self._session is not None:
             await self._session.close()
 
-    async def poll(self, address: str) -> Answer | Silence:
-        """The peer's ``/v1/cluster`` answer, or why there is none."""
+    async def __aenter__(self) -> PeerClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def call(self, address: str, op: str) -> PeerReply:
+        """``POST /v1/peer/<op>`` (or ``/v1/<op>`` for ``drain``) at ``address``, proven.
+
+        Raises:
+            aiohttp.ClientError, OSError, TimeoutError, ValueError, TypeError: no usable
+                answer.
+        """
         assert self._session is not None
+        path = "/v1/drain" if op == "drain" else f"/v1/peer/{op}"
+        for attempt in range(2):
+            nonce = secrets.token_hex(16)
+            challenge = self._challenges.pop(address, "")
+            proof = (
+                call_proof(self._secret, op, challenge, nonce, self._node_id, self._address)
+                if self._secret and challenge
+                else None
+            )
+            body = {
+                "node": self._node_id,
+                "address": self._address,
+                "nonce": nonce,
+                "challenge": challenge,
+                "proof": proof,
+            }
+            async with self._session.post(
+                url(address, path, self._tls),
+                json=body,
+                ssl=self._tls if self._tls is not None else True,
+            ) as resp:
+                certificate = _peer_certificate(resp)
+                data = await resp.content.read(MAX_PEER_ANSWER_BYTES + 1)
+                status = resp.status
+            if len(data) > MAX_PEER_ANSWER_BYTES:
+                raise ValueError(f"the answer of {address} exceeds {MAX_PEER_ANSWER_BYTES} bytes")
+            answer = json.loads(data) if data else {}
+            if not isinstance(answer, dict):
+                raise TypeError(f"the answer of {address} is not a JSON object")
+            fresh = answer.get("challenge")
+            if isinstance(fresh, str) and len(fresh) <= 96:
+                self._challenges[address] = fresh
+            if status == 401 and fresh and attempt == 0 and self._secret:
+                continue  # answered with a challenge: prove it
+            return PeerReply(status, answer, self._proven(answer, nonce, certificate))
+        return PeerReply(status, answer, False)
+
+    def _proven(self, answer: dict[str, Any], nonce: str, certificate: Any) -> bool:
+        if self._secret:
+            proof, node_id = answer.get("proof"), answer.get("node")
+            return (
+                isinstance(proof, str)
+                and isinstance(node_id, str)
+                and hmac.compare_digest(proof, answer_proof(self._secret, nonce, node_id))
+            )
+        return has_peer_role(certificate) if self._certificates else True
+
+    async def poll(self, address: str) -> Answer | Silence:
+        """The peer's answer to a liveness poll, or why there is none."""
         if unreachable(address):  # a network partition, injected
             await asyncio.sleep(self._timeout / 2)
             return Silence.NO_ANSWER
-        nonce = secrets.token_hex(16)
         try:
-            async with self._session.get(
-                url(address, "/v1/cluster", self._tls),
-                headers={**self._headers(), "X-Deltaflow-Nonce": nonce},
-                ssl=self._tls if self._tls is not None else True,
-            ) as resp:
-                if resp.status != 200:
-                    return Silence.NO_ANSWER
-                body = await resp.json()
+            reply = await self.call(address, "poll")
+            if reply.status != 200:
+                return Silence.NO_ANSWER
+            body = reply.body
             node_id = str(body["node"])
         except aiohttp.ClientConnectorError as exc:
-            refused = isinstance(exc.os_error, ConnectionRefusedError)
-            return Silence.REFUSED if refused else Silence.NO_ANSWER
+            gone = isinstance(exc.os_error, ConnectionRefusedError)
+            return Silence.REFUSED if gone else Silence.NO_ANSWER
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError):
             return Silence.NO_ANSWER
         try:
@@ -97,7 +178,6 @@ class PeerClient:
         except ValueError:
             identity = None
         refused = body.get("refused")
-        proof = body.get("proof")
         return Answer(
             node_id=node_id,
             identity=identity,
@@ -105,28 +185,24 @@ class PeerClient:
             refused=refused if isinstance(refused, str) else None,
             map_wire=body.get("map"),
             draining=body.get("draining") is True,
-            proven=not self._token
-            or (
-                isinstance(proof, str)
-                and hmac.compare_digest(proof, peer_proof(self._token, nonce, node_id))
-            ),
+            proven=reply.proven,
         )
 
     async def tell_leaving(self, address: str) -> bool:
-        """Tell the peer this node drains (it takes this node's partitions at once)."""
-        assert self._session is not None
+        """Tell the peer this node drains; True if it took this node's partitions at once
+        (it checks with a poll of its own that this node says it drains)."""
         try:
-            async with self._session.post(
-                url(address, "/v1/leave", self._tls),
-                headers=self._headers(),
-                ssl=self._tls if self._tls is not None else True,
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
+            reply = await self.call(address, "leave")
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, TypeError):
             return False
+        return reply.status == 200 and reply.proven and reply.body.get("taken") is True
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"X-Deltaflow-Peer": f"{self._node_id}@{self._address}"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        return headers
+
+def _peer_certificate(resp: aiohttp.ClientResponse) -> Any:
+    """The verified certificate the called node presented (None over plain HTTP, or if it
+    cannot be told: the caller then counts the node unproven, failing closed)."""
+    # ``resp.connection`` is gone once a short answer arrived whole; the response keeps the
+    # protocol it was read from (aiohttp has no public accessor for the peer's certificate).
+    protocol = getattr(resp, "_protocol", None)
+    transport = getattr(protocol, "transport", None)
+    return transport.get_extra_info("peercert") if transport is not None else None

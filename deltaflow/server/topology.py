@@ -10,7 +10,9 @@ loses owns no partition and hands out the winners' map instead.
 
 A peer whose poll fails is suspected and polled faster; two refused connections confirm it
 down before ``failure_timeout``. A peer that drains (:meth:`Membership.leave`) is taken out at
-once. The HTTP calls themselves are :mod:`.peers`'.
+once, once a poll of its own confirms it. A node learns of peers beyond ``peers`` only from
+their proven polls, and of at most ``MAX_LEARNED_PEERS``; every such change is logged at
+WARNING with the node that asked. The HTTP calls themselves are :mod:`.peers`'.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..partitioning import PartitionMap
 from .identity import Candidate, NodeIdentity, decide, refusal_message
 from .peers import Answer, PeerClient, Silence
 
-__all__ = ["DEFAULT_PEER_EXPIRY", "Member", "Membership", "PeerState"]
+__all__ = ["DEFAULT_PEER_EXPIRY", "MAX_LEARNED_PEERS", "Member", "Membership", "PeerState"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ SUSPECT_POLL_INTERVAL: Final = 0.1
 #: A slow or paused process never refuses a connection (the kernel accepts it), so load alone
 #: cannot make a peer look down this way.
 REFUSALS_APART: Final = 0.1
+#: Most peers a node learns of from their polls (beyond those it was given): a caller holding
+#: the peer secret still cannot make it poll addresses without bound.
+MAX_LEARNED_PEERS: Final = 32
 
 
 class PeerState(enum.StrEnum):
@@ -70,7 +75,7 @@ class Member:
     own_refusal: str | None = None  # the peer's own ``refused`` message
     conflict: str | None = None  # why this node does not count it, when it answers
     proven: bool = True  # its last answer proved it holds the cluster token
-    draining: bool = False  # it said it is leaving (its answer, or its call to /v1/leave)
+    draining: bool = False  # it said it is leaving (its answer, confirming its leave call)
     map_wire: Any = None
     last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
     since: float = 0.0  # monotonic seconds this node began (or began again) polling it
@@ -91,7 +96,9 @@ class Membership:
         failure_timeout: seconds without an answer after which a peer is considered dead.
         peer_expiry: seconds without an answer after which a peer has left; one that was not
             in ``peers`` is then no longer polled.
-        token: the cluster token: sent with every poll, and each answer must prove it.
+        secret: the peer secret each poll proves and each answer must prove (never sent).
+        certificates: without a secret, peers prove themselves by a certificate with the
+            peer role (mutual TLS).
         tls: the SSL context peers are polled over (``https``); None: plain ``http``.
     """
 
@@ -105,7 +112,8 @@ class Membership:
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
         peer_expiry: float = DEFAULT_PEER_EXPIRY,
-        token: str | None = None,
+        secret: str | None = None,
+        certificates: bool = False,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self.node_id = node_id
@@ -118,7 +126,8 @@ class Membership:
         self._peer_client = PeerClient(
             node_id=node_id,
             address=address,
-            token=token,
+            secret=secret,
+            certificates=certificates,
             tls=tls,
             timeout=max(heartbeat_interval * 2, 1.0),
         )
@@ -239,26 +248,65 @@ class Membership:
         self._decide(time.monotonic())
         return [str(m.node_id) for m, ok in zip(live, told, strict=True) if ok]
 
-    def departed(self, node_id: str, address: str) -> bool:
-        """A peer says it is leaving (it drains): take it out of the map now. False if this
-        node knows no peer by that id at that address."""
+    async def departed(self, node_id: str, address: str) -> bool:
+        """A peer says it is leaving (it drains): take it out of the map now, if a poll of it
+        confirms that it drains. False if this node knows no peer by that id at that address,
+        or the peer's own answer does not say it drains: a leave is taken only from the
+        leaving node itself."""
         member = self._peers.get(address)
         if member is None or member.node_id != node_id:
+            log.warning(
+                "refused a leave for %s at %s: no peer of that name at that address",
+                node_id,
+                address,
+            )
             return False
-        member.draining = True
-        self._decide(time.monotonic())
-        log.info("peer %s at %s is leaving; its partitions move now", node_id, address)
+        answer = await self._peer_client.poll(address)
+        now = time.monotonic()
+        if not (isinstance(answer, Answer) and answer.proven and answer.node_id == node_id):
+            log.warning(
+                "refused a leave for %s at %s: its answer did not confirm it", node_id, address
+            )
+            return False
+        _record(member, answer, now)
+        if not answer.draining:
+            log.warning(
+                "refused a leave for %s at %s: its own answer says it does not drain",
+                node_id,
+                address,
+            )
+            self._decide(now)
+            return False
+        self._decide(now)
+        log.warning("peer %s at %s left (it asked); its partitions move now", node_id, address)
         return True
 
     def observe(self, node_id: str, address: str) -> None:
-        """A peer polled us. Only a poll of it can make it live: an unknown, dead or renamed
-        peer is polled at once; a live one with the same id counts as seen."""
+        """A peer's proven poll reached us. Only a poll of it can make it live: an unknown,
+        dead or renamed peer is polled at once; a live one with the same id counts as seen."""
         if not address or address == self.address:
             return
         now = time.monotonic()
         member = self._peers.get(address)
         if member is None:
+            for gone in [
+                a
+                for a, m in self._peers.items()
+                if not m.configured and self._state(m, now) is PeerState.LEFT
+            ]:
+                del self._peers[gone]
+            learned = sum(1 for m in self._peers.values() if not m.configured)
+            if learned >= MAX_LEARNED_PEERS:
+                log.warning(
+                    "ignored peer %s at %s: this node already learned of %d peers beyond its "
+                    "--peers; list the cluster's nodes in --peers",
+                    node_id,
+                    address,
+                    learned,
+                )
+                return
             self._peers[address] = Member(address, configured=False, since=now)
+            log.warning("learned of peer %s at %s from its poll; polling it", node_id, address)
             self._wake.set()
             return
         state = self._state(member, now)
@@ -368,8 +416,9 @@ class Membership:
         for m in answered:
             if not m.proven:
                 conflict: str | None = (
-                    f"node {m.node_id} at {m.address} did not prove it holds the cluster token; "
-                    "start every node with the same --token-file"
+                    f"node {m.node_id} at {m.address} did not prove it holds the peer secret; "
+                    "start every node with the same --peer-token-file (or, under mutual TLS, "
+                    "give each a certificate with the peer role)"
                 )
             elif m.identity is None:
                 conflict = (

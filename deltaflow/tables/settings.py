@@ -146,7 +146,7 @@ def default_buckets(partitions: int) -> int:
     return 1
 
 
-_DECIMAL = re.compile(r"^decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)$")
+_DECIMAL = re.compile(r"decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
 
 
 def _simple_types() -> dict[str, Any]:
@@ -181,7 +181,7 @@ def _arrow_type(name: str) -> Any:
     text = name.strip().lower()
     if text in simple:
         return simple[text]
-    if m := _DECIMAL.match(text):
+    if m := _DECIMAL.fullmatch(text):
         return pa.decimal128(int(m.group(1)), int(m.group(2)))
     raise UsageError(
         f"unknown column type {name!r}; use one of {', '.join(sorted(simple))} or decimal(p,s)"

@@ -5,7 +5,7 @@ dependency).
 Usage::
 
     ca = CertificateAuthority(directory)
-    node = ca.issue("node-1", hosts=["127.0.0.1", "localhost"])   # node.cert, node.key
+    node = ca.issue("node-1", hosts=["127.0.0.1", "localhost"], peer=True)  # .cert, .key
     client = ca.issue("client")
     # deltaflow serve --tls-cert node.cert --tls-key node.key --tls-ca ca.cert ...
     # deltaflow.connect(..., tls=deltaflow.ClientTls(ca=ca.cert, cert=client.cert, key=client.key))
@@ -49,10 +49,12 @@ class CertificateAuthority:
         self._cert = builder.sign(self._key, _sha256())
         self.cert = self._write(name, self._cert, self._key).cert
 
-    def issue(self, name: str, hosts: Sequence[str] = ()) -> Issued:
+    def issue(self, name: str, hosts: Sequence[str] = (), *, peer: bool = False) -> Issued:
         """A certificate for ``name`` signed by this CA, naming ``hosts`` (IP addresses or DNS
         names) as its subject alternative names: a node's certificate must name the host
-        clients and peers reach it at."""
+        clients and peers reach it at. ``peer``: it also names the peer role
+        (:data:`deltaflow.security.PEER_ROLE_URI`), which nodes and operators need under
+        mutual TLS without a peer token; a client's certificate lacks it."""
         from cryptography import x509
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -65,13 +67,17 @@ class CertificateAuthority:
             ),
             critical=False,
         )
-        if hosts:
-            names: list[x509.GeneralName] = []
-            for host in hosts:
-                try:
-                    names.append(x509.IPAddress(ipaddress.ip_address(host)))
-                except ValueError:
-                    names.append(x509.DNSName(host))
+        names: list[x509.GeneralName] = []
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        if peer:
+            from ..security import PEER_ROLE_URI
+
+            names.append(x509.UniformResourceIdentifier(PEER_ROLE_URI))
+        if names:
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         return self._write(name, builder.sign(self._key, _sha256()), key)
 

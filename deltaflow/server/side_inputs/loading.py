@@ -12,7 +12,7 @@ from .schedule import Schedule
 
 __all__ = ["load_side_inputs"]
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 def load_side_inputs(names: Iterable[str | type[SideInput]]) -> list[type[SideInput]]:
@@ -39,7 +39,7 @@ def load_side_inputs(names: Iterable[str | type[SideInput]]) -> list[type[SideIn
         if not (isinstance(cls, type) and issubclass(cls, SideInput)):
             raise UsageError(f"{entry!r} is not a subclass of deltaflow.receivers.SideInput")
         name = cls.side_input_name()
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise UsageError(
                 f"side input name {name!r} ({cls.__qualname__}) is not allowed; use letters, "
                 "digits, '_', '.' and '-' (at most 128), starting with a letter, digit or '_'"
