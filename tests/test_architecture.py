@@ -24,7 +24,9 @@ BASE = {
     "deltaflow.errors",
     "deltaflow.partitioning",
     "deltaflow.protocol",
+    "deltaflow.outbox",
     "deltaflow.columnar",
+    "deltaflow._arrow_ipc",
     "deltaflow._faults",
 }
 
