@@ -1,4 +1,5 @@
-"""Lane semantics of the node's dispatcher, driven frame by frame (no network, no tables)."""
+"""Lane semantics of the node's dispatcher, driven frame by frame (no network, no tables), and
+the logs a stalled lane leaves, read through a real node and client connection."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+from deltaflow.client.connection import Connection
 from deltaflow.errors import (
     CommitConflictError,
     ConnectionLostError,
@@ -22,9 +25,12 @@ from deltaflow.errors import (
 )
 from deltaflow.protocol import decode_frame, encode_frame, join_items, pack_item
 from deltaflow.receivers import Receiver, ReceiverContext, ReceiverRegistry
+from deltaflow.server import dispatcher as dispatcher_module
 from deltaflow.server import lanes as lanes_module
 from deltaflow.server.dispatcher import LANE_WINDOW, Dispatcher, error_frame
 from deltaflow.server.streams import stream_owner
+
+from .support import StartCluster
 
 #: The key every stream of these tests is opened with, and so their owner.
 KEY = b"k" * 32
@@ -448,6 +454,37 @@ async def test_a_batch_that_taken_ones_wait_for_is_taken_after_the_partition_mov
     await peer.wait_for("ack", 0)
     await peer.wait_for("ack", 1)
     assert Recorder.applied == [0, 1]
+
+
+async def test_a_batch_waiting_for_a_predecessor_that_never_comes_is_logged_on_both_sides(
+    warehouse: Path,
+    start_cluster: StartCluster,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What an operator reads when a lane stalls: the node logs the batches waiting for one
+    that has not reached it, once, and the client logs the answer that did not come within
+    its ack timeout, naming the stream, partition, batch, attempt, base and node."""
+    monkeypatch.setattr(dispatcher_module, "LANE_WAIT_LOG_SECONDS", 0.2)
+    (node,) = await start_cluster(warehouse, count=1, engine="delta-rs")
+    conn = await Connection.open(node.address, token=None, client_id="c1")
+    try:
+        await conn.open_stream("stalled", "deltaflow.testing.Echo", None, None, key=KEY)
+        with caplog.at_level(logging.INFO, logger="deltaflow"):
+            with pytest.raises(ConnectionLostError, match="no ack from node node-1"):
+                await conn.send_batch({**batch(2, base=1), "sid": "stalled", "att": 3}, timeout=1.0)
+            await conn.send_batch({**batch(1, base=1), "sid": "stalled"}, timeout=5.0)
+    finally:
+        await conn.close()
+    waits = [r.getMessage() for r in caplog.records if "have waited" in r.getMessage()]
+    assert len(waits) == 1, waits  # one line per wait, not one per check
+    assert "stream stalled partition 0: batches 2 to 2 have waited 0." in waits[0]
+    assert "for batch 1, which has not reached this node (it owns the partition)" in waits[0]
+    [lost] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert lost.getMessage().startswith(
+        f"no answer from node node-1 at {node.address} to stream stalled partition 0 batch 2 "
+        "(attempt 3, base 1) in 1.0s"
+    )
 
 
 async def test_a_lane_takes_only_batches_inside_its_window_above_base(

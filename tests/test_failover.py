@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,21 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return DeltaTable(str(path)).to_pyarrow_table().to_pylist()
 
 
-async def test_upserts_survive_a_sigkilled_node_with_last_values(cluster: Cluster) -> None:
+def lost_answers(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The client's warnings of batches left without an answer until their ack timeout (20 s
+    here). A failover loses none; each was a stall only the timeout ended (a batch waiting at
+    a new owner for one the old owner had acked, say)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "deltaflow.client.connection" and r.getMessage().startswith("no answer")
+    ]
+
+
+async def test_upserts_survive_a_sigkilled_node_with_last_values(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="deltaflow.client.connection")
     n = 300_000
     rows = [{"id": i % 100_000, "v": i} for i in range(n)]
     client = await cluster.wait_members(3)
@@ -56,6 +71,7 @@ async def test_upserts_survive_a_sigkilled_node_with_last_values(cluster: Cluste
             rows, table="upserts", key="id", on_ack=watch, options=OPTIONS
         )
     assert summary.items_acked == n
+    assert lost_answers(caplog) == []  # no batch waited for its ack timeout
     table = {r["id"]: r["v"] for r in read_rows(cluster.warehouse / "upserts")}
     assert len(table) == 100_000
     assert table == {k: 200_000 + k for k in range(100_000)}  # the last write of every key
@@ -79,7 +95,10 @@ async def test_a_killed_node_rejoins_and_takes_partitions_again(cluster: Cluster
     assert len(read_rows(cluster.warehouse / "rejoin")) == 30_000
 
 
-async def test_appends_through_a_sigkill_land_exactly_once(cluster: Cluster) -> None:
+async def test_appends_through_a_sigkill_land_exactly_once(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="deltaflow.client.connection")
     n = 300_000
     rows = [{"id": i, "v": i * 2} for i in range(n)]
     client = await cluster.wait_members(3)
@@ -93,6 +112,7 @@ async def test_appends_through_a_sigkill_land_exactly_once(cluster: Cluster) -> 
             on_ack=KillAt(cluster.nodes["node-3"], n // 3),
         )
     assert summary.items_acked == n
+    assert lost_answers(caplog) == []  # no batch waited for its ack timeout
     ids = [r["id"] for r in read_rows(cluster.warehouse / "appends")]
     assert len(ids) == n and set(ids) == set(range(n))
 
@@ -108,7 +128,10 @@ async def test_a_crash_between_commit_and_ack_is_not_applied_twice(cluster: Clus
     await cluster.start("node-3")  # heal for the next test
 
 
-async def test_the_bootstrap_node_dying_does_not_stop_the_stream(cluster: Cluster) -> None:
+async def test_the_bootstrap_node_dying_does_not_stop_the_stream(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="deltaflow.client.connection")
     await cluster.wait_members(3)
     n = 60_000
     async with deltaflow.connect([cluster.nodes["node-1"].address]) as client:
@@ -120,6 +143,7 @@ async def test_the_bootstrap_node_dying_does_not_stop_the_stream(cluster: Cluste
             on_ack=KillAt(cluster.nodes["node-1"], n // 4),
         )
     assert summary.items_acked == n
+    assert lost_answers(caplog) == []  # no batch waited for its ack timeout
     assert len(read_rows(cluster.warehouse / "bootstrap")) == n
 
 

@@ -13,7 +13,7 @@ from deltaflow import StreamerOptions
 from deltaflow.client.accumulator import Batch
 from deltaflow.client.router import Routes
 from deltaflow.client.sender import Sender, StreamStoppedError
-from deltaflow.errors import ConnectionLostError, NotOwnerError
+from deltaflow.errors import ConnectionLostError, NotOwnerError, ServerError
 from deltaflow.protocol import LANE_WINDOW
 
 FAST_RETRY = {"retry_initial_backoff": 0.001, "retry_max_backoff": 0.001}
@@ -217,6 +217,55 @@ async def test_a_batch_that_later_ones_wait_for_goes_where_they_are() -> None:
     old.ack(0, 1)
     await asyncio.wait_for(sender.join(), 5)
     assert sorted(outcomes.acked) == [(0, 0), (0, 1)]
+
+
+async def test_a_batch_sent_to_a_new_owner_after_the_old_one_acked_the_last_has_base_past_it() -> (
+    None
+):
+    """Batch 0 was resent (on a task) to the old owner; batch 1 waits to go to the new one.
+    When the old owner acks batch 0, batch 1 goes with ``base`` 1: with ``base`` 0 the new
+    owner would wait for batch 0, which nobody sends again, until the ack timeout. (Seen in a
+    failover loop: a partition moved between the two survivors, and the batch waited 20 s.)"""
+    old, new, outcomes = FakeConnection("a"), FakeConnection("b"), Outcomes()
+    router = FakeRouter({0: old})
+    router.known["b"] = new
+    sender = make_sender(router, outcomes, per_partition_in_flight=4, **FAST_RETRY)
+    sender.submit(batch(0, 0))
+    old.fail(0, 0, ConnectionLostError("gone"))
+    await asyncio.wait_for(old.until_sent(2), 5)  # the resend, on a task of its own
+    router.owners[0] = new
+    sender.submit(batch(0, 1))
+    await turns(10)
+    assert new.sent == []  # batch 0 is still out at the old owner
+    old.ack(0, 0)
+    await asyncio.wait_for(new.until_sent(1), 5)
+    assert (new.sent[0]["seq"], new.sent[0]["base"]) == (1, 1)
+    new.ack(0, 1)
+    await asyncio.wait_for(sender.join(), 5)
+    assert outcomes.acked == [(0, 0), (0, 1)]
+
+
+async def test_a_batch_that_a_later_one_waits_for_goes_there_while_an_earlier_one_is_out() -> None:
+    """The old owner answered batch 1 with a retriable error: its lane keeps batch 2 waiting
+    for batch 1's resend, and batch 0 is still committing there. The partition has moved, but
+    batch 1 goes back to the old owner: the new one would have to wait until batch 2's send
+    ended, and batch 2 waits for batch 1, until an ack timeout."""
+    old, new, outcomes = FakeConnection("a"), FakeConnection("b"), Outcomes()
+    router = FakeRouter({0: old})
+    router.known["b"] = new
+    sender = make_sender(router, outcomes, per_partition_in_flight=4, **FAST_RETRY)
+    for seq in range(3):
+        sender.submit(batch(0, seq))
+    await turns(10)
+    assert old.sent_keys() == [(0, 0), (0, 1), (0, 2)]
+    router.owners[0] = new
+    old.fail(0, 1, ServerError("receiver busy, try again", node="a", retriable=True))
+    await asyncio.wait_for(old.until_sent(4), 5)  # the resend, after its (1 ms) backoff
+    assert old.sent_keys()[3] == (0, 1) and new.sent == []
+    for seq in range(3):
+        old.ack(0, seq)
+    await asyncio.wait_for(sender.join(), 5)
+    assert sorted(outcomes.acked) == [(0, 0), (0, 1), (0, 2)]
 
 
 async def test_cancel_reports_sent_batches_in_doubt_and_the_rest_not_sent() -> None:

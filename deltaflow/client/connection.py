@@ -274,7 +274,9 @@ class Connection:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         # A timer per batch rather than a timeout scope: nothing awaits on the sender's side.
-        deadline = loop.call_later(timeout, self._ack_overdue, key, fut, timeout)
+        # Its attempt and base are read now: the sender reuses the frame for its resend.
+        sent = (frame.get("att", 1), frame.get("base", 0), loop.time())
+        deadline = loop.call_later(timeout, self._ack_overdue, key, fut, sent)
         self._pending[key] = (fut, deadline)
         self._outbox.send_nowait(data)
         return fut
@@ -302,17 +304,35 @@ class Connection:
             waiter[1].cancel()
         fut.cancel()
 
-    def _ack_overdue(self, key: BatchKey, fut: asyncio.Future[Frame], timeout: float) -> None:
+    def _ack_overdue(
+        self, key: BatchKey, fut: asyncio.Future[Frame], sent: tuple[int, int, float]
+    ) -> None:
         waiter = self._pending.get(key)
         if waiter is not None and waiter[0] is fut:
             del self._pending[key]
-        if not fut.done():
-            fut.set_exception(
-                ConnectionLostError(
-                    f"no ack from node {self.node_id} at {self.address} for partition "
-                    f"{key[1]} batch {key[2]} within {timeout}s"
-                )
+        if fut.done():
+            return
+        waited = asyncio.get_running_loop().time() - sent[2]
+        # An open connection that lost an answer: the node, or the client's routing, has a bug
+        # or a stall worth an operator's look (a resend follows, so nothing is lost).
+        log.warning(
+            "no answer from node %s at %s to stream %s partition %d batch %d (attempt %d, "
+            "base %d) in %.1fs; resending it",
+            self.node_id,
+            self.address,
+            key[0],
+            key[1],
+            key[2],
+            sent[0],
+            sent[1],
+            waited,
+        )
+        fut.set_exception(
+            ConnectionLostError(
+                f"no ack from node {self.node_id} at {self.address} for partition "
+                f"{key[1]} batch {key[2]} within {waited:.1f}s"
             )
+        )
 
     async def _send(self, frame: Frame) -> None:
         """Queue ``frame`` for the outbox. A write that fails later fails every waiter of the

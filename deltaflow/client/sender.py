@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..protocol import LANE_WINDOW, Frame, join_items
 from .accumulator import Batch
+from .handoff import Handoff
 from .latency import LatencyHistogram
 from .options import StreamerOptions
 
@@ -131,12 +132,9 @@ class Sender:
         # Sequence numbers of each partition not yet settled: the smallest is the ``base`` a
         # batch frame carries, so a new owner knows every lower batch is already acknowledged.
         self._unacked: dict[int, set[int]] = {}
-        # Which node a partition's in-flight batches went to. Batches switch to a new owner
-        # only once those settled, so two nodes never hold batches of one lane at once (the
-        # new owner would otherwise wait for a batch the old one is still applying).
-        self._owner: dict[int, tuple[str, int]] = {}
-        self._owner_changed = asyncio.Event()  # replaced by a fresh one each time it is set
-        self._claim_waiters = 0
+        # Which node each partition's sends are under way to: two nodes never hold batches
+        # of one lane at once.
+        self._handoff = Handoff()
         self._unsettled = 0
         self._answers: set[asyncio.Future[Frame]] = set()  # first sends awaiting their answer
         self._tasks: set[asyncio.Task[None]] = set()  # sends that have to wait, and resends
@@ -254,7 +252,7 @@ class Sender:
         except Exception as exc:  # noqa: BLE001 - e.g. a map without this partition
             self._spawn(batch, frame, exc)  # reported (or retried) by the task's path
             return
-        if conn is None or not ready or not self._try_claim(p, conn.node_id):
+        if conn is None or not ready or not self._handoff.try_claim(p, batch.seq, conn.node_id):
             self._spawn(batch, frame, None)
             return
         self._stamp(batch, frame)
@@ -262,7 +260,6 @@ class Sender:
             frame["base"] = min(self._unacked[p])
             fut = conn.start_batch(frame, timeout=self._options.ack_timeout)
         except Exception as exc:  # noqa: BLE001 - the send failed: retried or reported there
-            self._release(p)
             self._spawn(batch, frame, exc)
             return
         self._answers.add(fut)
@@ -273,7 +270,6 @@ class Sender:
     ) -> None:
         """The answer to a batch's first send (a callback of its future)."""
         self._answers.discard(fut)
-        self._release(batch.partition)
         if fut.cancelled():
             conn.abandon_batch(frame, fut)
             self._done(batch, asyncio.CancelledError("stream cancelled"))
@@ -303,6 +299,8 @@ class Sender:
             self._lane_used[p] -= 1
             self._window_used -= 1
             self._forget(batch)  # may move the lane's base, and so its window
+            # Only now may a send wait for this batch's claim go on: its base is past it.
+            self._handoff.release(p, batch.seq)
             self._admit(p)  # its waiting batches hold window slots already
             self._start()
 
@@ -393,7 +391,7 @@ class Sender:
             wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
             + wait_random(0, opts.retry_initial_backoff),
             retry=retry_if_exception(self._can_retry),
-            before_sleep=self._before_retry,
+            before_sleep=functools.partial(self._before_retry, batch),
             reraise=True,
         )
         async for attempt in retrying:
@@ -404,25 +402,23 @@ class Sender:
                 await self._attempt(batch, frame)
 
     async def _attempt(self, batch: Batch, frame: Frame) -> None:
-        """One send of ``batch`` to its partition's owner, through to its ack."""
+        """One send of ``batch`` to its partition's owner, through to its ack. Its claim is
+        held until the batch settles or its resend is decided (see :class:`Handoff`)."""
         self._stamp(batch, frame)
-        conn = await self._routes.connection_for(batch.partition)
-        holder = self._holder(batch.partition)
-        if (
-            holder is not None
-            and holder != conn.node_id
-            and batch.seq == min(self._unacked[batch.partition])
-        ):
-            # Later batches of the partition are at ``holder``, which may have taken them and
-            # now waits for this one: it goes there too, or both wait for an ack timeout.
-            conn = self._routes.connection_to(holder) or conn
-        await conn.open_stream(self._sid, *self._receiver, self._results, key=self._key)
-        await self._claim(batch.partition, conn.node_id)
-        try:
-            frame["base"] = min(self._unacked[batch.partition])
-            ack = await conn.send_batch(frame, timeout=self._options.ack_timeout)
-        finally:
-            self._release(batch.partition)
+        p = batch.partition
+        while True:  # until the send may go: the target is chosen again after every wait
+            conn = await self._routes.connection_for(p)
+            there = self._handoff.waits_for(p, batch.seq)
+            if there is not None and there != conn.node_id:
+                # Later batches are out at ``there``, which may wait for this one.
+                conn = self._routes.connection_to(there) or conn
+            await conn.open_stream(self._sid, *self._receiver, self._results, key=self._key)
+            if self._handoff.try_claim(p, batch.seq, conn.node_id):
+                break
+            if self._handoff.waits_for(p, batch.seq) in (None, there):  # else: follow them now
+                await self._handoff.changed(p)
+        frame["base"] = min(self._unacked[p])
+        ack = await conn.send_batch(frame, timeout=self._options.ack_timeout)
         self._record_ack(batch, conn, ack)
 
     def _record_ack(self, batch: Batch, conn: Connection, ack: Frame) -> None:
@@ -442,42 +438,8 @@ class Sender:
             return True
         return is_retriable(exc)
 
-    # -- ownership handoff ----------------------------------------------------------------
-
-    def _try_claim(self, partition: int, node: str) -> bool:
-        """Count a send of ``partition`` to ``node`` unless sends to another node are still
-        under way (synchronous: one event loop, no await between the check and the claim)."""
-        owner = self._owner.get(partition)
-        if owner is None or owner[1] == 0:
-            self._owner[partition] = (node, 1)
-        elif owner[0] == node:
-            self._owner[partition] = (node, owner[1] + 1)
-        else:
-            return False
-        return True
-
-    def _holder(self, partition: int) -> str | None:
-        """The node that sends of ``partition`` are under way to, if any."""
-        owner = self._owner.get(partition)
-        return owner[0] if owner is not None and owner[1] > 0 else None
-
-    async def _claim(self, partition: int, node: str) -> None:
-        while not self._try_claim(partition, node):
-            self._claim_waiters += 1
-            try:
-                await self._owner_changed.wait()
-            finally:
-                self._claim_waiters -= 1
-
-    def _release(self, partition: int) -> None:
-        node, count = self._owner[partition]
-        self._owner[partition] = (node, count - 1)
-        if count == 1 and self._claim_waiters:
-            # Wake every waiter; each checks its partition again (and waits on the new event).
-            self._owner_changed.set()
-            self._owner_changed = asyncio.Event()
-
-    def _before_retry(self, state: RetryCallState) -> None:
+    def _before_retry(self, batch: Batch, state: RetryCallState) -> None:
+        self._handoff.release(batch.partition, batch.seq)  # it waits; others may go first
         exc = state.outcome.exception() if state.outcome else None
         self._note_retry(exc, state.attempt_number)
 

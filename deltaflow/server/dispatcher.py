@@ -26,9 +26,10 @@ client can only feed or close streams it opened itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from tenacity import (
     AsyncRetrying,
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a lane's batches wait for a predecessor that has not arrived before it is logged.
+LANE_WAIT_LOG_SECONDS: Final = 5.0
 
 
 def _unblocks(lane: Lane | None, seq: int) -> bool:
@@ -286,6 +290,22 @@ class Dispatcher:
                     self._acknowledge(lane, ctx, durable, peer, frame)
         finally:
             lane.task = None
+            if lane.pending:  # they wait for a batch that has not come (yet)
+                lane.watch(LANE_WAIT_LOG_SECONDS, functools.partial(self._log_wait, stream, p))
+
+    def _log_wait(self, stream: Stream, p: int, lane: Lane, waited: float) -> None:
+        if self.streams.get(stream.sid, stream.owner) is stream:  # else nobody waits
+            log.info(
+                "stream %s partition %d: batches %d to %d have waited %.1fs for batch %d, "
+                "which has not reached this node (%s the partition)",
+                stream.sid,
+                p,
+                min(lane.pending),
+                max(lane.pending),
+                waited,
+                lane.next_seq,
+                "it owns" if self._owns(p) else "it no longer owns",
+            )
 
     async def _apply(
         self, stream: Stream, p: int, seq: int, peer: Peer, frame: Frame, lane: Lane

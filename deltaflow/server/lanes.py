@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -57,6 +58,35 @@ class Lane:
     failed_at: int | None = None
     failure: ServerError | None = None
     task: asyncio.Task[None] | None = None
+    watcher: asyncio.TimerHandle | None = None  # see watch()
+
+    def waits(self) -> bool:
+        """Batches wait here for ``next_seq``, which has not arrived: nothing runs."""
+        return (
+            self.task is None
+            and self.failure is None
+            and bool(self.pending)
+            and self.next_seq not in self.pending
+        )
+
+    def watch(self, after: float, report: Callable[[Lane, float], None]) -> None:
+        """Call ``report(lane, seconds)`` if the lane still waits for the same batch ``after``
+        seconds from now: one timer per wait, not per batch, and one report per wait."""
+        if self.watcher is None and self.waits():
+            loop = asyncio.get_running_loop()
+            self.watcher = loop.call_later(
+                after, self._watched, after, report, self.next_seq, loop.time()
+            )
+
+    def _watched(
+        self, after: float, report: Callable[[Lane, float], None], awaited: int, since: float
+    ) -> None:
+        self.watcher = None
+        if self.waits():
+            if self.next_seq == awaited:
+                report(self, asyncio.get_running_loop().time() - since)
+            else:  # it went on, and now waits for a later batch
+                self.watch(after, report)
 
     def reopen_past(self, base: int) -> None:
         """The client settled the failed batch another way (dead-letter table, or dropped):
