@@ -185,10 +185,11 @@ def call_proof(secret: str, op: str, challenge: str, nonce: str, node_id: str, a
     return _mac(secret, "deltaflow-peer-call", op, challenge, nonce, node_id, address)
 
 
-def answer_proof(secret: str, nonce: str, node_id: str) -> str:
+def answer_proof(secret: str, nonce: str, body: bytes) -> str:
     """What a called node answers with to prove it holds the peer secret: an HMAC of the
-    caller's random nonce and its own node id."""
-    return _mac(secret, "deltaflow-peer-answer", nonce, node_id)
+    caller's random nonce and the answer's exact bytes (its node id, address and every field
+    in them), so a relay can neither alter an answer nor pass it off as another's."""
+    return _mac(secret, "deltaflow-peer-answer", nonce, hashlib.sha256(body).hexdigest())
 
 
 def has_peer_role(certificate: Mapping[str, Any] | None) -> bool:

@@ -23,7 +23,11 @@ import pytest
 import deltaflow
 from deltaflow.protocol import BYTES_PER_CONTAINER, MAX_HELLO_BYTES, WS_PATH, encode_frame
 from deltaflow.server import Node
-from deltaflow.server.connection import HELLO_TIMEOUT, MAX_UNAUTHENTICATED
+from deltaflow.server.connection import (
+    HELLO_TIMEOUT,
+    MAX_UNAUTHENTICATED,
+    MAX_UNAUTHENTICATED_PER_ADDRESS,
+)
 from deltaflow.testing import NodeProcess
 
 from .support import StartCluster, Within
@@ -210,15 +214,32 @@ async def test_connections_still_in_their_handshake_are_capped_and_have_a_deadli
     node: Node, within: Within[Any]
 ) -> None:
     # Finding 8: any number of connections could sit after the upgrade without a hello.
+    # Strangers at several loopback addresses; at most 4 from one, 16 in all.
     url = f"http://{node.address}{WS_PATH}"
-    async with aiohttp.ClientSession() as session:
-        silent = [await session.ws_connect(url) for _ in range(MAX_UNAUTHENTICATED)]
+    sessions = [
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(f"127.0.0.{i}", 0)))
+        for i in range(2, 7)
+    ]
+    try:
+        first, *others, last = sessions
+        silent = [await first.ws_connect(url) for _ in range(MAX_UNAUTHENTICATED_PER_ADDRESS)]
         opened = time.monotonic()
-        extra = await session.ws_connect(url)
-        error, _, code = await within(refusal(extra), 1.0, "the refusal beyond the cap")
+        error, _, code = await within(
+            refusal(await first.ws_connect(url)), 1.0, "the refusal beyond one address's share"
+        )
         assert error is not None and error["code"] == "OVERLOADED" and error["retriable"], error
         assert code == aiohttp.WSCloseCode.TRY_AGAIN_LATER
-        async with session.get(f"http://{node.address}/healthz") as answer:
+        await streams(node.address)  # one stranger does not lock clients out
+        for session in others:
+            silent += [
+                await session.ws_connect(url) for _ in range(MAX_UNAUTHENTICATED_PER_ADDRESS)
+            ]
+        assert len(silent) == MAX_UNAUTHENTICATED
+        error, _, code = await within(
+            refusal(await last.ws_connect(url)), 1.0, "the refusal beyond the node's cap"
+        )
+        assert error is not None and error["code"] == "OVERLOADED", error
+        async with first.get(f"http://{node.address}/healthz") as answer:
             assert answer.status == 200
         # Each silent one is refused at the hello deadline, which frees its place.
         closed = await within(
@@ -227,8 +248,11 @@ async def test_connections_still_in_their_handshake_are_capped_and_have_a_deadli
             "the hello deadline",
         )
         waited = time.monotonic() - opened
+    finally:
+        for session in sessions:
+            await session.close()
     assert {(error or {}).get("code") for error, _, _ in closed} == {"BAD_FRAME"}
-    assert waited < HELLO_TIMEOUT + 2
+    assert waited < HELLO_TIMEOUT + 4
     await streams(node.address)
 
 

@@ -95,10 +95,11 @@ async def peer_call(
 class Listener:
     """A plain HTTP server on 127.0.0.1 that records every request it gets, whole, and
     answers each like a node would if it copied a node's identity (anyone allowed to read the
-    map can): it knows no secret, so its proof is made up."""
+    map can): it knows no secret, so its proof is made up. ``answer`` replaces the body."""
 
-    def __init__(self, identity: dict[str, Any] | None = None) -> None:
+    def __init__(self, identity: dict[str, Any] | None = None, answer: bytes | None = None) -> None:
         self.identity = identity
+        self.answer = answer
         self.seen: list[bytes] = []
         self.runner: web.AppRunner | None = None
         self.address = ""
@@ -107,10 +108,13 @@ class Listener:
         body = await request.read()
         headers = "".join(f"{k}: {v}\n" for k, v in request.headers.items())
         self.seen.append(f"{request.method} {request.path_qs}\n{headers}".encode() + body)
+        proof = {"X-Deltaflow-Proof": secrets.token_hex(32)}
+        if self.answer is not None:
+            return web.Response(body=self.answer, content_type="application/json", headers=proof)
         return web.json_response(
             {"node": "intruder", "address": self.address, "identity": self.identity,
              "serving": True, "refused": None, "map": None, "members": [],
-             "proof": secrets.token_hex(32), "challenge": "1.2.3"}
+             "challenge": "1.2.3"}, headers=proof,
         )  # fmt: skip
 
     async def __aenter__(self) -> Listener:
@@ -296,6 +300,8 @@ def test_beyond_loopback_a_token_needs_tls_and_peers_a_credential_of_their_own(
     wide = {"host": "0.0.0.0", "advertise": "h:7700"}
     with pytest.raises(UsageError, match="with a token but without TLS"):
         NodeConfig(node_id="n1", warehouse=tmp_path, token=TOKEN, peer_token=PEER_TOKEN, **wide)
+    with pytest.raises(UsageError, match="with neither a token nor mutual TLS"):
+        NodeConfig(node_id="n1", warehouse=tmp_path, peer_token=PEER_TOKEN, tls=tls, **wide)
     with pytest.raises(UsageError, match="with a client token only"):
         NodeConfig(node_id="n1", warehouse=tmp_path, token=TOKEN, tls=tls, **wide)
     NodeConfig(
@@ -384,3 +390,99 @@ async def test_operators_read_and_drain_with_the_peer_token_and_clients_cannot(
     assert drained.returncode == 0, drained.stderr
     assert "partitions now: n1 64" in drained.stdout
     await second.wait_stopped()
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 to ``target``: what a stranger at an address in --peers can
+    do with a real node's answers when peers talk in plain text."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.server: asyncio.Server | None = None
+        self.address = ""
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.target.rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except OSError:
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def __aenter__(self) -> Relay:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_a_relay_at_an_address_in_peers_cannot_pass_a_real_nodes_answers_off(
+    warehouse: Path,
+) -> None:
+    """A stranger at an address in --peers that relays a real node's answers (plain text)
+    would be that node at its own address, routing clients through itself. An answer proves
+    its exact bytes, address included, so the relay is refused."""
+    real = Node(config(warehouse, "n2", peer_token=PEER_TOKEN))
+    await real.start()
+    try:
+        async with Relay(real.address) as relay:
+            node = Node(config(warehouse, "n1", peer_token=PEER_TOKEN, peers=[relay.address]))
+            await node.start()
+            try:
+                state = (await members(node))[relay.address]
+                assert state["state"] == "refused"
+                assert f"says it is reached at {real.address}" in state["refused"]
+                assert relay.address not in node.partition_map.addresses.values()
+            finally:
+                await node.stop()
+    finally:
+        await real.stop()
+
+
+async def test_a_cluster_of_16384_partitions_forms(warehouse: Path) -> None:
+    """A poll's answer holds the whole map: read to its end (within its bound), not only
+    what arrived first."""
+    options = {"token": TOKEN, "peer_token": PEER_TOKEN, "partitions": 16384}
+    first = Node(config(warehouse, "n1", **options))
+    await first.start()
+    second = Node(config(warehouse, "n2", peers=[first.address], **options))
+    await second.start()
+    try:
+        await asyncio.wait_for(
+            asyncio.gather(first.wait_for_members(2), second.wait_for_members(2)), 20
+        )
+    finally:
+        await second.stop()
+        await first.stop()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"[" * 200_000 + b"]" * 200_000, b'{"node": "n9\\nERROR forged line", "address": "x"}'],
+    ids=["deep", "forged-name"],
+)
+async def test_a_hostile_answer_to_a_poll_harms_nothing(
+    warehouse: Path, answer: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Listener(answer=answer) as listener:
+        node = Node(config(warehouse, "n1", peer_token=PEER_TOKEN, peers=[listener.address]))
+        with caplog.at_level(logging.INFO):
+            await node.start()  # polls the listener once before it serves
+        try:
+            assert len(listener.seen) >= 1
+            assert (await members(node))[listener.address]["state"] == "dead"
+            assert "forged" not in caplog.text
+            assert node.state is NodeState.RUNNING
+        finally:
+            await node.stop()

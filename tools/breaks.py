@@ -243,11 +243,27 @@ BREAKS: dict[str, Break] = {
     # Roles and peer proofs (docs/security.md, "Roles").
     "peer_answer_proof_not_compared": Break(
         "deltaflow/server/peers.py",
-        "                and hmac.compare_digest(proof, answer_proof(self._secret, nonce, node_id))\n",
-        "",
+        "            return proof is not None and hmac.compare_digest(\n                proof, answer_proof(self._secret, nonce, data)\n            )\n",
+        "            return proof is not None\n",
         (
             "tests/test_roles.py::test_a_wrong_proof_in_a_peers_answer_is_refused",
             "tests/test_roles.py::test_no_secret_reaches_an_address_in_peers_that_has_not_proven_itself",
+        ),
+    ),
+    "answer_address_unchecked": Break(
+        "deltaflow/server/topology.py",
+        "            elif m.claimed is not None and m.claimed != m.address:\n",
+        "            elif False:\n",
+        (
+            "tests/test_roles.py::test_a_relay_at_an_address_in_peers_cannot_pass_a_real_nodes_answers_off",
+        ),
+    ),
+    "handshakes_per_address_uncapped": Break(
+        "deltaflow/server/connection.py",
+        " or from_remote >= MAX_UNAUTHENTICATED_PER_ADDRESS",
+        "",
+        (
+            "tests/test_hostile_input.py::test_connections_still_in_their_handshake_are_capped_and_have_a_deadline",
         ),
     ),
     "peer_call_proof_not_compared": Break(

@@ -48,6 +48,7 @@ from .frames import error_frame
 __all__ = [
     "HELLO_TIMEOUT",
     "MAX_UNAUTHENTICATED",
+    "MAX_UNAUTHENTICATED_PER_ADDRESS",
     "ClientConnection",
     "NodeView",
     "unauthenticated",
@@ -61,6 +62,9 @@ HELLO_TIMEOUT: Final = 5.0
 #: these is refused at once (``OVERLOADED``). Each may hold one message of up to the frame
 #: limit, which aiohttp reads whole before the node sees it, for at most HELLO_TIMEOUT.
 MAX_UNAUTHENTICATED: Final = 16
+#: Of those, most from one remote address: one stranger cannot fill the node's handshake slots
+#: and lock every client out.
+MAX_UNAUTHENTICATED_PER_ADDRESS: Final = 4
 
 
 class NodeView(Protocol):
@@ -136,19 +140,27 @@ class ClientConnection:
         # The client sees the connection drop and resends what was not acknowledged.
         log.info("sending to %s (client %s) failed: %r", self._remote, self.client_id, exc)
 
-    async def serve(self, *, unauthenticated: int = 0) -> None:
+    @property
+    def remote(self) -> str:
+        """The address the connection comes from."""
+        return self._remote
+
+    async def serve(self, *, unauthenticated: int = 0, from_remote: int = 0) -> None:
         """Serve the connection until it closes.
 
         Args:
             unauthenticated: how many other connections of the node have not passed their
                 hello yet; at :data:`MAX_UNAUTHENTICATED` this one is refused at once.
+            from_remote: how many of those come from this connection's address; at
+                :data:`MAX_UNAUTHENTICATED_PER_ADDRESS` this one is refused at once.
         """
         node_id = self._node.node_id
-        if unauthenticated >= MAX_UNAUTHENTICATED:
+        if unauthenticated >= MAX_UNAUTHENTICATED or from_remote >= MAX_UNAUTHENTICATED_PER_ADDRESS:
             await self._abort(
                 OverloadedError(
-                    f"{unauthenticated} connections to this node are still in their handshake "
-                    f"(at most {MAX_UNAUTHENTICATED}); connect again later",
+                    f"{unauthenticated} connections to this node ({from_remote} from this "
+                    f"address) are still in their handshake (at most {MAX_UNAUTHENTICATED}, "
+                    f"{MAX_UNAUTHENTICATED_PER_ADDRESS} from one address); connect again later",
                     node=node_id,
                 ),
                 aiohttp.WSCloseCode.TRY_AGAIN_LATER,

@@ -410,11 +410,13 @@ class Node:
         )
         await ws.prepare(request)
         conn = ClientConnection(self, ws, request.remote or "?")
-        waiting = unauthenticated(self._connections)  # counted and joined in one loop turn
+        # Counted and joined in one loop turn.
+        waiting = unauthenticated(self._connections)
+        same = unauthenticated(c for c in self._connections if c.remote == conn.remote)
         self._connections.add(conn)
         self._websockets.add(ws)
         try:
-            await conn.serve(unauthenticated=waiting)
+            await conn.serve(unauthenticated=waiting, from_remote=same)
         finally:
             self._connections.discard(conn)
             self._websockets.discard(ws)

@@ -18,11 +18,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ..security import NODE_ID, Challenges, answer_proof, call_proof, has_peer_role
 
-__all__ = ["MAX_PEER_CALL_BYTES", "Caller", "PeerGate"]
+__all__ = ["MAX_PEER_CALL_BYTES", "PROOF_HEADER", "Caller", "PeerGate", "read_bounded"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,20 @@ MAX_PEER_CALL_BYTES: Final = 4096
 #: What a caller's address may look like: ``host:port``, an IPv6 host in brackets.
 _ADDRESS: Final = re.compile(r"[A-Za-z0-9._\[\]:-]{1,300}")
 _NONCE: Final = re.compile(r"[0-9a-f]{32}")
+#: The header that carries a called node's proof of its answer's bytes.
+PROOF_HEADER: Final = "X-Deltaflow-Proof"
+
+
+async def read_bounded(content: StreamReader, limit: int) -> bytes | None:
+    """A whole body, or None once it passes ``limit`` bytes (read no further)."""
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,17 +82,17 @@ class PeerGate:
             web.HTTPException: 400 malformed, 401 unproven (with a fresh challenge), 403 a
                 client's certificate, 413 too large. Its body says what to change.
         """
-        data = await request.content.read(MAX_PEER_CALL_BYTES + 1)
-        if len(data) > MAX_PEER_CALL_BYTES:
+        data = await read_bounded(request.content, MAX_PEER_CALL_BYTES)
+        if data is None:
             raise web.HTTPRequestEntityTooLarge(
                 MAX_PEER_CALL_BYTES,
-                len(data),
+                MAX_PEER_CALL_BYTES + 1,
                 text=json.dumps({"error": f"a peer call has at most {MAX_PEER_CALL_BYTES} bytes"}),
                 content_type="application/json",
             )
         try:
             body = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise _refuse(web.HTTPBadRequest, "a peer call is a JSON object") from None
         caller = _caller(body)
         if caller is None:
@@ -114,11 +128,14 @@ class PeerGate:
         return caller
 
     def answer(self, caller: Caller, body: dict[str, Any]) -> web.Response:
-        """``body`` as the answer to ``caller``, with the proof and the next challenge."""
+        """``body`` as the answer to ``caller``, with the next challenge, and the proof of
+        its exact bytes in the ``X-Deltaflow-Proof`` header."""
         body["challenge"] = self._challenges.issue()
+        data = json.dumps(body).encode()
+        headers = {}
         if self._secret is not None:
-            body["proof"] = answer_proof(self._secret, caller.nonce, self._node_id)
-        return web.json_response(body)
+            headers[PROOF_HEADER] = answer_proof(self._secret, caller.nonce, data)
+        return web.Response(body=data, content_type="application/json", headers=headers)
 
 
 def _certificate(request: web.Request) -> Any:

@@ -23,8 +23,9 @@ from typing import Any, Final
 import aiohttp
 
 from .._faults import unreachable
-from ..security import answer_proof, call_proof, has_peer_role, url
+from ..security import NODE_ID, answer_proof, call_proof, has_peer_role, url
 from .identity import NodeIdentity
+from .peer_gate import PROOF_HEADER, read_bounded
 
 __all__ = ["MAX_PEER_ANSWER_BYTES", "Answer", "PeerClient", "PeerReply", "Silence"]
 
@@ -49,6 +50,7 @@ class PeerReply:
 @dataclass(frozen=True, slots=True)
 class Answer:
     node_id: str
+    address: str | None  # where it says it is reached (its --advertise)
     identity: NodeIdentity | None
     serving: bool
     refused: str | None
@@ -132,11 +134,14 @@ class PeerClient:
                 ssl=self._tls if self._tls is not None else True,
             ) as resp:
                 certificate = _peer_certificate(resp)
-                data = await resp.content.read(MAX_PEER_ANSWER_BYTES + 1)
-                status = resp.status
-            if len(data) > MAX_PEER_ANSWER_BYTES:
+                data = await read_bounded(resp.content, MAX_PEER_ANSWER_BYTES)
+                status, proof = resp.status, resp.headers.get(PROOF_HEADER)
+            if data is None:
                 raise ValueError(f"the answer of {address} exceeds {MAX_PEER_ANSWER_BYTES} bytes")
-            answer = json.loads(data) if data else {}
+            try:
+                answer = json.loads(data) if data else {}
+            except RecursionError:
+                raise ValueError(f"the answer of {address} nests too deep") from None
             if not isinstance(answer, dict):
                 raise TypeError(f"the answer of {address} is not a JSON object")
             fresh = answer.get("challenge")
@@ -144,16 +149,13 @@ class PeerClient:
                 self._challenges[address] = fresh
             if status == 401 and fresh and attempt == 0 and self._secret:
                 continue  # answered with a challenge: prove it
-            return PeerReply(status, answer, self._proven(answer, nonce, certificate))
+            return PeerReply(status, answer, self._proven(data, proof, nonce, certificate))
         return PeerReply(status, answer, False)
 
-    def _proven(self, answer: dict[str, Any], nonce: str, certificate: Any) -> bool:
+    def _proven(self, data: bytes, proof: str | None, nonce: str, certificate: Any) -> bool:
         if self._secret:
-            proof, node_id = answer.get("proof"), answer.get("node")
-            return (
-                isinstance(proof, str)
-                and isinstance(node_id, str)
-                and hmac.compare_digest(proof, answer_proof(self._secret, nonce, node_id))
+            return proof is not None and hmac.compare_digest(
+                proof, answer_proof(self._secret, nonce, data)
             )
         return has_peer_role(certificate) if self._certificates else True
 
@@ -167,7 +169,9 @@ class PeerClient:
             if reply.status != 200:
                 return Silence.NO_ANSWER
             body = reply.body
-            node_id = str(body["node"])
+            node_id = body["node"]
+            if not (isinstance(node_id, str) and NODE_ID.fullmatch(node_id)):
+                return Silence.NO_ANSWER
         except aiohttp.ClientConnectorError as exc:
             gone = isinstance(exc.os_error, ConnectionRefusedError)
             return Silence.REFUSED if gone else Silence.NO_ANSWER
@@ -178,11 +182,13 @@ class PeerClient:
         except ValueError:
             identity = None
         refused = body.get("refused")
+        claimed = body.get("address")
         return Answer(
             node_id=node_id,
+            address=claimed if isinstance(claimed, str) else None,
             identity=identity,
             serving=body.get("serving") is True,
-            refused=refused if isinstance(refused, str) else None,
+            refused=refused[:1000] if isinstance(refused, str) else None,
             map_wire=body.get("map"),
             draining=body.get("draining") is True,
             proven=reply.proven,

@@ -70,6 +70,7 @@ class Member:
     address: str
     configured: bool = True  # given in ``peers``, rather than learned from its own polls
     node_id: str | None = None
+    claimed: str | None = None  # the address its answer says it is reached at
     identity: NodeIdentity | None = None
     serving: bool = False
     own_refusal: str | None = None  # the peer's own ``refused`` message
@@ -420,6 +421,12 @@ class Membership:
                     "start every node with the same --peer-token-file (or, under mutual TLS, "
                     "give each a certificate with the peer role)"
                 )
+            elif m.claimed is not None and m.claimed != m.address:
+                conflict = (
+                    f"node {m.node_id} answers at {m.address} but says it is reached at "
+                    f"{m.claimed}; list each node in --peers by its --advertise address (an "
+                    "answer relayed from another address looks like this too)"
+                )
             elif m.identity is None:
                 conflict = (
                     f"node {m.node_id} at {m.address} answered without a valid cluster identity; "
@@ -481,6 +488,7 @@ class Membership:
 
 def _record(member: Member, answer: Answer, now: float) -> None:
     member.node_id = answer.node_id
+    member.claimed = answer.address
     member.identity = answer.identity
     member.serving = answer.serving
     member.own_refusal = answer.refused
