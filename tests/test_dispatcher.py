@@ -593,12 +593,16 @@ def test_a_stream_key_outside_16_to_64_bytes_is_refused(dispatcher: Dispatcher) 
 def test_a_node_holds_at_most_max_streams_open(
     dispatcher: Dispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A client holding the token cannot make a node keep streams without bound."""
+    """A client holding the token cannot make a node keep streams without bound, nor lock
+    others out by opening streams and going away: at the bound the oldest stream that no
+    connection holds is forgotten."""
     from deltaflow.server import streams
 
     monkeypatch.setattr(streams, "MAX_STREAMS", 3)
     for i in range(2):  # "s" is open already
         dispatcher.open(f"more{i}", "r", None, KEY)
+    for sid in ("s", "more0", "more1"):
+        dispatcher.streams.hold(sid, OWNER)
     with pytest.raises(ServerError) as info:
         dispatcher.open("one-too-many", "r", None, KEY)
     assert info.value.code == "OVERLOADED" and info.value.retriable
@@ -606,6 +610,10 @@ def test_a_node_holds_at_most_max_streams_open(
     dispatcher.open("s", "r", None, KEY)  # an open stream opens again
     dispatcher.close("more0", OWNER)
     dispatcher.open("one-too-many", "r", None, KEY)
+    dispatcher.streams.release("more1", OWNER)  # its connection went away
+    dispatcher.open("another", "r", None, KEY)
+    assert dispatcher.streams.get("more1", OWNER) is None
+    assert dispatcher.streams.get("s", OWNER) is not None
 
 
 async def test_the_same_id_under_another_key_is_a_stream_of_its_own(

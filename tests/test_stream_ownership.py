@@ -369,3 +369,23 @@ async def test_stream_keys_and_the_lane_window_are_checked_before_anything_is_se
     with pytest.raises(UsageError, match="per_partition_in_flight=65 is more than a node takes"):
         StreamerOptions(per_partition_in_flight=65)
     assert StreamerOptions(per_partition_in_flight=64).per_partition_in_flight == 64
+
+
+async def test_streams_left_open_by_a_client_that_went_away_do_not_lock_others_out(
+    start_cluster: StartCluster, warehouse: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client holding the token opened streams up to the node's bound and disconnected;
+    while it is connected, a new open is refused; once it is gone, its streams give way."""
+    from deltaflow.server import streams
+
+    monkeypatch.setattr(streams, "MAX_STREAMS", 8)
+    node = await one_node(start_cluster, warehouse)
+    intruder = await Intruder.connect(node.address)
+    for i in range(8):
+        assert (await intruder.open(f"hoard-{i}", TABLE_RECEIVER, None))["t"] == "opened"
+    refused = await intruder.open("one-more", TABLE_RECEIVER, None)
+    assert refused["t"] == "error" and refused["code"] == "OVERLOADED", refused
+    await intruder.close()
+    async with deltaflow.connect([node.address], token=TOKEN) as client:
+        summary = await client.stream_data(({"id": i} for i in range(100)), table="t", key="id")
+    assert summary.items_acked == 100

@@ -278,6 +278,11 @@ class ClientConnection:
             except (UnknownReceiverError, ServerError) as err:
                 await self.send(error_frame(err, sid=sid[:160]))  # a refused id may be long
             else:
+                before = self._opened.get(sid)
+                if before != owner:
+                    if before is not None:
+                        dispatcher.streams.release(sid, before)
+                    dispatcher.streams.hold(sid, owner)
                 self._opened[sid] = owner
                 await self.send({"t": "opened", "sid": sid})
         elif ftype == "close":
@@ -289,6 +294,14 @@ class ClientConnection:
                 dispatcher.close(frame["sid"], opener)
         else:
             raise ProtocolError(f"a client may not send {ftype!r} frames")
+
+
+    def release_streams(self) -> None:
+        """The connection is gone: the streams it opened are no longer held by it."""
+        streams = self._node.dispatcher.streams
+        for sid, owner in self._opened.items():
+            streams.release(sid, owner)
+        self._opened.clear()
 
 
 def token_matches(expected: str | None, given: str | None) -> bool:

@@ -418,6 +418,7 @@ class Node:
         try:
             await conn.serve(unauthenticated=waiting, from_remote=same)
         finally:
+            conn.release_streams()
             self._connections.discard(conn)
             self._websockets.discard(ws)
             if not ws.closed:

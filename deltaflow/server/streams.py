@@ -35,8 +35,10 @@ __all__ = [
 #: The bytes an ``open`` frame's ``key`` may have (the client sends 32 random or derived ones).
 MIN_STREAM_KEY: Final = 16
 MAX_STREAM_KEY: Final = 64
-#: Most streams open on a node at once (each holds a receiver and its lanes); an ``open``
-#: beyond it is answered ``OVERLOADED`` until others close.
+#: Most streams open on a node at once (each holds a receiver and its lanes). At the bound a
+#: new ``open`` makes the node forget the oldest idle stream no connection holds (a client
+#: that comes back to it later starts its lanes from its ``base``); with none, it is answered
+#: ``OVERLOADED`` until others close.
 MAX_STREAMS: Final = 10_000
 
 
@@ -58,6 +60,14 @@ class Stream:
     args: Any
     limit: asyncio.Semaphore | contextlib.nullcontext[None]
     lanes: dict[int, Lane] = field(default_factory=dict)
+    holders: int = 0  # connections that opened it and are still open
+
+    def idle(self) -> bool:
+        """No connection holds it and none of its lanes has a batch running or waiting."""
+        return self.holders == 0 and not any(
+            lane.task is not None or lane.pending or lane.committing
+            for lane in self.lanes.values()
+        )
 
 
 class StreamTable:
@@ -122,6 +132,10 @@ class StreamTable:
                 )
             return stream
         if len(self._streams) >= MAX_STREAMS:
+            oldest = next((s for s in self._streams.values() if s.idle()), None)
+            if oldest is not None:
+                self.forget(oldest)
+        if len(self._streams) >= MAX_STREAMS:
             raise OverloadedError(
                 f"this node has {len(self._streams)} streams open, its most; stream {sid!r} "
                 "can open once others close (clients close each stream they finish)",
@@ -138,6 +152,19 @@ class StreamTable:
         stream = Stream(sid, owner, receiver, instance, args, self._limit(receiver, cls))
         self._streams[sid, owner] = stream
         return stream
+
+    def hold(self, sid: str, owner: str) -> None:
+        """A connection opened stream ``sid`` of ``owner``: it is not forgotten at the bound
+        while that connection is open."""
+        stream = self._streams.get((sid, owner))
+        if stream is not None:
+            stream.holders += 1
+
+    def release(self, sid: str, owner: str) -> None:
+        """A connection that held stream ``sid`` of ``owner`` is gone."""
+        stream = self._streams.get((sid, owner))
+        if stream is not None:
+            stream.holders = max(stream.holders - 1, 0)
 
     def forget(self, stream: Stream) -> None:
         self._streams.pop((stream.sid, stream.owner), None)
