@@ -48,9 +48,10 @@ bench-transport: setup
 	$(PY) bench/transport.py
 
 # The fuzzing net of the wire protocol with many more examples than `make test` runs:
-# hypothesis over the decoder and a live node's WebSocket (tests/test_fuzz.py). A few minutes.
+# hypothesis over the decoders, the Arrow page reader and a live node's WebSocket. About 6 min.
 fuzz: setup
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz.py -p no:cacheprovider --timeout=1200
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz.py tests/test_arrow_bounds.py \
+		-p no:cacheprovider --timeout=1200
 
 # Mutation testing of the modules that carry the guarantees, against their fast unit tests
 # (docs/mutation.md). Not part of `make test`; about 10 minutes on 2 cores.
