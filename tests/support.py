@@ -10,7 +10,8 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import tracemalloc
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -441,3 +442,15 @@ class KillAt:
         if self.killed_at is None and self.acked >= self.at:
             self.victim.kill()
             self.killed_at = time.monotonic()
+
+
+@contextlib.contextmanager
+def allocation_peak() -> Iterator[list[int]]:
+    """The most memory Python allocated inside the block, in bytes (appended on exit)."""
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()

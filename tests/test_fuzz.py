@@ -19,8 +19,7 @@ import contextlib
 import datetime as dt
 import os
 import time
-import tracemalloc
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from deltaflow.protocol import (
 )
 from deltaflow.server import Node
 
-from .support import StartCluster
+from .support import StartCluster, allocation_peak
 
 settings.register_profile(
     "quick",
@@ -199,18 +198,6 @@ def table_frames(
         frame[draw(st.text(max_size=6).filter(lambda name: name not in known))] = 1
         valid = False
     return frame, valid
-
-
-@contextlib.contextmanager
-def allocation_peak() -> Iterator[list[int]]:
-    """The most memory Python allocated inside the block, in bytes (appended on exit)."""
-    peak: list[int] = []
-    tracemalloc.start()
-    try:
-        yield peak
-    finally:
-        peak.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
 
 
 def within_bound(peak: list[int], data: bytes) -> bool:

@@ -4,16 +4,13 @@ tests/test_partitioning.py)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import datetime as dt
 import decimal
 import pickle
 import threading
 import time
-import tracemalloc
 import uuid
-from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -43,6 +40,8 @@ from deltaflow.protocol import (
     unpack_items,
 )
 from deltaflow.server.frames import error_frame
+
+from .support import allocation_peak
 
 
 def test_batch_frame_round_trips_items_of_every_supported_type() -> None:
@@ -549,18 +548,6 @@ def test_an_errors_retry_decision_is_fixed_when_it_is_built() -> None:
     for kept in (copy.copy(final), pickle.loads(pickle.dumps(final))):
         assert type(kept) is OverloadedError and kept.retriable is False
         assert (kept.args, kept.node, kept.details) == (err.args, err.node, err.details)
-
-
-@contextlib.contextmanager
-def allocation_peak() -> Iterator[list[int]]:
-    """The most memory Python allocated inside the block, in bytes (appended on exit)."""
-    peak: list[int] = []
-    tracemalloc.start()
-    try:
-        yield peak
-    finally:
-        peak.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
 
 
 MiB = 1024 * 1024

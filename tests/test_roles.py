@@ -92,6 +92,17 @@ async def peer_call(
         return resp.status, await resp.json()
 
 
+async def cluster_identity(warehouse: Path) -> dict[str, Any]:
+    """The warehouse's cluster identity as a node shows it (anyone who may read the map can
+    copy it)."""
+    probe = Node(config(warehouse, "probe"))
+    await probe.start()
+    assert probe.identity is not None
+    identity = probe.identity.to_wire()
+    await probe.stop()
+    return identity
+
+
 class Listener:
     """A plain HTTP server on 127.0.0.1 that records every request it gets, whole, and
     answers each like a node would if it copied a node's identity (anyone allowed to read the
@@ -139,12 +150,7 @@ async def test_no_secret_reaches_an_address_in_peers_that_has_not_proven_itself(
     listener at an address in --peers got the token on the first poll, then proved it and
     took 4 of 8 partitions. Now a poll proves the secret over the callee's challenge and
     carries none; the listener's made-up proof gets it nothing."""
-    probe = Node(config(warehouse, "probe"))
-    await probe.start()
-    assert probe.identity is not None
-    identity = probe.identity.to_wire()
-    await probe.stop()
-    async with Listener(identity) as listener:
+    async with Listener(await cluster_identity(warehouse)) as listener:
         node = Node(
             config(warehouse, "n1", token=TOKEN, peer_token=PEER_TOKEN, peers=[listener.address])
         )
@@ -243,12 +249,7 @@ async def test_invented_peers_are_not_enrolled_and_learned_ones_are_capped(
 async def test_a_wrong_proof_in_a_peers_answer_is_refused(warehouse: Path) -> None:
     """A peer whose answer carries a proof, but not the right one, owns nothing (the check
     compares the proof; a missing proof is not the only way to fail it)."""
-    probe = Node(config(warehouse, "probe"))
-    await probe.start()
-    assert probe.identity is not None
-    identity = probe.identity.to_wire()
-    await probe.stop()
-    async with Listener(identity) as listener:
+    async with Listener(await cluster_identity(warehouse)) as listener:
         node = Node(config(warehouse, "n1", peer_token=PEER_TOKEN, peers=[listener.address]))
         await node.start()
         try:
