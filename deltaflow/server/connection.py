@@ -295,7 +295,6 @@ class ClientConnection:
         else:
             raise ProtocolError(f"a client may not send {ftype!r} frames")
 
-
     def release_streams(self) -> None:
         """The connection is gone: the streams it opened are no longer held by it."""
         streams = self._node.dispatcher.streams

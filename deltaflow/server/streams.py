@@ -65,8 +65,7 @@ class Stream:
     def idle(self) -> bool:
         """No connection holds it and none of its lanes has a batch running or waiting."""
         return self.holders == 0 and not any(
-            lane.task is not None or lane.pending or lane.committing
-            for lane in self.lanes.values()
+            lane.task is not None or lane.pending or lane.committing for lane in self.lanes.values()
         )
 
 
