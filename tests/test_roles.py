@@ -347,7 +347,7 @@ async def test_under_mutual_tls_a_client_certificate_cannot_act_as_a_peer(
         context.load_cert_chain(client.cert, client.key)
         body = {"node": "n9", "address": "127.0.0.1:1", "nonce": "0" * 32}
         async with aiohttp.ClientSession() as http:
-            for path in ("/v1/peer/poll", "/v1/peer/leave", "/v1/drain"):
+            for path in ("/v1/peer/poll", "/v1/peer/leave", "/v1/peer/status", "/v1/drain"):
                 async with http.post(
                     f"https://{node.address}{path}", json=body, ssl=context
                 ) as resp:

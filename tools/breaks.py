@@ -316,6 +316,12 @@ BREAKS: dict[str, Break] = {
             "tests/test_roles.py::test_under_mutual_tls_a_client_certificate_cannot_act_as_a_peer",
         ),
     ),
+    "status_unguarded": Break(
+        "deltaflow/server/node.py",
+        'caller = await self._peer_gate.admit(request, "status")',
+        'caller = __import__("deltaflow.server.peer_gate").server.peer_gate.Caller("o", "h:0", "0" * 32)',
+        ("tests/test_roles.py::test_under_mutual_tls_a_client_certificate_cannot_act_as_a_peer",),
+    ),
     "leave_unconfirmed": Break(
         "deltaflow/server/topology.py",
         "        if not answer.draining:\n",
