@@ -138,13 +138,13 @@ async def test_an_observable_flooding_the_event_loop_gets_a_clear_overflow_error
         async with deltaflow.connect([node.address]) as client:
             task = asyncio.create_task(
                 client.stream_data(
-                    subject,
+                    reactivex.create(subscribe),
                     key=lambda i: i,
                     receiver="deltaflow.testing.Echo",
                     options=StreamerOptions(source_buffer=100),
                 )
             )
-            await asyncio.to_thread(subscribed.wait, 30)  # on the bridge's own thread
+            assert await asyncio.to_thread(subscribed.wait, 30), "the bridge never subscribed"
             for i in range(1_000):  # on the loop, without yielding
                 subject.on_next(i)
             with pytest.raises(deltaflow.DataStreamerError) as info:

@@ -64,7 +64,7 @@ async def test_put_delete_put_rounds_on_one_key_keep_order_while_requests_are_lo
     cluster: list[Node], warehouse: Path
 ) -> None:
     items: list[Any] = []
-    for r in range(100):
+    for r in range(40):  # one key, one lane: each lost request costs its ack timeout in turn
         items += [{"id": 7, "v": r}, Delete({"id": 7}), {"id": 7, "v": r + 1000}]
     items += [{"id": 8, "v": -1}]
     dropper = RequestDropper(every=5)
@@ -73,5 +73,5 @@ async def test_put_delete_put_rounds_on_one_key_keep_order_while_requests_are_lo
         await client.stream_data(items, table="one_key", key="id", options=opts)
     assert dropper.dropped > 0
     table = read_delta(warehouse / "one_key")
-    assert table[7]["v"] == 1099  # the last put of the last round
+    assert table[7]["v"] == 1039  # the last put of the last round
     assert table[8]["v"] == -1

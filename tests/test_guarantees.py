@@ -43,7 +43,7 @@ def engine() -> str:
 async def test_every_key_is_applied_in_source_order_with_pipelined_batches_and_lost_requests(
     cluster: list[Node],
 ) -> None:
-    keys, versions = 60, 25
+    keys, versions = 60, 12
     items = [[k, v] for v in range(versions) for k in range(keys)]
     RecordOrder.applied = []
     dropper = RequestDropper(every=4)

@@ -131,8 +131,9 @@ async def metric(node: Any, name: str) -> float:
     ("engine", "rows", "at_least"),
     [
         ("delta-rs", 4000, 200),
-        # Three JVMs on two cores commit about twice a second in all: fewer rows, the same race.
-        ("spark", 2000, 100),
+        # Three JVMs on two cores commit about twice a second in all: fewer commits, the same
+        # race (a few dozen already lose some).
+        ("spark", 1000, 40),
     ],
 )
 async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
@@ -145,7 +146,7 @@ async def test_commits_racing_on_one_tick_lose_nothing_and_double_nothing(
 ) -> None:
     """Every group's write waits for the next 100 ms tick of the wall clock, so the three
     nodes' commits to a table meet on it: of each race one lands, the others read the marks
-    again and retry. Hundreds of commits (delta-rs; over a hundred with Spark); every append
+    again and retry. Hundreds of commits (delta-rs; dozens with Spark); every append
     once, every upsert at its last value. Spark's commits go through deltaflow's
     conditional-write log store."""
     cluster = await store_cluster(env={"DELTAFLOW_FAULT_TICK_BEFORE_WRITE": "0.1"}, engine=engine)

@@ -101,23 +101,29 @@ def check_conditional_writes(
 
     store = open_store(uri, options)
     base = f".deltaflow/checks/{uuid.uuid4().hex}"
-    written = [f"{base}/created", f"{base}/raced"]
+    paths = [f"{base}/created", f"{base}/raced"]
+    # Only what was written is deleted after: a store that cannot be reached fails at once,
+    # not after each delete has run through the client's retries too.
+    written: list[str] = []
     try:
-        first = obstore.put(store, written[0], b"1", mode="create")
+        first = obstore.put(store, paths[0], b"1", mode="create")
+        written.append(paths[0])
         try:
-            obstore.put(store, written[0], b"2", mode="create")
+            obstore.put(store, paths[0], b"2", mode="create")
             create_refused = False
         except AlreadyExistsError:
             create_refused = True
         # The key now holds "1" (or "2" on a store that overwrote): make its ETag stale first.
-        current = obstore.put(store, written[0], b"3", mode="overwrite")
+        current = obstore.put(store, paths[0], b"3", mode="overwrite")
         stale = first["e_tag"] if first["e_tag"] != current["e_tag"] else "stale-etag"
         try:
-            obstore.put(store, written[0], b"4", mode={"e_tag": stale})
+            obstore.put(store, paths[0], b"4", mode={"e_tag": stale})
             stale_etag_refused = False
         except PreconditionError:
             stale_etag_refused = True
-        winners = _race(store, written[1], racers)
+        winners = _race(store, paths[1], racers)
+        if winners:
+            written.append(paths[1])
     finally:
         for path in written:
             try:
