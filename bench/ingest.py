@@ -655,6 +655,7 @@ async def _start_nodes(
             raise
         return first.address, scraped, stop_procs
 
+    from deltaflow.engines import SparkOptions
     from deltaflow.server import NodeConfig, start_local_nodes
     from deltaflow.spark_integration import SparkConfig
 
@@ -664,9 +665,11 @@ async def _start_nodes(
             node_id="node-1",
             warehouse=warehouse,
             port=0,
-            engine=engine,
-            spark=SparkConfig(master="local[*]"),
-            spark_writer=writer,
+            engine=(
+                SparkOptions(config=SparkConfig(master="local[*]"), writer=writer)
+                if engine == SparkOptions.name
+                else engine
+            ),
             table_buckets=buckets,
             deletion_vectors=vectors,
         ),

@@ -15,9 +15,16 @@ from typing import Any
 
 from .cli_cluster import add_cluster_commands, peer_token_of, token_of
 from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
-from .engines import DEFAULT_ENGINE, DELTA_RS, ENGINE_NAMES
+from .engines.options import (
+    DEFAULT_ENGINE,
+    DELTA_RS,
+    ENGINE_NAMES,
+    SPARK,
+    SPARK_WRITERS,
+    SparkOptions,
+    engine_options,
+)
 from .errors import UsageError
-from .spark_integration.spark_engine import SPARK_WRITERS
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
 
 __all__ = ["main"]
@@ -37,6 +44,19 @@ def _serve(args: argparse.Namespace) -> int:
         tls = NodeTls(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
     elif args.tls_ca or args.tls_client_auth:
         raise UsageError("--tls-ca and --tls-client-auth need --tls-cert and --tls-key")
+    # Checked whatever the engine, as the Spark flags always were.
+    spark = SparkOptions(
+        config=SparkConfig(
+            master=args.spark_master,
+            app_name=f"deltaflow-{args.node_id}",  # one application per node, by its name
+            driver_memory=args.driver_memory,
+            java_options=args.driver_java_options,
+            max_cores=args.spark_max_cores,
+            executor_memory=args.spark_executor_memory,
+            executor_wait=args.spark_executor_wait,
+        ),
+        writer=args.spark_writer,
+    )
     config = NodeConfig(
         node_id=args.node_id,
         host=args.host,
@@ -66,17 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         side_input_timeout=args.side_input_timeout,
         side_input_lease=args.side_input_lease,
         side_input_poll_interval=args.side_input_poll_interval,
-        engine=args.engine,
-        spark=SparkConfig(
-            master=args.spark_master,
-            app_name=f"deltaflow-{args.node_id}",  # one application per node, by its name
-            driver_memory=args.driver_memory,
-            java_options=args.driver_java_options,
-            max_cores=args.spark_max_cores,
-            executor_memory=args.spark_executor_memory,
-            executor_wait=args.spark_executor_wait,
-        ),
-        spark_writer=args.spark_writer,
+        engine=spark if args.engine == SPARK else engine_options(args.engine),
     )
 
     async def run() -> None:
@@ -116,14 +126,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _table_create(args: argparse.Namespace) -> int:
     from .engines import create_table
+    from .engines.options import EngineOptions
     from .spark_integration.session import SparkConfig
 
     name = args.name or args.table
     if not name or (args.name and args.table and args.name != args.table):
         raise UsageError("name the table once: deltaflow table create --warehouse W NAME ...")
-    spark = None
-    if args.engine == "spark":
-        spark = SparkConfig(master=args.spark_master, driver_memory=args.driver_memory)
+    engine: str | EngineOptions = args.engine
+    if args.engine == SPARK:
+        engine = SparkOptions(
+            config=SparkConfig(master=args.spark_master, driver_memory=args.driver_memory)
+        )
     settings = create_table(
         warehouse_of(args),
         name,
@@ -132,8 +145,7 @@ def _table_create(args: argparse.Namespace) -> int:
         buckets=args.buckets,
         allow_schema_evolution=args.allow_schema_evolution,
         deletion_vectors=args.deletion_vectors,
-        engine=args.engine,
-        spark=spark,
+        engine=engine,
     )
     print(f"table {name} created: {settings.describe()}")
     return 0
@@ -261,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--spark-writer",
         choices=SPARK_WRITERS,
-        default=_node_default("spark_writer"),
+        default=_field_default(SparkOptions, "writer"),
         help="spark engine: the node writes the files and commits them through Spark's Delta "
         "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
     )

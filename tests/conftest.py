@@ -158,7 +158,6 @@ async def start_cluster() -> AsyncIterator[StartCluster]:
     async def start_cluster(warehouse: Path, count: int = 2, **config: Any) -> list[Node]:
         config.setdefault("receivers", TEST_RECEIVERS)
         config.update(engine_options(config.pop("engine", "spark")))
-        config.setdefault("spark", TEST_SPARK)
         base = NodeConfig(
             node_id="node-1",
             warehouse=warehouse,

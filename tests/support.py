@@ -19,13 +19,12 @@ import pytest
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
+from deltaflow.engines import DeltaRsOptions, EngineOptions, SparkOptions, new_engine
 from deltaflow.partitioning import partition_of
 from deltaflow.server import Node
 from deltaflow.spark_integration import SparkConfig
 from deltaflow.spark_integration.s3a import configure_bucket
-from deltaflow.spark_integration.spark_engine import SparkTableEngine
 from deltaflow.storage.paths import Location, StorePath, storage_options
-from deltaflow.tables.deltars_engine import DeltaRsTableEngine
 from deltaflow.tables.engine import TableEngine
 from deltaflow.testing import NodeProcess, free_port
 
@@ -88,7 +87,8 @@ StartCluster = Callable[..., Awaitable[list[Node]]]
 
 
 def engine_options(engine: str) -> dict[str, Any]:
-    """A node's settings for an engine as tests name them: ``spark`` (its direct writer),
+    """A node's settings for an engine as tests name them (``engine``: its options, Spark's on
+    :data:`TEST_SPARK`; ``deletion_vectors``): ``spark`` (its direct writer),
     ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, ``spark-dv`` and
     ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), ``spark-connect`` (the
     Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT),
@@ -99,12 +99,20 @@ def engine_options(engine: str) -> dict[str, Any]:
         return {**engine_options(engine.removesuffix("-dv")), "deletion_vectors": True}
     if engine == "spark-connect":
         assert "connect" in SPARK_SERVERS, "spark-connect needs the connect_server fixture"
-        return {"engine": "spark", "spark": SPARK_SERVERS["connect"]}
+        return {"engine": SparkOptions(config=SPARK_SERVERS["connect"])}
     if engine == "spark-sql":
-        return {"engine": "spark", "spark_writer": "sql"}
-    if engine in ON_S3:
-        return {"engine": engine.removesuffix("-s3")}
-    return {"engine": engine}
+        return {"engine": SparkOptions(config=TEST_SPARK, writer="sql")}
+    if engine.removesuffix("-s3") == "spark":
+        return {"engine": SparkOptions(config=TEST_SPARK)}
+    if engine.removesuffix("-s3") == "delta-rs":
+        return {"engine": DeltaRsOptions()}
+    return {"engine": engine}  # not an engine: NodeConfig says so
+
+
+def creating_engine(engine: str) -> EngineOptions:
+    """The engine a table test on ``engine`` (a name :func:`engine_options` knows) creates its
+    table with: the same kind, Spark's on the classic :data:`TEST_SPARK`."""
+    return DeltaRsOptions() if engine.startswith("delta-rs") else SparkOptions(config=TEST_SPARK)
 
 
 async def echo_stream(
@@ -256,15 +264,9 @@ async def table_engine(
     engine: str, warehouse: Path, node_id: str = "t1", **kwargs: Any
 ) -> AsyncIterator[TableEngine]:
     """A node's table engine alone (no server): staging and commits, as a node runs them."""
-    eng: TableEngine
     options = engine_options(engine)
     kwargs = {"deletion_vectors": options.get("deletion_vectors", False), **kwargs}
-    if options["engine"] == "spark":
-        writer = options.get("spark_writer", "direct")
-        spark = options.get("spark", TEST_SPARK)
-        eng = SparkTableEngine(warehouse, node_id=node_id, spark=spark, writer=writer, **kwargs)
-    else:
-        eng = DeltaRsTableEngine(warehouse, node_id=node_id, **kwargs)
+    eng = new_engine(options["engine"], warehouse, node_id=node_id, **kwargs)
     await eng.start()
     try:
         yield eng

@@ -2,6 +2,12 @@
 
 Every import counts, wherever it is written: at module level, inside a function (a lazy
 import is still an arrow) and under ``TYPE_CHECKING``.
+
+The layers around the table engines: ``tables`` is the engine-neutral Delta machinery and
+``spark_integration`` what a client needs from Spark plus the session the Spark engine uses;
+neither imports ``engines``, which holds the engines, their factory and their typed options
+and sits above both. A node's configuration holds engine options without reaching the Spark
+engine or PySpark.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,7 +81,27 @@ FORBIDDEN = {
         "deltaflow.cli",
         "deltaflow.demo",
     ),
+    "deltaflow.engines": (
+        "deltaflow.client",
+        "deltaflow.server",
+        "deltaflow.testing",
+        "deltaflow.cli",
+        "deltaflow.demo",
+    ),
     "deltaflow.server": ("deltaflow.client", "deltaflow.cli", "deltaflow.demo"),
+}
+#: Modules that must never come to import a module (or package) of the other side, by any
+#: chain of imports, lazy ones included: the node's configuration holds engine options, not
+#: the Spark engine.
+UNREACHABLE = {
+    "deltaflow.server.node_config": ("deltaflow.engines.spark",),
+    "deltaflow.engines.options": ("deltaflow.engines.spark", "deltaflow.engines.delta_rs"),
+}
+#: Modules whose import must load none of these libraries: what they import as they load
+#: (module level, outside ``TYPE_CHECKING``), the packages above those, and so on.
+LIGHT = {
+    "deltaflow.server.node_config": ("pyspark", "delta", "deltalake"),
+    "deltaflow.engines.options": ("pyspark", "delta", "deltalake"),
 }
 
 
@@ -89,36 +115,125 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def _package(name: str, path: Path) -> str:
+    """The package a module's relative imports start from."""
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _sources(node: ast.Import | ast.ImportFrom, package: str) -> Iterator[str]:
+    """The names one import statement imports, resolved to absolute names."""
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        source = ".".join([*base, node.module] if node.module else base)
+    else:
+        source = node.module or ""
+    yield source
+    yield from (f"{source}.{alias.name}" for alias in node.names)
+
+
 def imported(name: str, path: Path) -> Iterator[str]:
-    """Every ``deltaflow`` name the module imports, resolved to absolute names."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    """Every name the module imports, wherever the import is written, resolved to absolute
+    names."""
+    package = _package(name, path)
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                source = ".".join([*base, node.module] if node.module else base)
-            else:
-                source = node.module or ""
-            yield source
-            yield from (f"{source}.{alias.name}" for alias in node.names)
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield from _sources(node, package)
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imported_on_load(name: str, path: Path) -> Iterator[str]:
+    """The names the module imports as it is loaded: its imports outside functions (at module
+    level, in ``if``, ``try`` and class bodies) and outside ``if TYPE_CHECKING:``."""
+    package = _package(name, path)
+
+    def run(node: ast.AST) -> Iterator[str]:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield from _sources(node, package)
+        elif isinstance(node, ast.If) and _type_checking(node.test):
+            for child in node.orelse:
+                yield from run(child)
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            for child in ast.iter_child_nodes(node):
+                yield from run(child)
+
+    yield from run(ast.parse(path.read_text(encoding="utf-8")))
+
+
+def module_of(name: str, known: Iterable[str]) -> str | None:
+    """The deltaflow module an imported name is in: the longest module it starts with."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
 
 
 def import_graph() -> dict[str, set[str]]:
     """Module -> the deltaflow modules it imports (a name resolves to its longest module)."""
     known = modules()
-
-    def module_of(name: str) -> str | None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        return name or None
-
     graph: dict[str, set[str]] = {}
     for name, path in known.items():
-        targets = {module_of(t) for t in imported(name, path) if t.startswith("deltaflow")}
+        targets = {module_of(t, known) for t in imported(name, path) if t.startswith("deltaflow")}
         graph[name] = {t for t in targets if t is not None and t != name}
     return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str | None]:
+    """Every module ``start`` comes to import by a chain of imports, each with the module
+    that imports it on the shortest chain (``start``: None)."""
+    via: dict[str, str | None] = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph[module]):
+                if target not in via:
+                    via[target] = module
+                    following.append(target)
+        frontier = following
+    return via
+
+
+def chain(via: dict[str, str | None], end: str) -> str:
+    """The chain of imports that reaches ``end`` (see :func:`reachable`)."""
+    links = [end]
+    while (before := via[links[-1]]) is not None:
+        links.append(before)
+    return " -> ".join(reversed(links))
+
+
+def loaded_with(start: str) -> set[str]:
+    """What importing ``start`` loads: the deltaflow modules (each with the packages above
+    it, which Python runs first) and the top-level packages of other libraries, by the
+    imports each runs as it is loaded."""
+    known = modules()
+    loaded: set[str] = set()
+    pending = with_packages(start)
+    while pending:
+        name = pending.pop()
+        if name in loaded:
+            continue
+        loaded.add(name)
+        if name not in known:
+            continue  # another library: its top-level package
+        for target in imported_on_load(name, known[name]):
+            if not target.startswith("deltaflow"):
+                pending.append(target.partition(".")[0])
+            elif (module := module_of(target, known)) is not None:
+                pending.extend(with_packages(module))
+    return loaded
+
+
+def with_packages(module: str) -> list[str]:
+    """``module`` and the packages above it."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -182,6 +297,37 @@ def test_a_layer_imports_none_of_the_layers_it_must_not(layer: str) -> None:
     assert broken == [], f"{layer} must not import these"
 
 
+@pytest.mark.parametrize("module", sorted(UNREACHABLE))
+def test_a_module_never_comes_to_import_what_it_must_not(module: str) -> None:
+    via = reachable(import_graph(), module)
+    broken = sorted(
+        chain(via, target)
+        for target in via
+        if any(within(target, banned) for banned in UNREACHABLE[module])
+    )
+    assert broken == [], f"{module} must not come to import these"
+
+
+def test_a_lazy_import_is_an_arrow_of_the_chains() -> None:
+    """The engine factory imports an engine only when it is chosen: still an arrow."""
+    via = reachable(import_graph(), "deltaflow.engines")
+    assert chain(via, "deltaflow.engines.spark") == "deltaflow.engines -> deltaflow.engines.spark"
+
+
+@pytest.mark.parametrize("module", sorted(LIGHT))
+def test_a_light_module_loads_no_heavy_library(module: str) -> None:
+    assert sorted(loaded_with(module) & set(LIGHT[module])) == []
+
+
+def test_what_a_module_loads_counts_its_packages_and_not_its_lazy_imports() -> None:
+    loaded = loaded_with("deltaflow.engines.options")
+    assert {"deltaflow", "deltaflow.engines", "deltaflow.spark_integration.session"} <= loaded
+    # The factory's engines are imported when one is built, the session's PySpark when a
+    # session is made.
+    assert not {"deltaflow.engines.spark", "deltaflow.engines.delta_rs", "pyspark"} & loaded
+    assert "aiohttp" in loaded_with("deltaflow.server.node_config")  # its peers, by chains
+
+
 def test_the_foundations_import_only_each_other() -> None:
     graph = import_graph()
     broken = sorted(
@@ -200,13 +346,14 @@ def test_no_module_is_over_about_500_lines() -> None:
 
 
 def test_heavy_libraries_and_the_client_load_only_when_used() -> None:
-    """Importing the node, the engines' seam and the packages loads no Spark, Arrow, delta-rs
-    or pandas, and the node does not load the client."""
+    """Importing the node, the engines' factory and options and the packages loads no Spark,
+    Arrow, delta-rs or pandas, nor an engine, and the node does not load the client."""
     code = (
         "import sys, deltaflow, deltaflow.server, deltaflow.tables, deltaflow.engines, "
-        "deltaflow.spark_integration, deltaflow.receivers\n"
+        "deltaflow.engines.options, deltaflow.spark_integration, deltaflow.receivers\n"
         "heavy = {'pyspark', 'delta', 'deltalake', 'pyarrow', 'pandas', 'numpy'}\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy "
+        "engines = {'deltaflow.engines.spark', 'deltaflow.engines.delta_rs'}\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in heavy or m in engines "
         "or m.startswith('deltaflow.client'))\n"
         "print(','.join(loaded))\n"
     )

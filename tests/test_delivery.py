@@ -82,6 +82,7 @@ def test_public_modules_declare_their_exports() -> None:
         "deltaflow.spark_integration",
         "deltaflow.tables",
         "deltaflow.engines",
+        "deltaflow.engines.options",
         "deltaflow.testing",
     ):
         module = importlib.import_module(name)

@@ -16,10 +16,10 @@ import pytest
 
 import deltaflow
 from deltaflow import Delete, StreamerOptions
+from deltaflow.engines.delta_rs import DeltaRsTableEngine
 from deltaflow.errors import ServerError, UsageError
 from deltaflow.server import Node, NodeConfig
 from deltaflow.tables import staging
-from deltaflow.tables.deltars_engine import DeltaRsTableEngine
 from deltaflow.tables.flock import table_lock
 from deltaflow.testing import at_fault_point
 

@@ -490,8 +490,8 @@ async def test_a_full_result_buffer_makes_its_reader_wait() -> None:
 
 
 async def test_a_group_whose_commit_fails_is_committed_write_by_write(warehouse: Path) -> None:
+    from deltaflow.engines.delta_rs import DeltaRsTableEngine
     from deltaflow.errors import SchemaError
-    from deltaflow.tables.deltars_engine import DeltaRsTableEngine
     from deltaflow.tables.settings import TableSettings
 
     engine = DeltaRsTableEngine(warehouse, node_id="t1")

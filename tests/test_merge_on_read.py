@@ -19,8 +19,8 @@ from deltaflow.tables.merge_on_read import MERGE_FILES_AT
 from deltaflow.testing import at_fault_point
 
 from .support import (
-    TEST_SPARK,
     commit_actions,
+    creating_engine,
     every_engine,  # noqa: F401 - this module's engine fixture
     open_table,
     read_all,
@@ -42,8 +42,7 @@ async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: 
         key="id",
         buckets=2,
         deletion_vectors=True,
-        engine="delta-rs" if engine.startswith("delta-rs") else "spark",
-        spark=TEST_SPARK,
+        engine=creating_engine(engine),
     )
     path = warehouse / "dv"
     assert open_table(path).metadata().configuration["delta.enableDeletionVectors"] == "true"

@@ -21,8 +21,7 @@ from deltaflow.tables import BUCKET_COLUMN, read_table_settings
 from deltaflow.tables.settings import TableSettings
 
 from .support import (
-    TEST_SPARK,
-    engine_options,
+    creating_engine,
     every_engine,  # noqa: F401 - this module's engine fixture
     holding,
     open_table,
@@ -44,8 +43,7 @@ async def test_explicit_create_stores_schema_layout_and_settings(
         key="id",
         buckets=16,
         allow_schema_evolution=True,
-        engine=engine_options(engine)["engine"],
-        spark=TEST_SPARK,
+        engine=creating_engine(engine),
     )
     assert settings == TableSettings(key=("id",), buckets=16, schema_evolution=True)
     table = open_table(warehouse / "people")

@@ -3,7 +3,7 @@ WebSocket), :mod:`.dispatcher` (receivers, acks) over :mod:`.streams` (who owns 
 :mod:`.lanes` (ordering) and
 :mod:`.frames` (frames in and out), :mod:`.side_inputs`, :mod:`.topology` (membership and
 partition map), :mod:`.statistics` and :mod:`.metrics`. Table commits live in
-:mod:`deltaflow.spark_integration`."""
+:mod:`deltaflow.tables` and the engine that makes them, in :mod:`deltaflow.engines`."""
 
 from .node import Node, NodeConfig, NodeState, start_local_nodes
 from .statistics import NodeStatistics

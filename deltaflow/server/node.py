@@ -13,7 +13,7 @@ from typing import Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from ..engines import new_engine
+from ..engines import engine_options, new_engine
 from ..errors import UsageError
 from ..partitioning import PartitionMap
 from ..protocol import PROTOCOL_VERSION, WS_PATH
@@ -83,10 +83,8 @@ class Node:
         self.warehouse = location(config.warehouse, config.storage_options)
         self.engine: TableEngine
         self.engine = new_engine(
-            config.engine,
+            engine_options(config.engine),
             self.warehouse,
-            spark=config.spark,
-            spark_writer=config.spark_writer,
             node_id=config.node_id,
             settings=config.engine_settings(),
         )
@@ -191,7 +189,7 @@ class Node:
                 load_identity,
                 self.warehouse,
                 node_id=self.node_id,
-                engine=self.config.engine,
+                engine=self.engine.name,
                 partitions=self.config.partitions,
             )
             self.identity = identity

@@ -7,13 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from ..engines import DEFAULT_ENGINE, check_engine
+from ..engines.options import DEFAULT_ENGINE, EngineOptions, engine_options
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS
 from ..protocol import DEFAULT_MAX_FRAME_BYTES
 from ..security import NODE_ID, NodeTls, is_loopback
-from ..spark_integration.session import SparkConfig
-from ..spark_integration.spark_engine import SPARK_WRITERS
 from ..storage.paths import StorePath
 from ..tables.engine_settings import (
     DEFAULT_MAX_GROUP_BYTES,
@@ -71,11 +69,10 @@ class NodeConfig:
             ``left``; one that is not in ``peers`` is no longer polled). Must exceed
             ``failure_timeout``. Default 60.
         engine: the table engine: ``"spark"`` (default; Delta through PySpark) or
-            ``"delta-rs"`` (the ``deltalake`` package, no JVM). Same semantics.
-        spark: Spark settings for the Spark engine (``local[*]`` by default).
-        spark_writer: how the Spark engine applies a group: ``"direct"`` (default; the node
-            writes the data files and commits them through Spark's Delta transaction, no Spark
-            job) or ``"sql"`` (a Spark MERGE or INSERT per group). See docs/tables.md.
+            ``"delta-rs"`` (the ``deltalake`` package, no JVM), same semantics; or the engine
+            with its settings, such as ``SparkOptions(config=SparkConfig(...), writer="sql")``
+            (see :mod:`deltaflow.engines.options`). Held as options: a name becomes its
+            engine's default options.
         max_group_rows: largest group commit, rows. Default 500,000.
         max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
             larger than either bound still commits, alone.)
@@ -119,9 +116,7 @@ class NodeConfig:
     heartbeat_interval: float = 0.5
     failure_timeout: float = 3.0
     peer_expiry: float = DEFAULT_PEER_EXPIRY
-    engine: str = DEFAULT_ENGINE
-    spark: SparkConfig = field(default_factory=SparkConfig)
-    spark_writer: str = SPARK_WRITERS[0]
+    engine: str | EngineOptions = DEFAULT_ENGINE
     max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     min_commit_interval: float = 0.0
@@ -153,11 +148,7 @@ class NodeConfig:
             )
         if not (self.insecure or is_loopback(self.host)):
             self._check_network_credentials()
-        check_engine(self.engine)
-        if self.spark_writer not in SPARK_WRITERS:
-            raise UsageError(
-                f"spark_writer must be one of {', '.join(SPARK_WRITERS)}, got {self.spark_writer!r}"
-            )
+        object.__setattr__(self, "engine", engine_options(self.engine))
         for name, bound in self.receiver_concurrency.items():
             if not isinstance(bound, int) or bound < 1:
                 raise UsageError(

@@ -1,9 +1,10 @@
-"""Everything that needs Spark: the process's SparkSession and Delta jars, the Spark table
-engine, Spark as a source (``stream_dataframe``, ``foreach_batch``) and as a reader
-(``read_table``, ``read_dead_letters``).
+"""What a client needs from Spark, and the session the Spark engine uses: the process's
+SparkSession and Delta jars, Spark as a source (``stream_dataframe``, ``foreach_batch``) and
+as a reader (``read_table``, ``read_dead_letters``). The Spark table engine itself is
+:mod:`deltaflow.engines.spark`; nothing here imports it.
 
-Names are imported on first use, so a node that imports the session or the engine does not
-import the client's DataFrame source, and importing this package does not import PySpark:
+Names are imported on first use, so a node that imports the session does not import the
+client's DataFrame source, and importing this package does not import PySpark:
 :func:`get_spark` does, with a clear ImportError naming the extra to install.
 """
 
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     from .jars import ensure_jars
     from .readers import read_dead_letters, read_table
     from .session import SparkConfig, get_spark
-    from .spark_engine import SparkTableEngine
     from .streaming import ForeachBatchWriter, foreach_batch
 
 _HOMES = {
@@ -37,7 +37,6 @@ _HOMES = {
     "ensure_jars": "jars",
     "SparkConfig": "session",
     "get_spark": "session",
-    "SparkTableEngine": "spark_engine",
 }
 
 __all__ = [
@@ -46,7 +45,6 @@ __all__ = [
     "ForeachBatchWriter",
     "PartitionFailure",
     "SparkConfig",
-    "SparkTableEngine",
     "ensure_jars",
     "foreach_batch",
     "get_spark",

@@ -3,9 +3,9 @@
 Table settings and the bucket layout (:mod:`.settings`), row validation and conversion
 (:mod:`.conversion`, :mod:`.rows`), the group commit (:mod:`.committer`), lane marks for
 exactly-once (:mod:`.marks`), the commit-atomicity seam (:mod:`.atomicity`), the Delta log
-reader, merge-on-read, maintenance, and the delta-rs engine (:mod:`.deltars_engine`). Spark
-lives in :mod:`deltaflow.spark_integration`; choosing between the two, in
-:mod:`deltaflow.engines`. Nothing here imports the client.
+reader, merge-on-read, maintenance. The engines that commit through it (delta-rs, Spark) and
+their factory are in :mod:`deltaflow.engines`; nothing here imports them, Spark or the
+client.
 
 Importing this package imports neither pyarrow nor delta-rs.
 """

@@ -5,8 +5,8 @@ shares.
 (:mod:`.committer`: staging queue, group commit, lane marks, commit atomicity) and statistics.
 A subclass supplies the blocking calls that touch a table: :meth:`~TableEngine.create`,
 :meth:`~TableEngine.add_columns` and :meth:`~TableEngine.write` (one group, one commit). Engines:
-delta-rs (:mod:`.deltars_engine`) and Spark (:mod:`deltaflow.spark_integration.spark_engine`);
-:mod:`deltaflow.engines` chooses one by name.
+delta-rs (:mod:`deltaflow.engines.delta_rs`) and Spark (:mod:`deltaflow.engines.spark`);
+:mod:`deltaflow.engines` builds one from a node's options.
 
 Tables carry their settings (key, bucket layout, schema evolution, deletion vectors) in their
 Delta properties (:mod:`.settings`). Keyed tables get the bucket column, and each MERGE names

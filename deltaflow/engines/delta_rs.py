@@ -2,11 +2,11 @@
 package, no JVM.
 
 A group whose keys the table may hold is applied by copy-on-write by key range
-(:mod:`.rewrite`: the files holding its keys are read and replaced in one commit, keeping files
-to their key ranges), or, on a table with deletion vectors, by merge-on-read
-(:mod:`.merge_on_read`: its rows are written once and the rows they replace marked in deletion
-vectors). Tables with features those writers do not implement, and keys of more than one
-column, are merged with delta-rs's MERGE.
+(:mod:`~deltaflow.tables.rewrite`: the files holding its keys are read and replaced in one
+commit, keeping files to their key ranges), or, on a table with deletion vectors, by
+merge-on-read (:mod:`~deltaflow.tables.merge_on_read`: its rows are written once and the rows
+they replace marked in deletion vectors). Tables with features those writers do not
+implement, and keys of more than one column, are merged with delta-rs's MERGE.
 
 Same semantics as the Spark engine (the same table tests run against both): one commit per
 group, lane marks in the commit's ``userMetadata``, the same cross-process table lock.
@@ -30,13 +30,13 @@ from typing import Any, Final
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from ..storage.paths import Location, create_exclusive, storage_options
-from .engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
-from .footprint import Footprint
-from .log import delta_table
-from .log import log_dir as delta_log_dir
-from .merge_on_read import MergeOnRead, has_deletion_vectors
-from .rewrite import RewriteUnsupported, rewrite
-from .settings import (
+from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
+from ..tables.footprint import Footprint
+from ..tables.log import delta_table
+from ..tables.log import log_dir as delta_log_dir
+from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
+from ..tables.rewrite import RewriteUnsupported, rewrite
+from ..tables.settings import (
     BUCKET_COLUMN,
     TableSettings,
     with_layout,
@@ -162,9 +162,9 @@ def _create_with_deletion_vectors(
 
 #: A MERGE copies every row of the files it touches. Once the candidate files hold more than
 #: this many times the group's rows (an earlier MERGE gathered the rest of a straddled file
-#: into its own), the group is applied by the copy-on-write of :mod:`.rewrite`, which splits
-#: them by key range again; below it the MERGE, whose file work runs in Rust off the GIL, is
-#: cheaper (docs/tables.md).
+#: into its own), the group is applied by the copy-on-write of
+#: :mod:`~deltaflow.tables.rewrite`, which splits them by key range again; below it the
+#: MERGE, whose file work runs in Rust off the GIL, is cheaper (docs/tables.md).
 REWRITE_ABOVE_COPIES: Final = 2
 
 
@@ -296,9 +296,9 @@ class DeltaRsTableEngine(TableEngine):
     def _commit_merge_on_read(
         self, path: Location, done: MergeOnRead, metadata: str, planned: int
     ) -> int:
-        """Commit a group applied by merge-on-read (:mod:`.merge_on_read`) on table version
-        ``planned`` by writing the next log entry directly (delta-rs's transaction API takes
-        no deletion vectors)."""
+        """Commit a group applied by merge-on-read (:mod:`~deltaflow.tables.merge_on_read`) on
+        table version ``planned`` by writing the next log entry directly (delta-rs's
+        transaction API takes no deletion vectors)."""
         version = planned + 1
         info = {
             "timestamp": done.timestamp,
@@ -317,8 +317,8 @@ class DeltaRsTableEngine(TableEngine):
 
 def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:
     """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
-    other writer did (:func:`.create_exclusive`: a hard link on disk, a create-if-absent put
-    on a store; readers never see a partial entry).
+    other writer did (:func:`~deltaflow.storage.paths.create_exclusive`: a hard link on disk,
+    a create-if-absent put on a store; readers never see a partial entry).
 
     Raises:
         CommitConflictError: the version exists (another writer's commit won).

@@ -3,9 +3,9 @@
 Two writers apply a group in one commit (``writer``):
 
 - ``"direct"`` (default): the node writes the group's data files itself, by copy-on-write by
-  key range (:mod:`.rewrite`, the same file work as the delta-rs engine's; on tables with
-  deletion vectors, by merge-on-read, :mod:`.merge_on_read`), and commits their
-  add and remove actions through Delta's own transaction in the Spark driver
+  key range (:mod:`~deltaflow.tables.rewrite`, the same file work as the delta-rs engine's; on
+  tables with deletion vectors, by merge-on-read, :mod:`~deltaflow.tables.merge_on_read`), and
+  commits their add and remove actions through Delta's own transaction in the Spark driver
   (``DeltaLog.startTransaction().commit``): Delta's conflict detection, log, checkpoints and
   commit format, with no Spark job per group. A Spark MERGE costs seconds of job planning and
   scheduling whatever its size; this costs a few hundred milliseconds (docs/tables.md).
@@ -14,7 +14,8 @@ Two writers apply a group in one commit (``writer``):
 
 The direct writer falls back to the SQL one for groups it cannot apply: tables with features
 it does not implement (column mapping, constraints, generated columns, ...:
-:func:`.rewrite.write_files`) and keys of more than one column or of a type without ranges.
+:func:`~deltaflow.tables.rewrite.write_files`) and keys of more than one column or of a type
+without ranges.
 
 On a Spark Connect server (``sc://``) every group is applied by the SQL writer: the node has
 no driver JVM to commit through. The server reads the staging file by its path, so it must
@@ -41,6 +42,12 @@ from typing import Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError, UsageError
+from ..spark_integration.session import (
+    DIRECT_WRITER_JAVA_OPTIONS,
+    SparkConfig,
+    connect_session,
+    session_for,
+)
 from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
@@ -52,9 +59,9 @@ from ..tables.settings import (
     TableSettings,
     with_layout,
 )
-from .session import DIRECT_WRITER_JAVA_OPTIONS, SparkConfig, connect_session, session_for
+from .options import SPARK_WRITERS
 
-__all__ = ["SPARK_WRITERS", "SparkTableEngine", "create_delta_table", "map_spark_errors"]
+__all__ = ["SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +69,6 @@ _USER_METADATA_CONF: Final = "spark.databricks.delta.commitInfo.userMetadata"
 #: Delta's retries of a commit that lost its version (at the next one, after its own conflict
 #: checks): none on an object store, where the committer checks the lane marks again first.
 _MAX_COMMIT_ATTEMPTS: Final = "spark.databricks.delta.maxCommitAttempts"
-#: The Spark engine's writers (see the module docstring).
-SPARK_WRITERS: Final = ("direct", "sql")
 #: The class of Delta's post-commit hook that writes checkpoints (a Scala object).
 _CHECKPOINT_HOOK: Final = "org.apache.spark.sql.delta.hooks.CheckpointHook$"
 
@@ -170,7 +175,7 @@ class SparkTableEngine(TableEngine):
         spark: Spark settings (the process's session is shared by every engine in it).
         writer: ``"direct"`` (default) or ``"sql"``: how groups are applied (see the module
             docstring).
-        **kwargs: see :class:`~.engine.TableEngine`.
+        **kwargs: see :class:`~deltaflow.tables.engine.TableEngine`.
     """
 
     name = "spark"

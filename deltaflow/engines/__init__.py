@@ -1,0 +1,132 @@
+"""The table engines, in one package: the one list of them, a node's engine built from its
+options, and creating a table through either.
+
+:mod:`.options` names the engines and types their settings (:class:`SparkOptions`,
+:class:`DeltaRsOptions`); :mod:`.delta_rs` and :mod:`.spark` are the engines, subclasses of
+:class:`~deltaflow.tables.engine.TableEngine`. They sit above :mod:`deltaflow.tables`
+(engine-neutral Delta machinery) and :mod:`deltaflow.spark_integration` (the SparkSession
+the Spark engine uses), which import nothing from here; the node and the CLI choose an engine
+here. An engine is imported only when it is chosen, so importing this package loads neither
+Spark nor delta-rs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import UsageError
+from ..receivers.base import check_table_name
+from ..storage.paths import Location, location
+from ..tables.atomicity import atomicity_for
+from ..tables.log import is_table
+from ..tables.settings import DEFAULT_BUCKETS, TableSettings, parse_schema
+from .options import (
+    DEFAULT_ENGINE,
+    DELTA_RS,
+    ENGINE_NAMES,
+    SPARK,
+    DeltaRsOptions,
+    EngineOptions,
+    SparkOptions,
+    check_engine,
+    engine_options,
+)
+
+if TYPE_CHECKING:
+    from ..tables.engine import TableEngine
+
+__all__ = [
+    "DEFAULT_ENGINE",
+    "DELTA_RS",
+    "ENGINE_NAMES",
+    "SPARK",
+    "DeltaRsOptions",
+    "EngineOptions",
+    "SparkOptions",
+    "check_engine",
+    "create_table",
+    "engine_options",
+    "new_engine",
+]
+
+
+def new_engine(options: EngineOptions, warehouse: Location, **settings: Any) -> TableEngine:
+    """A node's table engine over ``warehouse``, the one ``options`` names with its settings;
+    ``settings`` go to :class:`~deltaflow.tables.engine.TableEngine` (node id, group bounds,
+    defaults of new tables)."""
+    if isinstance(options, SparkOptions):
+        from .spark import SparkTableEngine
+
+        return SparkTableEngine(warehouse, spark=options.config, writer=options.writer, **settings)
+    from .delta_rs import DeltaRsTableEngine
+
+    return DeltaRsTableEngine(warehouse, **settings)
+
+
+def create_table(
+    warehouse: Location | str,
+    name: str,
+    *,
+    schema: Any,
+    key: str | Sequence[str] = (),
+    buckets: int | None = None,
+    allow_schema_evolution: bool = False,
+    deletion_vectors: bool = False,
+    engine: str | EngineOptions = DELTA_RS,
+) -> TableSettings:
+    """Create an empty deltaflow table under ``warehouse`` (blocking; run it in a thread from
+    async code).
+
+    Args:
+        warehouse: the nodes' warehouse directory.
+        name: the table name (a directory under the warehouse).
+        schema: the columns: a pyarrow schema, ``{column: type}`` or ``"id:long,name:string"``
+            (types as in :func:`parse_schema`).
+        key: merge key column(s). Empty (default) makes an append table.
+        buckets: buckets of the layout. Default: 64 for a keyed table (one per partition of a
+            default cluster; use the cluster's partition count or a divisor of it), 0 for an
+            append table. 0 turns the layout off.
+        allow_schema_evolution: writes may add columns (default False: rows with unknown
+            columns are rejected).
+        deletion_vectors: enable Delta deletion vectors (default False): Spark's MERGE marks
+            the rows it replaces, and the delta-rs engine applies groups by merge-on-read
+            (see docs/tables.md). Readers need Delta reader version 3.
+        engine: the engine that creates it: ``"delta-rs"`` (default; no JVM), ``"spark"``,
+            or :data:`EngineOptions` (``SparkOptions(config=SparkConfig(...))`` for a Spark
+            session of your own).
+
+    Returns the settings stored in the table's properties.
+
+    Raises:
+        UsageError: bad arguments, or the table exists already.
+    """
+    check_table_name(name)
+    options = engine_options(engine)
+    data_schema = parse_schema(schema)
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    missing = [k for k in keys if k not in data_schema.names]
+    if missing:
+        raise UsageError(f"key column(s) {missing} are not in the schema {data_schema.names}")
+    settings = TableSettings(
+        key=keys,
+        buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
+        schema_evolution=allow_schema_evolution,
+        deletion_vectors=deletion_vectors,
+    )
+    warehouse = location(warehouse)
+    path = warehouse / name
+    with atomicity_for(warehouse).hold(name):
+        if is_table(path):
+            raise UsageError(f"table {name!r} exists already under {warehouse}")
+        if isinstance(options, SparkOptions):
+            from ..spark_integration.session import session_for
+            from .spark import create_delta_table as create_spark
+
+            session = session_for(warehouse, options.config)
+            create_spark(session, path, data_schema, settings, table=name, node="cli")
+        else:
+            from .delta_rs import create_delta_table as create_rs
+
+            create_rs(path, data_schema, settings, table=name, node="cli")
+    return settings
