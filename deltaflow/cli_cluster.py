@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
 import sys
@@ -43,6 +44,11 @@ def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     csub = cluster.add_subparsers(dest="cluster_command", required=True)
     status = csub.add_parser("status", help="members, liveness and the partition map")
     status.add_argument("--node", required=True, help="any node, host:port")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help="print the state as one JSON document (members, map, tables and their committers)",
+    )
     _add_client_credentials(status)
     status.set_defaults(func=_cluster_status)
 
@@ -122,15 +128,50 @@ def _operator(peer_token: str | None, tls: ssl.SSLContext | None) -> PeerClient:
     )
 
 
+async def read_status(
+    address: str, token: str | None, peer_token: str | None, tls: ssl.SSLContext | None
+) -> dict[str, Any]:
+    """The node's view of its cluster (:func:`read_cluster`), its ``tables`` gathered from
+    every live member: each table any of them writes or commits, with its committer by this
+    node's map, the nodes that write it (``writers``) and the last version its committer
+    committed (``committed_version``)."""
+    from .partitioning import PartitionMap
+
+    body = await read_cluster(address, token, peer_token, tls)
+    pmap = PartitionMap.from_wire(body["map"])
+    views = [(body["node"], body.get("tables") or {})]
+    for member in body["members"]:
+        if member["live"] and not member.get("self"):
+            with contextlib.suppress(NodeUnavailableError, ConnectionLostError):
+                other = await read_cluster(member["address"], token, peer_token, tls)
+                views.append((other["node"], other.get("tables") or {}))
+    tables: dict[str, dict[str, Any]] = {}
+    for node_id, known in views:
+        for name, table in known.items():
+            entry = tables.setdefault(
+                name, {"committer": pmap.committer(name), "writers": [], "committed_version": None}
+            )
+            entry["writers"].append(node_id)
+            version = table.get("committed_version")
+            if isinstance(version, int) and (entry["committed_version"] or -1) < version:
+                entry["committed_version"] = version
+    body["tables"] = {name: tables[name] for name in sorted(tables)}
+    return body
+
+
 def _cluster_status(args: argparse.Namespace) -> int:
     from .security import client_context
 
     tls = client_context(_client_tls(args))
     try:
-        body = asyncio.run(read_cluster(args.node, token_of(args), peer_token_of(args), tls))
+        body = asyncio.run(read_status(args.node, token_of(args), peer_token_of(args), tls))
     except (NodeUnavailableError, ConnectionLostError) as exc:
         print(f"cannot reach node {args.node}: {exc}", file=sys.stderr)
         return 2
+    if args.json:
+        body.pop("challenge", None)  # a peer call's, of no use to a reader
+        print(json.dumps(body, indent=2, sort_keys=True))
+        return 0
     print(
         f"node {body['node']} at {body['address']}, {body['partitions']} partitions, "
         f"map v{body['map']['version']}"
@@ -139,7 +180,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
     if identity:
         print(
             f"identity: cluster {identity['cluster_id']}, warehouse {identity['warehouse']}, "
-            f"engine {identity['engine']}, {identity['partitions']} partitions"
+            f"{identity['partitions']} partitions"
         )
     if body.get("refused"):
         print(f"REFUSED: {body['refused']}")
@@ -157,6 +198,15 @@ def _cluster_status(args: argparse.Namespace) -> int:
     for node_id in sorted(set(owners)):
         parts = [str(i) for i, o in enumerate(owners) if o == node_id]
         print(f"  {node_id}: {' '.join(parts)}")
+    if body["tables"]:
+        print("tables:")
+        for name, table in body["tables"].items():
+            version = table["committed_version"]
+            at = f" at v{version}" if version is not None else ""
+            print(
+                f"  {name:<24} committer={table['committer']}{at}  "
+                f"writers={','.join(sorted(table['writers']))}"
+            )
     return 0
 
 

@@ -236,6 +236,12 @@ class PartitionMap:
     def owner_address(self, partition: int) -> str:
         return self.addresses[self.owners[partition]]
 
+    def committer(self, table: str) -> str:
+        """The node that commits ``table``: the live node whose pair with the table's name
+        weighs most (rendezvous hashing, as partitions are owned: every node with this map
+        agrees, and a node leaving moves only the tables it committed)."""
+        return max(sorted(self.addresses), key=lambda n: _digest64(f"{n}\x00{table}".encode()))
+
     def to_wire(self) -> dict[str, Any]:
         return {"version": self.version, "owners": list(self.owners), "nodes": dict(self.addresses)}
 

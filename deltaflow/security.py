@@ -178,11 +178,15 @@ def _mac(secret: str, *parts: str) -> str:
     return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
-def call_proof(secret: str, op: str, challenge: str, nonce: str, node_id: str, address: str) -> str:
+def call_proof(
+    secret: str, op: str, challenge: str, nonce: str, node_id: str, address: str, payload: str = ""
+) -> str:
     """What a peer sends to prove it holds the peer secret, without sending it: an HMAC of the
-    operation, the challenge the called node issued (used once), the caller's nonce and the
-    caller's name and address. Nothing in it is of use at another node or a second time."""
-    return _mac(secret, "deltaflow-peer-call", op, challenge, nonce, node_id, address)
+    operation, the challenge the called node issued (used once), the caller's nonce, the
+    caller's name and address, and the digest of the call's payload (a prepared commit), so a
+    relay cannot alter it. Nothing in it is of use at another node or a second time."""
+    digest = hashlib.sha256(payload.encode()).hexdigest()
+    return _mac(secret, "deltaflow-peer-call", op, challenge, nonce, node_id, address, digest)
 
 
 def answer_proof(secret: str, nonce: str, body: bytes) -> str:

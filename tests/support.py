@@ -176,27 +176,33 @@ def read_all(path: Path) -> list[dict[str, Any]]:
     return sorted(pa.table(reader.read_all()).to_pylist(), key=lambda r: r["id"])
 
 
-def commit_actions(path: Path, version: int) -> tuple[str, list[dict[str, Any]]]:
-    """The node that made a commit (from its lane marks) and its add and remove actions."""
-    node, files = "", []
+def commit_actions(path: Path, version: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """The nodes whose groups a commit holds (from its lane marks: the writers a committer
+    combined, else the node that made it; empty without marks) and its add and remove
+    actions."""
+    nodes: list[str] = []
+    files: list[dict[str, Any]] = []
     for line in (path / "_delta_log" / f"{version:020d}.json").read_text().splitlines():
         action = json.loads(line)
         if "commitInfo" in action:
             meta = action["commitInfo"].get("userMetadata") or "{}"
-            node = json.loads(meta).get("deltaflow", {}).get("node", "")
+            record = json.loads(meta).get("deltaflow", {})
+            nodes = record.get("writers") or ([record["node"]] if record.get("node") else [])
         files += [action[k] for k in ("add", "remove") if k in action]
-    return node, files
+    return nodes, files
 
 
 def commit_writers(path: Path) -> dict[str, str]:
-    """Each commit's writer: the deltaflow node (from its lane marks) -> the engine that wrote
-    it (Delta's ``engineInfo``), by the ``deltalake`` reader."""
-
-    return {
-        json.loads(h["userMetadata"])["deltaflow"]["node"]: h.get("engineInfo", "")
-        for h in open_table(path).history()
-        if h.get("userMetadata")
-    }
+    """The nodes whose groups the table's commits hold: each commit's committer and the
+    writers whose prepared groups it combined (from its lane marks) -> the engine that
+    committed it (Delta's ``engineInfo``), by the ``deltalake`` reader."""
+    writers: dict[str, str] = {}
+    for h in open_table(path).history():
+        if h.get("userMetadata"):
+            record = json.loads(h["userMetadata"])["deltaflow"]
+            for node in record.get("writers", [record["node"]]):
+                writers[node] = h.get("engineInfo", "")
+    return writers
 
 
 async def append_ids(client: Any, table: str, n: int, options: StreamerOptions) -> Any:
@@ -456,3 +462,26 @@ def allocation_peak() -> Iterator[list[int]]:
     finally:
         peak.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
+
+
+async def metric(node: Any, name: str) -> float:
+    """A node's Prometheus counter, summed over its labels."""
+    import aiohttp
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://{node.address}/metrics") as response,
+    ):
+        text = await response.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def process_state(node: Any) -> str:
+    """The process state letter of a node process (``T``: stopped)."""
+    assert node.proc is not None
+    with open(f"/proc/{node.proc.pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]

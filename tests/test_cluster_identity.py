@@ -1,4 +1,4 @@
-"""Cluster identity: a node with another warehouse, engine or partition count is refused by the
+"""Cluster identity: a node with another warehouse or partition count is refused by the
 cluster instead of taking partitions; dead peers leave; ``cluster status`` says why."""
 
 from __future__ import annotations
@@ -199,14 +199,12 @@ CLUSTER = NodeIdentity(
     cluster_id="9f8e7d6c" + "0" * 24,
     created_at_ms=2_000,
     warehouse="file:///data/wh",
-    engine="spark",
     partitions=64,
 )
 TYPO = NodeIdentity(
     cluster_id="1a2b3c4d" + "0" * 24,
     created_at_ms=1_000,  # older: age alone must not let it win
     warehouse="file:///data/wh2",
-    engine="spark",
     partitions=64,
 )
 
@@ -241,16 +239,6 @@ def test_among_fresh_nodes_the_identity_of_most_nodes_wins() -> None:
     # Serving outranks numbers: two newcomers do not take over one serving node.
     joined = [Candidate("n0", TYPO, serving=True), *nodes[:2]]
     assert views(joined) == {"n0": True, "n1": False, "n2": False}
-
-
-def test_a_node_restarted_with_another_engine_loses_beside_a_serving_peer() -> None:
-    deltars = other(engine="delta-rs")
-    nodes = [Candidate("n1", CLUSTER, serving=True), Candidate("n2", deltars, serving=False)]
-    assert views(nodes) == {"n1": True, "n2": False}
-    assert refusal_message("n2", deltars, "n1", CLUSTER) == (
-        "node n2 refused by the cluster: its engine delta-rs differs from node n1's spark; "
-        "start n2 with --engine spark"
-    )
 
 
 def test_a_partition_count_mismatch_is_refused_with_the_flag_to_fix() -> None:
@@ -295,18 +283,16 @@ def test_a_refused_node_never_serves_on_its_own_authority() -> None:
 
 def test_the_identity_file_is_created_once_and_read_by_the_next_node(tmp_path: Path) -> None:
     wh = tmp_path / "wh"
-    first = load_identity(wh, node_id="n1", engine="delta-rs", partitions=64)
+    first = load_identity(wh, node_id="n1", partitions=64)
     written = (wh / CLUSTER_FILE).read_text()
-    second = load_identity(wh, node_id="n2", engine="delta-rs", partitions=64)
+    second = load_identity(wh, node_id="n2", partitions=64)
     assert first == second
     assert first.warehouse == uri(wh) and len(first.cluster_id) == 32
     assert (wh / CLUSTER_FILE).read_text() == written, "the second node rewrote the file"
     assert json.loads(written)["created_by"] == "n1"
     assert sorted(p.name for p in (wh / CLUSTER_FILE).parent.iterdir()) == ["cluster.json"]
     # The same directory reached by another spelling is the same warehouse.
-    alias = load_identity(
-        tmp_path / "x" / ".." / "wh", node_id="n3", engine="delta-rs", partitions=64
-    )
+    alias = load_identity(tmp_path / "x" / ".." / "wh", node_id="n3", partitions=64)
     assert alias == first
 
 
@@ -451,8 +437,7 @@ async def test_cluster_status_shows_the_refused_node_and_why(
     assert f"node n3 refused by the cluster: its warehouse {uri(other_wh)}" in seen_by_n1
     assert f"  n1               {n1.address:<22} live    partitions=64" in seen_by_n1
     assert (
-        f"identity: cluster {n1.identity.cluster_id}, warehouse {uri(wh)}, engine delta-rs, "
-        "64 partitions"
+        f"identity: cluster {n1.identity.cluster_id}, warehouse {uri(wh)}, 64 partitions"
     ) in seen_by_n1
 
     seen_by_n3 = await asyncio.to_thread(cluster_status, n3.address)

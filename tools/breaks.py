@@ -170,6 +170,24 @@ BREAKS: dict[str, Break] = {
             "tests/test_tls_checks.py::test_a_node_admits_no_peer_whose_certificate_it_cannot_verify",
         ),
     ),
+    # A table's committer: the marks and the files a group replaces are checked again.
+    "committer_ignores_marks": Break(
+        "deltaflow/tables/coordinator.py",
+        "                lane for lane, mark in prepared.lanes.items() if self.marks.applied(lane, mark)\n",
+        "                lane for lane, mark in prepared.lanes.items() if False\n",
+        (
+            "tests/test_coordinator.py::test_a_late_committer_finds_the_group_applied",
+            "tests/test_committer_cluster.py::test_a_paused_committer_s_late_commit_does_not_land",
+        ),
+    ),
+    "committer_ignores_replaced_files": Break(
+        "deltaflow/tables/coordinator.py",
+        "                reason = self.marks.changed_since(prepared.read_version, prepared.removes)\n",
+        "                reason = None\n",
+        (
+            "tests/test_coordinator.py::test_a_group_whose_files_were_replaced_meanwhile_is_prepared_again",
+        ),
+    ),
     "store_commit_overwrites": Break(
         "deltaflow/storage/paths.py",
         "    if isinstance(target, StorePath):\n        target.create(data)\n        return\n",

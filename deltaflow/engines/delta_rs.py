@@ -29,10 +29,10 @@ from typing import Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
-from ..storage.paths import Location, create_exclusive, storage_options
+from ..storage.paths import Location, storage_options
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
-from ..tables.log import delta_table
+from ..tables.log import commit_log_entry, delta_table
 from ..tables.log import log_dir as delta_log_dir
 from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
 from ..tables.rewrite import RewriteUnsupported, rewrite
@@ -313,20 +313,3 @@ class DeltaRsTableEngine(TableEngine):
         commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
         self._landed(path, done)
         return version
-
-
-def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:
-    """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
-    other writer did (:func:`~deltaflow.storage.paths.create_exclusive`: a hard link on disk,
-    a create-if-absent put on a store; readers never see a partial entry).
-
-    Raises:
-        CommitConflictError: the version exists (another writer's commit won).
-    """
-    entry = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions)
-    try:
-        create_exclusive(delta_log_dir(path) / f"{version:020d}.json", entry.encode())
-    except FileExistsError as exc:
-        raise CommitConflictError(
-            f"table {path.name!r}: another writer committed version {version} first"
-        ) from exc

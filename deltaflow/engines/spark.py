@@ -51,8 +51,7 @@ from ..spark_integration.session import (
 from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
-from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
-from ..tables.rewrite import Rewrite, RewriteUnsupported, write_files
+from ..tables.rewrite import RewriteUnsupported
 from ..tables.settings import (
     BUCKET_COLUMN,
     PROP_CHECKPOINT_INTERVAL,
@@ -195,6 +194,8 @@ class SparkTableEngine(TableEngine):
         self.spark_config = spark or SparkConfig()
         # Over Spark Connect only SQL reaches the server's Delta (see the module docstring).
         self.writer = "sql" if self.spark_config.connect else writer
+        # The SQL writer MERGEs each group itself: its groups do not go to a committer.
+        self.prepares_groups = self.writer == "direct"
         if isinstance(self.warehouse, StorePath):
             require_direct_commits(self.warehouse, self.spark_config, self.writer)
             self.spark_config = dataclasses.replace(self.spark_config, object_store=True)
@@ -301,16 +302,10 @@ class SparkTableEngine(TableEngine):
         Raises:
             RewriteUnsupported: nothing was written; the group needs the SQL writer.
         """
-        table, path, key, footprint = group.table, group.path, group.key, group.footprint
+        table, path = group.table, group.path
         session = self._session(table)
         if getattr(session, "_jsparkSession", None) is None:
             raise RewriteUnsupported("a Spark Connect session has no driver JVM to commit in")
-        if footprint is None:  # appended: the key only orders the new files
-            column, candidates = (key[0] if len(key) == 1 else None), None
-        elif footprint.column is None or footprint.files is None:
-            raise RewriteUnsupported("no key range to rewrite by")
-        else:
-            column, candidates = footprint.column, footprint.files
         try:
             target = self.log.latest(path)  # delta-rs: the version the files are planned on
         except Exception as exc:
@@ -323,18 +318,24 @@ class SparkTableEngine(TableEngine):
                 node=self.node_id,
             )
         with map_spark_errors(table, self.node_id):
-            done: MergeOnRead | Rewrite
-            merge_on_read = group.written is not None or candidates is not None
-            if merge_on_read and column is not None and has_deletion_vectors(target):
-                done = self._merge_on_read(group, target, column=column)
-            else:
-                done = write_files(target, path, group.data, column, candidates)
+            done = self.write_group_files(group, target)
             fault_point("before_commit")
-            self._commit_files(
+            version = self._commit_files(
                 session, table, path, done.actions(), group.metadata, target.version()
             )
-            if isinstance(done, MergeOnRead):
-                self._landed(path, done)
+            self._note_checkpoint(path, version)
+            self.landed(path, done)
+
+    def commit_actions(
+        self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
+    ) -> int:
+        """Through Delta's transaction in the driver, when the node has one (its checksum
+        and protocol checks come with it); else as the log entry itself."""
+        session = self._session(table)
+        if getattr(session, "_jsparkSession", None) is None:
+            return super().commit_actions(table, path, version, actions, metadata)
+        with map_spark_errors(table, self.node_id):
+            return self._commit_files(session, table, path, actions, metadata, version)
 
     def _commit_files(
         self,
@@ -344,9 +345,10 @@ class SparkTableEngine(TableEngine):
         actions: list[dict[str, Any]],
         metadata: str,
         version: int,
-    ) -> None:
+    ) -> int:
         """Commit the written files as version ``version + 1`` through Delta's transaction in
-        the driver JVM (called under the table's lock, on the commit's thread)."""
+        the driver JVM (called under the table's lock, on the commit's thread); the version
+        committed."""
         jvm = session._jvm
         delta = jvm.org.apache.spark.sql.delta
         jsession = session._jsparkSession
@@ -394,8 +396,7 @@ class SparkTableEngine(TableEngine):
             self._checkpoint_hook = [h for h in found if h.getClass().getName() == _CHECKPOINT_HOOK]
         for hook in self._checkpoint_hook:
             getattr(hooks, "$minus$eq")(hook)
-        committed = txn.commit(buffer.toList(), operation)  # an immutable Seq for Scala 2.13
-        self._note_checkpoint(path, int(committed))
+        return int(txn.commit(buffer.toList(), operation))  # an immutable Seq for Scala 2.13
 
     def checkpoint(self, table: str, path: Location, version: int) -> None:
         try:

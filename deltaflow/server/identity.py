@@ -2,9 +2,11 @@
 
 The warehouse holds ``.deltaflow/cluster.json``, written once by the first node that starts on
 it and read by every other. A node's :class:`NodeIdentity` is that record plus the node's
-warehouse location, engine and partition count; two nodes share partitions only if their
-identities are equal. When nodes that see each other disagree, :func:`decide` picks the identity
-that goes on serving, the same way on every node, and the others are refused.
+warehouse location and partition count; two nodes share partitions only if their identities
+are equal. (Engines may differ: every engine writes the same tables the same way, and a
+table's committer commits what either prepared.) When nodes that see each other disagree,
+:func:`decide` picks the identity that goes on serving, the same way on every node, and the
+others are refused.
 
 The record is behind :class:`IdentityStore` so that a warehouse on an object store can keep it
 with a conditional PUT instead of a hard link.
@@ -163,14 +165,12 @@ class NodeIdentity:
         cluster_id: the warehouse's cluster record id (uuid4 hex).
         created_at_ms: when that record was created (wall clock, ms).
         warehouse: the warehouse location, normalised (``file:///...`` for a directory).
-        engine: ``"spark"`` or ``"delta-rs"``.
         partitions: the partition count.
     """
 
     cluster_id: str
     created_at_ms: int
     warehouse: str
-    engine: str
     partitions: int
 
     def to_wire(self) -> dict[str, Any]:
@@ -185,20 +185,19 @@ class NodeIdentity:
             identity = cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
         except KeyError as exc:
             raise ValueError(f"cluster identity without {exc}") from exc
-        texts = (identity.cluster_id, identity.warehouse, identity.engine)
+        texts = (identity.cluster_id, identity.warehouse)
         if not all(isinstance(t, str) for t in texts):
             raise ValueError("cluster identity with a non-string field")
         if not (_is_int(identity.created_at_ms) and _is_int(identity.partitions)):
             raise ValueError("cluster identity with a non-integer field")
         return identity
 
-    def sort_key(self) -> tuple[str, int, str, str, int]:
-        return (self.cluster_id, self.created_at_ms, self.warehouse, self.engine, self.partitions)
+    def sort_key(self) -> tuple[str, int, str, int]:
+        return (self.cluster_id, self.created_at_ms, self.warehouse, self.partitions)
 
     def describe(self) -> str:
         return (
-            f"cluster {self.cluster_id}, warehouse {self.warehouse}, engine {self.engine}, "
-            f"{self.partitions} partitions"
+            f"cluster {self.cluster_id}, warehouse {self.warehouse}, {self.partitions} partitions"
         )
 
 
@@ -206,7 +205,6 @@ def load_identity(
     warehouse: Location | str,
     *,
     node_id: str,
-    engine: str,
     partitions: int,
     store: IdentityStore | None = None,
 ) -> NodeIdentity:
@@ -223,7 +221,6 @@ def load_identity(
         cluster_id=record.cluster_id,
         created_at_ms=record.created_at_ms,
         warehouse=store.location,
-        engine=engine,
         partitions=partitions,
     )
 
@@ -261,7 +258,7 @@ def winning_identity(candidates: Iterable[Candidate]) -> NodeIdentity:
     if not groups:
         raise ValueError("no candidates")
 
-    def rank(identity: NodeIdentity) -> tuple[int, int, int, tuple[str, int, str, str, int]]:
+    def rank(identity: NodeIdentity) -> tuple[int, int, int, tuple[str, int, str, int]]:
         nodes = groups[identity]
         serving = sum(1 for c in nodes if c.serving)
         return (-serving, -len(nodes), identity.created_at_ms, identity.sort_key())
@@ -304,11 +301,6 @@ def refusal_message(
             f"{winner_id}'s holds cluster {_short(winner)} (different storage at one path, or "
             f"a replaced {CLUSTER_FILE})"
         )
-    if loser.engine != winner.engine:
-        differences.append(
-            f"its engine {loser.engine} differs from node {winner_id}'s {winner.engine}"
-        )
-        flags.append(f"--engine {winner.engine}")
     if loser.partitions != winner.partitions:
         differences.append(
             f"its partition count {loser.partitions} differs from node {winner_id}'s "

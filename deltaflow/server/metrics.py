@@ -99,6 +99,37 @@ class NodeCollector:
             e.commit_conflicts,
         )
         yield counter(
+            "deltaflow_combined_commits",
+            "Versions this node committed as a table's committer, each holding prepared groups.",
+            e.combined_commits,
+        )
+        yield counter(
+            "deltaflow_combined_groups",
+            "Prepared groups in those versions (groups per version: this over the commits).",
+            e.combined_groups,
+        )
+        yield counter(
+            "deltaflow_combined_commit_seconds",
+            "Time the committer spent in those commits.",
+            e.combined_seconds,
+        )
+        yield counter(
+            "deltaflow_combined_commits_in_doubt",
+            "Combined commits whose write failed without an answer (it may have landed): "
+            "their groups were sent back to be checked against the marks.",
+            e.commits_in_doubt,
+        )
+        yield counter(
+            "deltaflow_groups_prepared",
+            "Groups this node prepared and sent to a table's committer.",
+            e.groups_prepared,
+        )
+        yield counter(
+            "deltaflow_groups_sent_back",
+            "Prepared groups a committer sent back to be prepared again (the table changed).",
+            e.groups_sent_back,
+        )
+        yield counter(
             "deltaflow_tables_created", "Tables created on first write.", e.tables_created
         )
         yield counter(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import json
 import logging
 import time
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -16,7 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ..engines import engine_options, new_engine
 from ..errors import UsageError
 from ..partitioning import PartitionMap
-from ..protocol import PROTOCOL_VERSION, WS_PATH
+from ..protocol import PROTOCOL_VERSION, WS_PATH, truncated_repr
+from ..receivers.base import check_table_name
 from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
@@ -24,12 +26,15 @@ from ..receivers.table import TableUpsert
 from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
+from ..tables.prepared import PreparedCommit
+from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter
 from .connection import ClientConnection, token_matches, unauthenticated
 from .dispatcher import Dispatcher
 from .identity import NodeIdentity, load_identity
 from .metrics import NodeCollector
 from .node_config import DEFAULT_PORT, NodeConfig
 from .peer_gate import PeerGate
+from .peers import PeerClient
 from .side_inputs import (
     SideInputStore,
     load_side_inputs,
@@ -102,6 +107,7 @@ class Node:
         self.identity: NodeIdentity | None = None  # read by start()
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task[list[str]] | None = None
+        self._commit_peers: PeerClient | None = None
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()
@@ -189,7 +195,6 @@ class Node:
                 load_identity,
                 self.warehouse,
                 node_id=self.node_id,
-                engine=self.engine.name,
                 partitions=self.config.partitions,
             )
             self.identity = identity
@@ -221,6 +226,7 @@ class Node:
         app.router.add_post("/v1/peer/leave", self._leave_handler)
         app.router.add_post("/v1/peer/status", self._peer_status_handler)
         app.router.add_post("/v1/drain", self._drain_handler)
+        app.router.add_post("/v1/peer/commit", self._commit_handler)
         app.router.add_get("/healthz", self._health_handler)
         app.router.add_get("/metrics", self._metrics_handler)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
@@ -247,6 +253,23 @@ class Node:
             tls=peer_tls,
         )
         await self._membership.start()
+        # Prepared groups go to each table's committer (a peer, or this node's coordinator).
+        self._commit_peers = PeerClient(
+            node_id=self.node_id,
+            address=self.address,
+            secret=self.config.peer_secret,
+            certificates=self.config.peer_certificates,
+            tls=peer_tls,
+            timeout=CALL_SECONDS,
+        )
+        await self._commit_peers.start()
+        self.engine.commit_sink = CommitRouter(
+            node_id=self.node_id,
+            engine=self.engine,
+            peers=self._commit_peers,
+            partition_map=lambda: self.partition_map,
+            failure_timeout=self.config.failure_timeout,
+        )
         self.state = NodeState.RUNNING
         log.info(
             "node %s listening on %s (receivers: %s)",
@@ -314,6 +337,8 @@ class Node:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.engine.stop()
+        if self._commit_peers is not None:
+            await self._commit_peers.close()
         self._stopped.set()
 
     async def __aenter__(self) -> Node:
@@ -363,10 +388,20 @@ class Node:
             "map": self.partition_map.to_wire(),
             "members": membership.members() if membership else [],
             "receivers": self.registry.names(),
+            "tables": self._tables_body(),
             "side_inputs": {
                 s.name: {"version": s.version, "leader": s.leader}
                 for s in (self.side_inputs.statistics() if self.side_inputs else ())
             },
+        }
+
+    def _tables_body(self) -> dict[str, dict[str, Any]]:
+        """The tables this node writes or commits, each with its committer by this node's
+        map."""
+        pmap = self.partition_map
+        return {
+            name: {"committer": pmap.committer(name), **known}
+            for name, known in self.engine.tables().items()
         }
 
     async def _leave_handler(self, request: web.Request) -> web.Response:
@@ -376,6 +411,25 @@ class Node:
         membership = self._membership
         taken = membership is not None and await membership.departed(caller.node_id, caller.address)
         return self._peer_gate.answer(caller, {"node": self.node_id, "taken": taken})
+
+    async def _commit_handler(self, request: web.Request) -> web.Response:
+        """A writer's prepared group, for this node to commit (it is, or was, the table's
+        committer); answered with the outcome once the commit holding it is durable."""
+        caller = await self._peer_gate.admit(request, "commit", limit=MAX_COMMIT_CALL_BYTES)
+        try:
+            prepared = PreparedCommit.from_wire(json.loads(caller.payload))
+            check_table_name(prepared.table)
+        except (ValueError, RecursionError, UsageError) as exc:
+            log.info("refused a commit call from %s: %s", caller, truncated_repr(str(exc)))
+            return web.json_response({"error": f"a bad prepared commit: {exc}"}, status=400)
+        if prepared.writer != caller.node_id:
+            return web.json_response(
+                {"error": "a node sends its own prepared groups only"}, status=403
+            )
+        if self.state is not NodeState.RUNNING and self.state is not NodeState.DRAINING:
+            return web.json_response({"error": f"node {self.node_id} stopped"}, status=503)
+        outcome = await self.engine.coordinator(prepared.table).submit(prepared)
+        return self._peer_gate.answer(caller, {"node": self.node_id, "outcome": outcome.to_wire()})
 
     async def _drain_handler(self, request: web.Request) -> web.Response:
         """``deltaflow node drain``, by an operator holding the peer credential: hand the

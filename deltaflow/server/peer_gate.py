@@ -49,11 +49,13 @@ async def read_bounded(content: StreamReader, limit: int) -> bytes | None:
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """A peer (or operator) whose call was proven: its node id, address and nonce."""
+    """A peer (or operator) whose call was proven: its node id, address and nonce, and the
+    payload its proof covers (empty for calls without one)."""
 
     node_id: str
     address: str
     nonce: str
+    payload: str = ""
 
     def __str__(self) -> str:
         return f"{self.node_id}@{self.address}"
@@ -75,19 +77,21 @@ class PeerGate:
         self._certificates = certificates and secret is None
         self._challenges = Challenges()
 
-    async def admit(self, request: web.Request, op: str) -> Caller:
+    async def admit(
+        self, request: web.Request, op: str, *, limit: int = MAX_PEER_CALL_BYTES
+    ) -> Caller:
         """The proven caller of ``request``.
 
         Raises:
             web.HTTPException: 400 malformed, 401 unproven (with a fresh challenge), 403 a
                 client's certificate, 413 too large. Its body says what to change.
         """
-        data = await read_bounded(request.content, MAX_PEER_CALL_BYTES)
+        data = await read_bounded(request.content, limit)
         if data is None:
             raise web.HTTPRequestEntityTooLarge(
-                MAX_PEER_CALL_BYTES,
-                MAX_PEER_CALL_BYTES + 1,
-                text=json.dumps({"error": f"a peer call has at most {MAX_PEER_CALL_BYTES} bytes"}),
+                limit,
+                limit + 1,
+                text=json.dumps({"error": f"a peer {op} call has at most {limit} bytes"}),
                 content_type="application/json",
             )
         try:
@@ -104,7 +108,13 @@ class PeerGate:
             if not (isinstance(challenge, str) and self._challenges.fresh(challenge)):
                 raise _refuse(web.HTTPUnauthorized, "answer this challenge", self._challenges)
             expected = call_proof(
-                self._secret, op, challenge, caller.nonce, caller.node_id, caller.address
+                self._secret,
+                op,
+                challenge,
+                caller.nonce,
+                caller.node_id,
+                caller.address,
+                caller.payload,
             )
             if not (isinstance(proof, str) and hmac.compare_digest(proof, expected)):
                 log.info(
@@ -148,6 +158,7 @@ def _caller(body: Any) -> Caller | None:
     if not isinstance(body, dict):
         return None
     node_id, address, nonce = body.get("node"), body.get("address"), body.get("nonce")
+    payload = body.get("payload", "")
     if not (
         isinstance(node_id, str)
         and NODE_ID.fullmatch(node_id)
@@ -155,9 +166,10 @@ def _caller(body: Any) -> Caller | None:
         and _ADDRESS.fullmatch(address)
         and isinstance(nonce, str)
         and _NONCE.fullmatch(nonce)
+        and isinstance(payload, str)
     ):
         return None
-    return Caller(node_id, address, nonce)
+    return Caller(node_id, address, nonce, payload)
 
 
 def _refuse(

@@ -104,8 +104,12 @@ class PeerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def call(self, address: str, op: str) -> PeerReply:
-        """``POST /v1/peer/<op>`` (or ``/v1/<op>`` for ``drain``) at ``address``, proven.
+    async def call(
+        self, address: str, op: str, *, payload: str = "", timeout: float | None = None
+    ) -> PeerReply:
+        """``POST /v1/peer/<op>`` (or ``/v1/<op>`` for ``drain``) at ``address``, proven;
+        ``payload`` (a JSON text) goes with it, under the proof. ``timeout``: seconds this
+        call may take, else the client's.
 
         Raises:
             aiohttp.ClientError, OSError, TimeoutError, ValueError, TypeError: no usable
@@ -117,7 +121,9 @@ class PeerClient:
             nonce = secrets.token_hex(16)
             challenge = self._challenges.pop(address, "")
             proof = (
-                call_proof(self._secret, op, challenge, nonce, self._node_id, self._address)
+                call_proof(
+                    self._secret, op, challenge, nonce, self._node_id, self._address, payload
+                )
                 if self._secret and challenge
                 else None
             )
@@ -128,10 +134,17 @@ class PeerClient:
                 "challenge": challenge,
                 "proof": proof,
             }
+            if payload:
+                body["payload"] = payload
+            # (aiohttp takes an explicit None as "no timeout": give one only when asked.)
+            options: dict[str, Any] = {}
+            if timeout is not None:
+                options["timeout"] = aiohttp.ClientTimeout(total=timeout)
             async with self._session.post(
                 url(address, path, self._tls),
                 json=body,
                 ssl=self._tls if self._tls is not None else True,
+                **options,
             ) as resp:
                 certificate = _peer_certificate(resp)
                 data = await read_bounded(resp.content, MAX_PEER_ANSWER_BYTES)

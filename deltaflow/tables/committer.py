@@ -19,7 +19,8 @@ import contextlib
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from tenacity import (
     AsyncRetrying,
@@ -35,6 +36,7 @@ from .atomicity import MAX_CONFLICT_WAIT
 from .footprint import Footprint
 from .group import PreparedGroup
 from .merge_on_read import write_group
+from .prepared import OutcomeKind
 from .settings import BUCKET_COLUMN
 from .staging import Staged, StagingQueue, settle
 from .table_writer import Engine, TableWriter
@@ -42,12 +44,17 @@ from .table_writer import Engine, TableWriter
 if TYPE_CHECKING:
     pass
 
-__all__ = ["COMMITTER_RETRY_SECONDS", "Engine", "TableCommitter"]
+__all__ = ["COMMITTER_RETRY_SECONDS", "Engine", "TableCommitter", "finish", "hold_table"]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: A committer that failed before taking a group (a bug) tries again after this pause.
 COMMITTER_RETRY_SECONDS: Final = 1.0
+#: Times a table's committer may send a group back to be prepared again before it fails
+#: (each time, another commit had replaced one of its files or changed the table).
+SEND_BACK_LIMIT: Final = 20
 
 
 class TableCommitter(TableWriter):
@@ -60,7 +67,7 @@ class TableCommitter(TableWriter):
         self.taken: list[Staged] | None = None  # the group being committed, until settled
         self.loaded = False
         self.released_at: float | None = None  # when this node last released the table
-        self.checkpointing: asyncio.Future[None] | None = None  # see _start_checkpoint
+        self.checkpoints = CheckpointWriter(engine, name)
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
 
     async def load(self) -> None:
@@ -114,57 +121,30 @@ class TableCommitter(TableWriter):
             except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the commit does it all
                 log.warning("table %s: preparing a group failed (%s)", self.name, exc)
                 prepared = None
-            held = self.engine.atomicity.hold(self.name, released_at=self.released_at)
-            entering = asyncio.ensure_future(self.engine.in_thread(held.__enter__))
+            if (
+                self.engine.commit_sink is not None
+                and self.engine.prepares_groups
+                and await self._through_committer(group, prepared)
+            ):
+                continue
             try:
-                await asyncio.shield(entering)
-            except asyncio.CancelledError:  # the node stops: release it once it is ours
-                entering.add_done_callback(functools.partial(_release_if_taken, held=held))
+                held = await hold_table(self.engine, self.name, self.released_at)
+            except asyncio.CancelledError:  # the node stops
                 self._fail(group, "node stopped before commit", count=False)
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
                 self._fail(group, str(exc), count=True)
                 continue
-            committing = asyncio.ensure_future(self._commit_group(group, prepared))
             try:
-                # Shielded: a commit under way finishes (and settles its batches) even when
-                # the node stops, so the table is never released under a running commit.
-                await asyncio.shield(committing)
-            except asyncio.CancelledError:
-                with contextlib.suppress(Exception):
-                    await committing
-                raise
+                # A commit under way finishes (and settles its batches) even when the node
+                # stops, so the table is never released under a running commit.
+                await finish(self._commit_group(group, prepared))
             finally:
                 held.__exit__(None, None, None)  # does not block: on the loop
                 self.released_at = time.monotonic()
             due = self.engine.checkpoints_due.pop(self.path, None)
             if due is not None:
-                self._start_checkpoint(due)
-
-    def _start_checkpoint(self, version: int) -> None:
-        """Write the checkpoint a commit made due, on a thread of its own: after the commit
-        landed and its batches were acknowledged, and outside the table's atomicity, so
-        neither this node's next commits nor another node's wait for it. One at a time per
-        table: a checkpoint due while one is written is skipped (readers replay a few more
-        commits until the next)."""
-        if self.checkpointing is None or self.checkpointing.done():
-            self.checkpointing = asyncio.ensure_future(self._checkpoint(version))
-
-    async def _checkpoint(self, version: int) -> None:
-        """The checkpoint at ``version``; a failure is logged (a checkpoint only speeds readers
-        up; the next interval tries again)."""
-        started = time.monotonic()
-        try:
-            await asyncio.to_thread(self._write_checkpoint, version)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("table %s: checkpoint at version %d failed: %s", self.name, version, exc)
-            return
-        self.engine.stats.checkpoints += 1
-        self.engine.stats.checkpoint_seconds += time.monotonic() - started
-
-    def _write_checkpoint(self, version: int) -> None:
-        fault_point("checkpointing")
-        self.engine.checkpoint(self.name, self.path, version)
+                self.checkpoints.start(due)
 
     def _fail(self, group: list[Staged], message: str, *, count: bool) -> None:
         """Settle a group taken off the queue that will not be committed (``count``: as
@@ -181,11 +161,11 @@ class TableCommitter(TableWriter):
         for staged in self.queue.items:
             settle(staged.future, ServerError(message, node=self.engine.node_id))
 
-    async def _commit_group(
-        self, group: list[Staged], prepared: PreparedGroup | None = None
-    ) -> None:
+    def _live(self, group: list[Staged]) -> list[Staged]:
+        """The writes of ``group`` still to apply; the abandoned ones are settled (checked
+        right before every commit attempt)."""
         live = []
-        for staged in group:  # checked right before every commit attempt
+        for staged in group:
             if staged.abandoned is not None and staged.abandoned():
                 settle(
                     staged.future,
@@ -196,7 +176,82 @@ class TableCommitter(TableWriter):
                 )
             else:
                 live.append(staged)
-        group = live
+        return live
+
+    async def _through_committer(self, group: list[Staged], prepared: PreparedGroup | None) -> bool:
+        """Apply ``group`` through the table's committer (:mod:`.coordinator`): prepare its
+        files here, send them, settle the writes by the answer. False when this group needs
+        the table held instead (the table must be created or given columns, or its writes
+        need a MERGE); the caller then commits it itself."""
+        sink = self.engine.commit_sink
+        assert sink is not None
+        stats = self.engine.stats
+        for _ in range(SEND_BACK_LIMIT):
+            group = self._live(group)
+            if not group:
+                return True
+            started = time.monotonic()
+            try:
+                ready = await finish(self.engine.in_thread(self._prepare_commit, group, prepared))
+            except Exception as exc:  # noqa: BLE001 - the held commit applies it, or says why
+                log.debug("table %s: committing this group here (%s)", self.name, exc)
+                return False
+            if ready is None:
+                return False
+            outcome = None
+            if ready.commit is not None:
+                stats.groups_prepared += 1
+                try:
+                    outcome = await sink.submit(ready.commit)
+                except asyncio.CancelledError:  # the node stops: in doubt, the marks decide
+                    self._fail(group, "node stopped before commit", count=False)
+                    raise
+                if outcome.kind is OutcomeKind.RETRY:
+                    stats.groups_sent_back += 1
+                    log.info("table %s: a group was sent back (%s)", self.name, outcome.reason)
+                    prepared = None
+                    continue
+                if outcome.kind is OutcomeKind.FAILED:
+                    self._fail(
+                        group,
+                        f"committer {outcome.committer} could not commit table {self.name!r}: "
+                        f"{outcome.reason}",
+                        count=True,
+                    )
+                    return True
+                self.marks.absorb(ready.commit.lanes)
+            applied = outcome is not None and outcome.kind is OutcomeKind.COMMITTED
+            if applied and ready.commit is not None:
+                self.engine.landed(self.path, ready.done)
+                # From this attempt's preparation to the committer's answer.
+                elapsed = time.monotonic() - started + (prepared.seconds if prepared else 0.0)
+                self._count_commit(ready.commit.rows, len(ready.todo), elapsed)
+            stats.batches_deduplicated += len(group) - (len(ready.todo) if applied else 0)
+            if applied:
+                fault_point("after_commit")
+            self._settle(group)
+            return True
+        self._fail(
+            group,
+            f"table {self.name!r} changed under this group {SEND_BACK_LIMIT} times running",
+            count=True,
+        )
+        return True
+
+    def _settle(self, group: list[Staged]) -> None:
+        """The group's commit landed (or the table held it already)."""
+        landed = time.monotonic()
+        stats = self.engine.stats
+        for staged in group:
+            stats.batch_durable_seconds_histogram = stats.batch_durable_seconds_histogram.observe(
+                landed - staged.staged_at
+            )
+            settle(staged.future, None)
+
+    async def _commit_group(
+        self, group: list[Staged], prepared: PreparedGroup | None = None
+    ) -> None:
+        group = self._live(group)
         if not group:
             return
         try:
@@ -217,13 +272,7 @@ class TableCommitter(TableWriter):
             for staged in group:
                 await self._commit_group([staged])
             return
-        landed = time.monotonic()
-        stats = self.engine.stats
-        for staged in group:
-            stats.batch_durable_seconds_histogram = stats.batch_durable_seconds_histogram.observe(
-                landed - staged.staged_at
-            )
-            settle(staged.future, None)
+        self._settle(group)
 
     async def _commit_with_retries(
         self, group: list[Staged], prepared: PreparedGroup | None
@@ -251,12 +300,17 @@ class TableCommitter(TableWriter):
                     raise
         # The commit time counts the group's preparation too (not the wait for the table).
         elapsed = time.monotonic() - started + (prepared.seconds if prepared else 0.0)
+        self._count_commit(rows, len(group), elapsed)
+
+    def _count_commit(self, rows: int, batches: int, seconds: float) -> None:
+        """A group of this node's landed: ``rows`` in ``batches``, ``seconds`` to commit."""
+        stats = self.engine.stats
         stats.commits += 1
         stats.rows_committed += rows
-        stats.batches_committed += len(group)
+        stats.batches_committed += batches
         stats.largest_group_rows = max(stats.largest_group_rows, rows)
-        stats.commit_seconds += elapsed
-        stats.commit_seconds_histogram = stats.commit_seconds_histogram.observe(elapsed)
+        stats.commit_seconds += seconds
+        stats.commit_seconds_histogram = stats.commit_seconds_histogram.observe(seconds)
         stats.group_rows_histogram = stats.group_rows_histogram.observe(rows)
 
     def _prepare(self, group: list[Staged]) -> PreparedGroup | None:
@@ -294,6 +348,77 @@ class TableCommitter(TableWriter):
         return PreparedGroup(
             len(group), data, settings, schema, written, time.monotonic() - started, footprint
         )
+
+
+async def hold_table(
+    engine: Engine, table: str, released_at: float | None
+) -> contextlib.AbstractContextManager[float]:
+    """The table's commit atomicity, entered on a worker thread (the caller leaves it, on the
+    loop). Cancelled while waiting for it: released as soon as it is taken.
+
+    Raises:
+        Exception: entering failed (the lock's timeout, for instance).
+    """
+    held = engine.atomicity.hold(table, released_at=released_at)
+    entering = asyncio.ensure_future(engine.in_thread(held.__enter__))
+    try:
+        await asyncio.shield(entering)
+    except asyncio.CancelledError:
+        entering.add_done_callback(functools.partial(_release_if_taken, held=held))
+        raise
+    return held
+
+
+async def finish(work: Awaitable[T]) -> T:
+    """``work``'s result, awaited to its end even if the caller is cancelled meanwhile (then
+    the cancellation is raised once it ended): a commit that started is never abandoned
+    half-way, and the table it holds is released only after it."""
+    running = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await running
+        raise
+
+
+class CheckpointWriter:
+    """Writes the checkpoints a table's commits made due, on a thread of its own: after the
+    commit landed and its batches were acknowledged, and outside the table's atomicity, so
+    neither this node's next commits nor another node's wait for it. One at a time: a
+    checkpoint due while one is written is skipped (readers replay a few more commits until
+    the next)."""
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self.engine = engine
+        self.table = table
+        self.path = engine.warehouse / table
+        self.running: asyncio.Future[None] | None = None
+
+    def start(self, version: int) -> None:
+        if self.running is None or self.running.done():
+            self.running = asyncio.ensure_future(self._checkpoint(version))
+
+    async def wait(self) -> None:
+        """Until the checkpoint being written (if any) is (it finishes on its thread)."""
+        if self.running is not None:
+            await asyncio.wait([self.running])
+
+    async def _checkpoint(self, version: int) -> None:
+        """The checkpoint at ``version``; a failure is logged (a checkpoint only speeds readers
+        up; the next interval tries again)."""
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(self._write, version)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("table %s: checkpoint at version %d failed: %s", self.table, version, exc)
+            return
+        self.engine.stats.checkpoints += 1
+        self.engine.stats.checkpoint_seconds += time.monotonic() - started
+
+    def _write(self, version: int) -> None:
+        fault_point("checkpointing")
+        self.engine.checkpoint(self.table, self.path, version)
 
 
 def _release_if_taken(entering: asyncio.Future[Any], held: Any) -> None:

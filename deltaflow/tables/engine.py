@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,19 +31,22 @@ from ..errors import SchemaError, UsageError
 from ..storage.paths import Location, StorePath, location
 from .atomicity import CommitAtomicity, atomicity_for
 from .committer import TableCommitter
+from .coordinator import TableCoordinator
 from .engine_settings import EngineSettings
 from .group import GroupWrite
-from .log import delta_table
+from .log import commit_log_entry, delta_table
 from .log_reader import LogReader
 from .marks import Mark
 from .merge_on_read import (
     KEY_MEMORY_BYTES,
     KeyColumns,
     MergeOnRead,
+    has_deletion_vectors,
     vectors_at,
     write_merge_on_read,
 )
-from .rewrite import RewriteUnsupported
+from .prepared import CommitSink
+from .rewrite import Rewrite, RewriteUnsupported, write_files
 from .rows import to_arrow_rows
 from .settings import (
     CHECKPOINT_INTERVAL,
@@ -97,6 +101,10 @@ class TableEngine:
     name: ClassVar[str] = ""
     #: Whether the engine creates tables with deletion vectors that every engine can read.
     creates_deletion_vectors: ClassVar[bool] = False
+    #: Whether this engine's groups go to the table's committer as prepared files (see
+    #: :mod:`.coordinator`); an engine that applies them another way (the Spark SQL writer's
+    #: MERGE) commits them itself.
+    prepares_groups: bool = True
     #: Bytes of key columns kept per table for merge-on-read (:class:`.KeyColumns`).
     key_memory_bytes: int = KEY_MEMORY_BYTES
 
@@ -137,6 +145,11 @@ class TableEngine:
         # Tables whose last commit reached their checkpoint interval: the version to write a
         # checkpoint at, once the table is released (set by the engine's commit).
         self.checkpoints_due: dict[Location, int] = {}
+        #: Where this node's prepared groups go to be committed (the node's
+        #: :class:`~deltaflow.server.commits.CommitRouter`); None: each group is committed by
+        #: this node itself while it holds the table (an engine without a node).
+        self.commit_sink: CommitSink | None = None
+        self._coordinators: dict[str, TableCoordinator] = {}
 
     async def start(self) -> None:
         """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
@@ -269,14 +282,86 @@ class TableEngine:
         if memory is not None:
             memory.forget(done.removed)
 
+    def coordinator(self, table: str) -> TableCoordinator:
+        """The committer of ``table`` on this node (made on first use): it commits the groups
+        writers prepared (:mod:`.coordinator`)."""
+        coordinator = self._coordinators.get(table)
+        if coordinator is None:
+            coordinator = self._coordinators[table] = TableCoordinator(self, table)
+        return coordinator
+
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """The tables this node writes or commits: for each, the last version it committed
+        for writers (None: it commits none of them)."""
+        names = sorted({*self._tables, *self._coordinators})
+        return {
+            name: {
+                "committed_version": (
+                    self._coordinators[name].version if name in self._coordinators else None
+                )
+            }
+            for name in names
+        }
+
+    def write_group_files(self, group: GroupWrite, target: Any) -> MergeOnRead | Rewrite:
+        """Blocking: write the data files (and deletion vectors) that apply ``group`` to the
+        table ``target`` (delta-rs, at the version the commit will follow), nothing committed:
+        by merge-on-read on a table with deletion vectors, else by copy-on-write by key range
+        (or appended, for a group no live file can hold a key of).
+
+        Raises:
+            RewriteUnsupported: the group needs a MERGE (nothing was written).
+        """
+        key, footprint = group.key, group.footprint
+        if footprint is None:  # appended: the key only orders the new files
+            column, candidates = (key[0] if len(key) == 1 else None), None
+        elif footprint.column is None or footprint.files is None:
+            raise RewriteUnsupported("no key range to rewrite by")
+        else:
+            column, candidates = footprint.column, footprint.files
+        merge_on_read = group.written is not None or candidates is not None
+        if merge_on_read and column is not None and has_deletion_vectors(target):
+            return self._merge_on_read(group, target, column=column)
+        return write_files(target, group.path, group.data, column, candidates)
+
+    def commit_actions(
+        self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
+    ) -> int:
+        """Blocking, with the table held: commit ``actions`` (data files written by
+        :meth:`write_group_files`, this node's or other writers') as version ``version + 1``
+        with the ``userMetadata`` ``metadata``; the version committed. Written as the log
+        entry itself (the engine's transaction adds nothing these actions need).
+
+        Raises:
+            CommitConflictError: another writer committed version ``version + 1`` first.
+        """
+        removes = any("remove" in a for a in actions)
+        info = {
+            "timestamp": int(time.time() * 1000),
+            "operation": "MERGE" if removes else "WRITE",
+            "operationParameters": {"mode": "deltaflow committer"},
+            "readVersion": version,
+            "isBlindAppend": not removes,
+            "userMetadata": metadata,
+            "engineInfo": f"deltaflow {self.name}",
+        }
+        commit_log_entry(path, version + 1, [{"commitInfo": info}, *actions])
+        return version + 1
+
+    def landed(self, path: Location, done: MergeOnRead | Rewrite) -> None:
+        """Files written by :meth:`write_group_files` were committed."""
+        if isinstance(done, MergeOnRead):
+            self._landed(path, done)
+
     async def stop(self) -> None:
+        for coordinator in self._coordinators.values():
+            await coordinator.stop()
         for committer in self._tables.values():
             committer.task.cancel()
         for committer in self._tables.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await committer.task
-            if committer.checkpointing is not None:  # finishes on its thread: wait for it
-                await asyncio.wait([committer.checkpointing])
+            await committer.checkpoints.wait()  # finishes on its thread
             committer.fail_queued("node stopped before commit")
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 

@@ -6,14 +6,16 @@ store; both answer the same calls.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Final
 
-from ..errors import UsageError
+from ..errors import CommitConflictError, UsageError
 from ..receivers.base import check_table_name
-from ..storage.paths import Location, StorePath, storage_options
+from ..storage.paths import Location, StorePath, create_exclusive, storage_options
 
 __all__ = [
     "DELTA_LOG",
+    "commit_log_entry",
     "commit_versions",
     "delta_table",
     "is_table",
@@ -82,3 +84,20 @@ def commit_versions(path: Location, after: int = -1) -> list[int]:
         for n in names
         if len(n) == 25 and n.endswith(".json") and n[:20].isdigit() and (v := int(n[:20])) > after
     )
+
+
+def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:
+    """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
+    other writer did (:func:`~deltaflow.storage.paths.create_exclusive`: a hard link on disk,
+    a create-if-absent put on a store; readers never see a partial entry).
+
+    Raises:
+        CommitConflictError: the version exists (another writer's commit won).
+    """
+    entry = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions)
+    try:
+        create_exclusive(log_dir(path) / f"{version:020d}.json", entry.encode())
+    except FileExistsError as exc:
+        raise CommitConflictError(
+            f"table {path.name!r}: another writer committed version {version} first"
+        ) from exc

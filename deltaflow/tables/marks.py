@@ -15,6 +15,7 @@ order, so "the highest mark per lane" is all that needs remembering.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from collections.abc import Iterable, Mapping
@@ -40,7 +41,7 @@ class LaneMarks:
     Blocking (file reads): use from a worker thread, under the table's commit lock.
     """
 
-    def __init__(self, table_path: Location) -> None:
+    def __init__(self, table_path: Location, *, history: int = 0) -> None:
         self._table = table_path
         self._log_dir = log_dir(table_path)
         self._marks: dict[str, Mark] = {}
@@ -48,6 +49,12 @@ class LaneMarks:
         #: The deletion vector of every live file that has one (path -> descriptor), for a
         #: commit that replaces it (merge-on-read): a ``remove`` must name it.
         self.vectors: dict[str, dict[str, Any]] = {}
+        # What each of the last ``history`` commits read changed: the paths it removed, and
+        # whether it changed the metadata or protocol (see ``changed_since``).
+        self._history = history
+        self._changes: collections.OrderedDict[int, tuple[frozenset[str], bool]] = (
+            collections.OrderedDict()
+        )
 
     @property
     def scanned(self) -> int:
@@ -71,17 +78,45 @@ class LaneMarks:
             vectors_after = _checkpoint_vectors(self._log_dir, self.vectors)
         changed = False
         for version in versions:
-            lanes, metadata, removed, added = _read_commit(self._log_dir / f"{version:020d}.json")
+            lanes, metadata, removed, added = _read_commit(
+                self._log_dir / f"{version:020d}.json", self._history > 0
+            )
             self.absorb(lanes)
+            if self._history:
+                paths = frozenset(p for p, _ in removed)
+                self._changes[version] = (paths, metadata)
+                while len(self._changes) > self._history:
+                    self._changes.popitem(last=False)
             if version > vectors_after:
                 for path, dv in removed:
                     held = self.vectors.get(path)
-                    if held is not None and descriptor_id(dv) == descriptor_id(held):
+                    if (
+                        held is not None
+                        and dv is not None
+                        and descriptor_id(dv) == descriptor_id(held)
+                    ):
                         del self.vectors[path]
                 self.vectors.update(added)
             changed = changed or metadata
             self._scanned = version
         return changed
+
+    def changed_since(self, version: int, paths: frozenset[str]) -> str | None:
+        """Why a group prepared at table ``version``, removing ``paths``, no longer fits the
+        table as last refreshed (a later commit removed one of those files, or changed the
+        metadata or protocol); None when it still does. Needs ``history``.
+        """
+        if version > self._scanned:
+            return f"it was prepared at version {version}, after the {self._scanned} read here"
+        if version < self._scanned and version + 1 not in self._changes:
+            return f"version {version} is older than the commits remembered here"
+        for later in range(version + 1, self._scanned + 1):
+            removed, metadata = self._changes[later]
+            if metadata:
+                return f"version {later} changed the table's schema, settings or protocol"
+            if not paths.isdisjoint(removed):
+                return f"version {later} replaced a file it replaces"
+        return None
 
     def absorb(self, lanes: Mapping[str, Mark]) -> None:
         for lane, mark in lanes.items():
@@ -89,12 +124,15 @@ class LaneMarks:
                 self._marks[lane] = mark
 
     @staticmethod
-    def user_metadata(node: str, lanes: Mapping[str, Mark]) -> str:
-        """The commit's ``userMetadata`` recording ``lanes``."""
-        return json.dumps(
-            {METADATA_KEY: {"node": node, "lanes": {k: list(v) for k, v in lanes.items()}}},
-            separators=(",", ":"),
-        )
+    def user_metadata(
+        node: str, lanes: Mapping[str, Mark], writers: Iterable[str] | None = None
+    ) -> str:
+        """The commit's ``userMetadata`` recording ``lanes``, committed by ``node`` (with
+        ``writers``: the nodes whose prepared groups it holds)."""
+        meta: dict[str, Any] = {"node": node, "lanes": {k: list(v) for k, v in lanes.items()}}
+        if writers is not None:
+            meta["writers"] = sorted(set(writers))
+        return json.dumps({METADATA_KEY: meta}, separators=(",", ":"))
 
     @staticmethod
     def highest(marks: Iterable[tuple[str, Mark]]) -> dict[str, Mark]:
@@ -116,14 +154,15 @@ _Vectors = dict[str, dict[str, Any]]
 
 
 def _read_commit(
-    path: Location,
-) -> tuple[dict[str, Mark], bool, list[tuple[str, dict[str, Any]]], _Vectors]:
+    path: Location, every_remove: bool = False
+) -> tuple[dict[str, Mark], bool, list[tuple[str, dict[str, Any] | None]], _Vectors]:
     """What one commit file records: its lane marks (empty if it has none); whether it has a
-    ``metaData`` or ``protocol`` action; the files with deletion vectors it removes and the
-    ones it adds (path and descriptor)."""
+    ``metaData`` or ``protocol`` action; the files with deletion vectors it removes (with
+    ``every_remove``, every file it removes) and the ones with vectors it adds (path and
+    descriptor)."""
     lanes: dict[str, Mark] = {}
     metadata = False
-    removed: list[tuple[str, dict[str, Any]]] = []
+    removed: list[tuple[str, dict[str, Any] | None]] = []
     added: _Vectors = {}
     try:
         with path.open(encoding="utf-8") as fh:
@@ -131,14 +170,16 @@ def _read_commit(
                 # Each line is one action, an object with one key.
                 if line.startswith(('{"metaData"', '{"protocol"')):
                     metadata = True
-                elif '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"')):
+                elif (every_remove and line.startswith('{"remove"')) or (
+                    '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"'))
+                ):
                     kind, action = next(iter(json.loads(line).items()))
                     dv = action.get("deletionVector")
-                    if dv is not None:
-                        if kind == "add":
+                    if kind == "add":
+                        if dv is not None:
                             added[action["path"]] = dv
-                        else:
-                            removed.append((action["path"], dv))
+                    elif dv is not None or every_remove:
+                        removed.append((action["path"], dv))
                 elif not lanes and '"commitInfo"' in line:
                     info = json.loads(line).get("commitInfo") or {}
                     lanes = _lanes_of(info)
@@ -165,7 +206,7 @@ def _checkpoint_vectors(log_dir: Location, into: _Vectors) -> int:
 def commit_vectors(commit: Location) -> list[dict[str, Any]]:
     """The deletion vectors one commit file names, in its adds and its removes."""
     _, _, removed, added = _read_commit(commit)
-    return [dv for _, dv in removed] + list(added.values())
+    return [dv for _, dv in removed if dv is not None] + list(added.values())
 
 
 def checkpoint_vectors(checkpoint: Location, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:

@@ -77,6 +77,16 @@ class EngineStatistics:
     largest_group_rows: int = 0
     commit_seconds: float = 0.0
     queued_rows: int = 0
+    #: As a table's committer: versions that combined prepared groups, the groups in them,
+    #: and the seconds their commits took.
+    combined_commits: int = 0
+    combined_groups: int = 0
+    combined_seconds: float = 0.0
+    commits_in_doubt: int = 0
+    #: As a writer: groups prepared for a committer, and those it sent back to be prepared
+    #: again (the table changed under them).
+    groups_prepared: int = 0
+    groups_sent_back: int = 0
     tables_created: int = 0
     columns_added: int = 0
     checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock

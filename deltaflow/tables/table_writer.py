@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
@@ -20,7 +21,7 @@ from .group import GroupWrite, PreparedGroup
 from .grouping import conform, last_per_key
 from .log import is_table, latest_version, log_dir
 from .marks import LaneMarks
-from .rewrite import DataFile
+from .rewrite import DataFile, RewriteUnsupported
 from .rows import INTERNAL_COLUMNS, no_evolution_text
 from .settings import BUCKET_COLUMN, TableSettings
 
@@ -29,10 +30,11 @@ if TYPE_CHECKING:
     from .atomicity import CommitAtomicity
     from .engine_settings import EngineSettings
     from .log_reader import LogReader
+    from .prepared import CommitSink, PreparedCommit
     from .staging import Staged
     from .statistics import EngineStatistics
 
-__all__ = ["Engine", "TableWriter"]
+__all__ = ["Engine", "ReadyCommit", "TableWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class Engine(Protocol):
     atomicity: CommitAtomicity
     log: LogReader
     checkpoints_due: dict[Location, int]
+    commit_sink: CommitSink | None
+    prepares_groups: bool
 
     def in_thread(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]: ...
     def describe(self, table: str, path: Location) -> Any: ...
@@ -55,6 +59,31 @@ class Engine(Protocol):
     def checkpoint(self, table: str, path: Location, version: int) -> None: ...
     def merges_on_read(self, settings: TableSettings) -> bool: ...
     def write(self, group: GroupWrite) -> None: ...
+    def write_group_files(self, group: GroupWrite, target: Any) -> Any: ...
+    def commit_actions(
+        self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
+    ) -> int: ...
+    def landed(self, path: Location, done: Any) -> None: ...
+    def coordinator(self, table: str) -> Any: ...
+
+
+#: ``TableWriter._prepare_at``: the table moved on while the group was read; read again.
+_AGAIN: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class ReadyCommit:
+    """A group prepared for the table's committer (see ``TableWriter._prepare_commit``).
+
+    Attributes:
+        commit: what the committer is sent; None when the table held every write already.
+        done: the files written (for the engine once the commit landed).
+        todo: the writes the commit applies (the others the table held).
+    """
+
+    commit: PreparedCommit | None
+    done: Any
+    todo: list[Staged]
 
 
 class TableWriter:
@@ -133,6 +162,105 @@ class TableWriter:
 
         data = pa.concat_tables([s.table for s in group], promote_options="permissive")
         return last_per_key(data, self.key) if self.key else data
+
+    def _prepare_commit(
+        self, group: list[Staged], prepared: PreparedGroup | None = None
+    ) -> ReadyCommit | None:
+        """Blocking, without holding the table: write the files that apply ``group`` and
+        describe them for the table's committer, pinned to the version they were planned on
+        (:class:`.PreparedCommit`); a :class:`ReadyCommit` without a commit when the table
+        holds every write already. None when the group needs the table held: the table does
+        not exist yet, needs new columns, or the group must be MERGEd (a key of several
+        columns or without ranges, a table feature the file writer does not implement).
+
+        Raises:
+            SchemaError, ...: the held commit applies the group instead, and reports it.
+        """
+
+        key = self.key or []
+        if len(key) > 1:
+            return None
+        # Until the log, the marks, the live files and the table as described agree on one
+        # version (a commit landing between two reads starts it again).
+        for _ in range(8):
+            if self.marks.refresh() or (self.settings is None and is_table(self.path)):
+                self.describe()
+                continue
+            if self.settings is None:
+                return None
+            target = self.engine.log.latest(self.path)
+            version = int(target.version())
+            if self.marks.scanned < version:
+                continue
+            ready = self._prepare_at(group, prepared, key, target, version)
+            if ready is not _AGAIN:
+                return cast("ReadyCommit | None", ready)
+        return None
+
+    def _prepare_at(
+        self,
+        group: list[Staged],
+        prepared: PreparedGroup | None,
+        key: list[str],
+        target: Any,
+        version: int,
+    ) -> Any:
+        """``_prepare_commit`` at table ``version`` (``target``, delta-rs); ``_AGAIN`` when the
+        live files are of a later version."""
+        from .prepared import PreparedCommit
+
+        settings, schema = self.settings, self.schema
+        assert settings is not None
+        if settings.managed and list(settings.key) != key:
+            return None  # reported while held
+        todo = [s for s in group if s.mark is None or not self.marks.applied(*s.mark)]
+        if not todo:
+            return ReadyCommit(None, None, [])
+        footprint: Footprint | None
+        if (
+            prepared is not None
+            and len(todo) == prepared.batches
+            and prepared.settings is settings
+            and prepared.schema is schema
+        ):
+            data, written, footprint = prepared.data, prepared.written, prepared.footprint
+        else:
+            data = self._conform(
+                self._group_rows(todo),
+                recompute=any(s.buckets != settings.buckets for s in todo),
+                evolve=False,
+            )
+            written = None
+            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets)) if key else None
+        if footprint is not None:
+            fault_point("before_listing")
+            listed = self.engine.log.live_files(self.path) if footprint.ranges else None
+            if listed is None:
+                return None
+            files, listed_version = listed
+            if listed_version != version:
+                return _AGAIN
+            vectors = self.marks.vectors if self.marks.scanned == version else None
+            footprint = footprint.checked_against(files, vectors, version)
+            if footprint.fresh:
+                footprint = None  # no key of the group can be in the table: appended
+        write = GroupWrite(self.name, self.path, key, data, "", footprint, written, version)
+        try:
+            done = self.engine.write_group_files(write, target)
+        except RewriteUnsupported:
+            return None
+        lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+        commit = PreparedCommit(
+            self.name,
+            self.engine.node_id,
+            version,
+            done.actions(),
+            lanes,
+            rows=int(data.num_rows),
+            batches=len(todo),
+        )
+        fault_point("commit_prepared")
+        return ReadyCommit(commit, done, todo)
 
     def _commit(self, group: list[Staged], prepared: PreparedGroup | None = None) -> int:
         """Blocking, with the table held (see ``_commit_next``): drop writes the table

@@ -1,0 +1,143 @@
+"""Which node commits a table, and getting each prepared group to it.
+
+Every table has one committer among the live nodes: the node that rendezvous hashing of the
+table's name over the cluster map ranks first (:meth:`.PartitionMap.committer`), so every
+node with the same map agrees without asking anyone, and a table's committer changes only
+when that node joins or leaves. A writer sends each group it prepared
+(:class:`.PreparedCommit`) to the committer (``POST /v1/peer/commit``, proven like every peer
+call) and waits for its outcome; the committer of a table this node commits is its own
+:class:`.TableCoordinator`.
+
+When the committer dies, the map changes within the failure timeout and the writer resends
+the group to the next one; when the committer cannot be reached for longer than that while
+the map still names it (a one-way partition), the writer commits the group itself. Neither can
+apply a group twice: a commit lands only at the version after the one its lane marks were
+checked at, and the next committer finds a group that did land by its marks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
+
+import aiohttp
+
+from ..partitioning import PartitionMap
+from ..tables.prepared import Outcome, OutcomeKind, PreparedCommit, WireError
+from .peers import PeerClient
+
+if TYPE_CHECKING:
+    from ..tables.engine import TableEngine
+
+__all__ = ["MAX_COMMIT_CALL_BYTES", "CommitRouter"]
+
+log = logging.getLogger(__name__)
+
+#: The largest prepared group a committer reads (actions only: a few hundred bytes a file).
+MAX_COMMIT_CALL_BYTES: Final = 8 * 1024 * 1024
+#: How often a writer waiting on a committer looks whether the map named another one.
+WATCH_SECONDS: Final = 0.1
+#: Longest wait for one commit call (a committer that is alive but slow; a dead one is
+#: noticed by the map long before).
+CALL_SECONDS: Final = 600.0
+
+
+class CommitRouter:
+    """Gets a writer's prepared groups committed (the engine's commit sink).
+
+    Args:
+        node_id: this node.
+        engine: its table engine, whose coordinators commit the tables this node commits.
+        peers: the client for commit calls to other nodes.
+        partition_map: the node's current map.
+        failure_timeout: how long a committer the map still names may stay unreachable
+            before this node commits the group itself.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        engine: TableEngine,
+        peers: PeerClient,
+        partition_map: Callable[[], PartitionMap],
+        failure_timeout: float,
+    ) -> None:
+        self.node_id = node_id
+        self._engine = engine
+        self._peers = peers
+        self._map = partition_map
+        self._failure_timeout = failure_timeout
+        self.remote_commits = 0  # groups another node committed for this one
+        self.own_fallbacks = 0  # groups committed here because the committer was unreachable
+
+    def committer(self, table: str) -> tuple[str, str]:
+        """The node that commits ``table`` by the current map, and its address."""
+        pmap = self._map()
+        node_id = pmap.committer(table)
+        return node_id, pmap.addresses[node_id]
+
+    async def submit(self, prepared: PreparedCommit) -> Outcome:
+        """The outcome of ``prepared`` from its table's committer (whichever node that is by
+        the time it answers)."""
+        unreachable_since: float | None = None
+        while True:
+            node_id, address = self.committer(prepared.table)
+            if node_id == self.node_id:
+                return await self._engine.coordinator(prepared.table).submit(prepared)
+            if (
+                unreachable_since is not None
+                and time.monotonic() - unreachable_since > self._failure_timeout
+            ):
+                self.own_fallbacks += 1
+                log.warning(
+                    "table %s: committer %s unreachable for %.1f s; committing here",
+                    prepared.table,
+                    node_id,
+                    time.monotonic() - unreachable_since,
+                )
+                return await self._engine.coordinator(prepared.table).submit(prepared)
+            call = asyncio.ensure_future(self._call(address, prepared))
+            moved = False
+            try:
+                while not call.done():
+                    await asyncio.wait({call}, timeout=WATCH_SECONDS)
+                    if not call.done() and self.committer(prepared.table) != (node_id, address):
+                        moved = True  # the map named another committer: resend it there
+                        break
+            finally:
+                if not call.done():
+                    call.cancel()
+                    with contextlib.suppress(BaseException):
+                        await call
+            if moved:
+                log.info(
+                    "table %s: committer %s replaced; resending a group", prepared.table, node_id
+                )
+                continue
+            try:
+                outcome = call.result()
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                if unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                log.info("table %s: committer %s did not answer (%s)", prepared.table, node_id, exc)
+                await asyncio.sleep(WATCH_SECONDS)
+                continue
+            self.remote_commits += outcome.kind is OutcomeKind.COMMITTED
+            return outcome
+
+    async def _call(self, address: str, prepared: PreparedCommit) -> Outcome:
+        payload = json.dumps(prepared.to_wire(), separators=(",", ":"))
+        reply = await self._peers.call(address, "commit", payload=payload, timeout=CALL_SECONDS)
+        if reply.status != 200 or not reply.proven:
+            error = reply.body.get("error") if isinstance(reply.body, dict) else None
+            raise ValueError(f"committer at {address} answered {reply.status}: {error}")
+        try:
+            return Outcome.from_wire(reply.body.get("outcome"))
+        except WireError as exc:
+            raise ValueError(f"committer at {address}: {exc}") from exc

@@ -1,0 +1,225 @@
+"""A table's committer: commits the groups its writers prepared, many in one Delta version.
+
+Every partition owner writes its groups' data files itself (:class:`.PreparedCommit`), in
+parallel with the other owners. The committer of a table (one live node, chosen by the cluster
+map; :mod:`deltaflow.server.commits`) takes whatever prepared groups have arrived while its
+last commit ran and commits them together: one version, one read of the log, no race among
+the writers. Their buckets are disjoint, so their actions do not overlap; a group that no
+longer fits the table (a later commit replaced one of its files or changed the schema, or a
+lane of it moved to another writer and was applied there) is sent back to be prepared again.
+
+The commit is fenced as every deltaflow commit is: it holds the table's commit atomicity, it
+lands at exactly the version after the one whose lane marks it checked (create-if-absent), and
+it records every group's lane marks. A committer that paused and lost its place, or two nodes
+that both believe they commit a table, cannot apply a group twice: the late one finds the
+version taken, reads the marks again and answers ``applied``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+from .._faults import fault_point
+from ..errors import CommitConflictError
+from .committer import CheckpointWriter, finish, hold_table
+from .marks import LaneMarks, Mark
+from .prepared import Outcome, OutcomeKind, PreparedCommit
+from .settings import CHECKPOINT_INTERVAL, PROP_CHECKPOINT_INTERVAL
+
+if TYPE_CHECKING:
+    from .table_writer import Engine
+
+__all__ = ["MAX_COMBINED", "TableCoordinator"]
+
+log = logging.getLogger(__name__)
+
+#: The most prepared groups one version combines.
+MAX_COMBINED: Final = 256
+#: Commits a committer remembers the replaced files of, to check groups prepared that many
+#: versions back (a writer's group is normally one or two behind).
+HISTORY: Final = 1000
+#: Versions a combined commit tries before its groups are sent back (another writer, outside
+#: the coordinator, kept taking the next version).
+COMMIT_ATTEMPTS: Final = 20
+
+
+class TableCoordinator:
+    """Commits prepared groups to one table on this node (its committer).
+
+    Args:
+        engine: the node's table engine: it holds the table's atomicity and commits actions
+            (``commit_actions``).
+        table: the table's name.
+    """
+
+    def __init__(self, engine: Engine, table: str) -> None:
+        self.engine = engine
+        self.name = table
+        self.path = engine.warehouse / table
+        self.marks = LaneMarks(self.path, history=HISTORY)
+        self._pending: list[tuple[PreparedCommit, asyncio.Future[Outcome]]] = []
+        self._arrived = asyncio.Event()
+        self._released_at: float | None = None
+        self._interval: int | None = None  # the table's checkpoint interval, 0: the default
+        self._checkpoint_due: int | None = None
+        self.checkpoints = CheckpointWriter(engine, table)
+        self.version: int | None = None  # the last version this committer committed
+        self.task = asyncio.create_task(self._run(), name=f"deltaflow-coordinate-{table}")
+
+    @property
+    def waiting(self) -> int:
+        """Prepared groups that arrived and wait for the next commit."""
+        return len(self._pending)
+
+    async def submit(self, prepared: PreparedCommit) -> Outcome:
+        """Commit ``prepared`` with the others that arrive meanwhile; its outcome."""
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._pending.append((prepared, future))
+        self._arrived.set()
+        return await asyncio.shield(future)  # a caller that gives up leaves the commit be
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.checkpoints.wait()
+        for _, future in self._pending:
+            if not future.done():
+                future.set_result(Outcome(OutcomeKind.RETRY, reason="the committer stopped"))
+
+    async def _run(self) -> None:
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            while self._pending:
+                batch = self._pending[:MAX_COMBINED]
+                del self._pending[:MAX_COMBINED]
+                try:
+                    outcomes = await self._commit_held(batch)
+                except asyncio.CancelledError:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_result(
+                                Outcome(OutcomeKind.RETRY, reason="the committer stopped")
+                            )
+                    raise
+                except Exception as exc:
+                    log.exception("table %s: a combined commit failed", self.name)
+                    outcomes = [Outcome(OutcomeKind.FAILED, reason=str(exc))] * len(batch)
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if not future.done():
+                        future.set_result(outcome)
+
+    async def _commit_held(
+        self, batch: list[tuple[PreparedCommit, asyncio.Future[Outcome]]]
+    ) -> list[Outcome]:
+        held = await hold_table(self.engine, self.name, self._released_at)
+        try:
+            return await finish(
+                self.engine.in_thread(self._commit, [prepared for prepared, _ in batch])
+            )
+        finally:
+            held.__exit__(None, None, None)
+            self._released_at = time.monotonic()
+            due, self._checkpoint_due = self._checkpoint_due, None
+            if due is not None:
+                self.checkpoints.start(due)
+
+    def _commit(self, batch: list[PreparedCommit]) -> list[Outcome]:
+        """Blocking, with the table held: commit every group of ``batch`` that still fits the
+        table in one version; each group's outcome."""
+        node = self.engine.node_id
+        for _ in range(COMMIT_ATTEMPTS):
+            if self.marks.refresh() or self._interval is None:
+                # (A metadata change also shows in ``changed_since`` for groups read before.)
+                configured = self.engine.describe(self.name, self.path).properties
+                self._interval = int(configured.get(PROP_CHECKPOINT_INTERVAL) or 0)
+            outcomes, chosen = self._sort(batch)
+            if not chosen:
+                return outcomes
+            lanes: dict[str, Mark] = LaneMarks.highest(
+                (lane, mark) for i in chosen for lane, mark in batch[i].lanes.items()
+            )
+            writers = {batch[i].writer for i in chosen}
+            actions: list[dict[str, Any]] = [a for i in chosen for a in batch[i].actions]
+            metadata = LaneMarks.user_metadata(node, lanes, writers)
+            read = self.marks.scanned
+            started = time.monotonic()
+            fault_point("before_combined_commit")
+            try:
+                version = self.engine.commit_actions(self.name, self.path, read, actions, metadata)
+            except CommitConflictError as exc:
+                log.info(
+                    "table %s: version %d was taken (%s); reading again", self.name, read + 1, exc
+                )
+                self.engine.stats.commit_conflicts += 1
+                continue
+            except Exception as exc:  # noqa: BLE001 - in doubt: it may have landed
+                # (A store that did not answer.) The marks tell: each writer prepares again,
+                # and finds its group applied or not.
+                log.warning("table %s: a combined commit is in doubt: %s", self.name, exc)
+                self.engine.stats.commits_in_doubt += 1
+                return [
+                    Outcome(
+                        OutcomeKind.RETRY,
+                        reason=f"the commit of version {read + 1} is in doubt: {exc}",
+                        committer=node,
+                    )
+                    for _ in batch
+                ]
+            self.marks.absorb(lanes)
+            if version % (self._interval or CHECKPOINT_INTERVAL) == 0:
+                self._checkpoint_due = version
+            self._count(batch, chosen, time.monotonic() - started)
+            fault_point("after_combined_commit")
+            self.version = version
+            for i in chosen:
+                outcomes[i] = Outcome(OutcomeKind.COMMITTED, version, committer=node)
+            return outcomes
+        return [
+            Outcome(
+                OutcomeKind.RETRY,
+                reason=f"the next version of table {self.name!r} was taken "
+                f"{COMMIT_ATTEMPTS} times running",
+                committer=node,
+            )
+            for _ in batch
+        ]
+
+    def _sort(self, batch: list[PreparedCommit]) -> tuple[list[Outcome], list[int]]:
+        """Each group's outcome if it is not committed now, and the groups that are."""
+        node = self.engine.node_id
+        outcomes: list[Outcome] = []
+        chosen: list[int] = []
+        taken: set[str] = set()  # files the chosen groups replace
+        for i, prepared in enumerate(batch):
+            applied = [
+                lane for lane, mark in prepared.lanes.items() if self.marks.applied(lane, mark)
+            ]
+            reason = None
+            if applied and len(applied) == len(prepared.lanes):
+                outcomes.append(Outcome(OutcomeKind.APPLIED, committer=node))
+                continue
+            if applied:
+                reason = f"lane {applied[0]} of it was applied meanwhile"
+            else:
+                reason = self.marks.changed_since(prepared.read_version, prepared.removes)
+            if reason is None and not taken.isdisjoint(prepared.removes):
+                reason = "another group of this commit replaces one of its files"
+            if reason is not None:
+                outcomes.append(Outcome(OutcomeKind.RETRY, reason=reason, committer=node))
+                continue
+            taken |= prepared.removes
+            chosen.append(i)
+            outcomes.append(Outcome(OutcomeKind.COMMITTED, committer=node))  # version set after
+        return outcomes, chosen
+
+    def _count(self, batch: list[PreparedCommit], chosen: list[int], seconds: float) -> None:
+        stats = self.engine.stats
+        stats.combined_commits += 1
+        stats.combined_groups += len(chosen)
+        stats.combined_seconds += seconds

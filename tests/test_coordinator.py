@@ -1,0 +1,317 @@
+"""A table's committer: writers prepare their groups (files written, actions pinned to the
+version they read), the committer commits the groups that arrive together as one version,
+sends back a group the table changed under, and answers ``applied`` to a group that already
+landed (a late committer, a resend). Engines alone here, no server; the node-level behaviour
+(the committer chosen by the map, its death) is tests/test_committer_cluster.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltaflow.partitioning import partition_of
+from deltaflow.tables.engine import TableEngine
+from deltaflow.tables.prepared import (
+    MAX_ACTIONS,
+    Outcome,
+    OutcomeKind,
+    PreparedCommit,
+    WireError,
+)
+from deltaflow.tables.settings import DEFAULT_BUCKETS
+from deltaflow.testing import at_fault_point
+
+from .support import Eventually, open_table, read_all, read_delta, table_engine
+
+
+@pytest.fixture(params=["delta-rs", "delta-rs-dv", "spark", "delta-rs-s3"])
+def engine(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+#: Keys 0-39 by the parity of their bucket (a table's keys are bucketed by partition).
+EVEN = [i for i in range(40) if partition_of(i, DEFAULT_BUCKETS) % 2 == 0]
+ODD = [i for i in range(40) if partition_of(i, DEFAULT_BUCKETS) % 2 == 1]
+
+
+class Through:
+    """A commit sink that sends every prepared group to one engine's coordinator, and
+    remembers the groups and outcomes."""
+
+    def __init__(self, committer: TableEngine) -> None:
+        self.committer = committer
+        self.sent: list[PreparedCommit] = []
+        self.outcomes: list[Outcome] = []
+
+    async def submit(self, prepared: PreparedCommit) -> Outcome:
+        self.sent.append(prepared)
+        outcome = await self.committer.coordinator(prepared.table).submit(prepared)
+        self.outcomes.append(outcome)
+        return outcome
+
+
+def _last_commit(path: Any) -> dict[str, Any]:
+    [entry] = open_table(path).history(1)
+    return json.loads(entry["userMetadata"])["deltaflow"]
+
+
+async def _stage(eng: TableEngine, rows: list[dict[str, Any]], lane: str, seq: int) -> Any:
+    return await eng.stage("t", ["id"], rows, frozenset(), mark=(lane, (seq, 0)))
+
+
+async def test_groups_of_two_writers_land_in_one_version(
+    engine: str, warehouse: Path, eventually: Eventually
+) -> None:
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as first,
+        table_engine(engine, warehouse, node_id="w2") as second,
+        table_engine(engine, warehouse, node_id="w3") as third,
+    ):
+        await (await _stage(first, [{"id": i, "v": 0} for i in range(40)], "a/0", 0))
+        for writer in (first, second, third):
+            writer.commit_sink = Through(first)
+        # Hold the committer's first commit until the other writers' groups have arrived.
+        release, reached = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            reached.set()
+            release.wait(30)
+
+        with at_fault_point("before_combined_commit", hold):
+            one = await _stage(first, [{"id": 100, "v": 1}], "a/0", 1)
+            await asyncio.to_thread(reached.wait, 30)
+            # Each writer updates the keys of its own buckets, as partition owners do.
+            two = await _stage(second, [{"id": i, "v": 2} for i in EVEN], "b/0", 0)
+            three = await _stage(third, [{"id": i, "v": 3} for i in ODD], "c/0", 0)
+            coordinator = first.coordinator("t")
+            await eventually(lambda: coordinator.waiting == 2, "both groups arrived")
+            release.set()
+            await asyncio.wait_for(asyncio.gather(one, two, three), 60)
+    path = warehouse / "t"
+    assert {k: r["v"] for k, r in read_delta(path).items()} == {
+        **{i: 2 for i in EVEN},
+        **{i: 3 for i in ODD},
+        100: 1,
+    }
+    last = _last_commit(path)
+    assert last["node"] == "w1" and last["writers"] == ["w2", "w3"]
+    assert last["lanes"] == {"b/0": [0, 0], "c/0": [0, 0]}
+    assert first.stats.combined_commits == 2 and first.stats.combined_groups == 3
+
+
+async def test_a_group_whose_files_were_replaced_meanwhile_is_prepared_again(
+    engine: str, warehouse: Path
+) -> None:
+    """Both writers update keys in the same files (a partition moved between them): the
+    second's group was prepared against files the first's commit replaced; it is sent back,
+    prepared again, and both updates land."""
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as first,
+        table_engine(engine, warehouse, node_id="w2") as second,
+    ):
+        await (await _stage(first, [{"id": i, "v": 0} for i in range(40)], "a/0", 0))
+        first.commit_sink = sink = Through(first)
+        second.commit_sink = Through(first)
+        done = 0
+
+        def first_commits_first() -> None:
+            nonlocal done
+            if threading.current_thread().name.startswith("deltaflow") and done == 0:
+                done = 1
+                fut = asyncio.run_coroutine_threadsafe(
+                    _commit_now(first, [{"id": i, "v": 1} for i in range(0, 40, 2)]), loop
+                )
+                fut.result(60)
+
+        loop = asyncio.get_running_loop()
+        with at_fault_point("commit_prepared", first_commits_first):
+            await asyncio.wait_for(
+                await _stage(second, [{"id": i, "v": 2} for i in range(1, 40, 2)], "b/0", 0), 60
+            )
+    assert {k: r["v"] for k, r in read_delta(warehouse / "t").items()} == {
+        i: 1 if i % 2 == 0 else 2 for i in range(40)
+    }
+    kinds = [o.kind for o in sink.outcomes]
+    assert OutcomeKind.RETRY in [o.kind for o in second.commit_sink.outcomes]  # type: ignore[union-attr]
+    assert kinds.count(OutcomeKind.COMMITTED) >= 1
+
+
+async def _commit_now(eng: TableEngine, rows: list[dict[str, Any]]) -> None:
+    await (await _stage(eng, rows, "a/0", 1))
+
+
+@pytest.mark.parametrize("engine", ["delta-rs-s3", "spark-s3"], indirect=True)
+async def test_a_late_committer_finds_the_group_applied(engine: str, warehouse: Path) -> None:
+    """Two committers get the same prepared group (a writer resent it when the first stopped
+    answering): the second commits it; the first, paused after reading the marks, finds the
+    version it planned taken, reads again and answers ``applied``; the rows land once. (On a
+    store: in a local warehouse the paused committer holds the table's lock, and the next
+    waits for it.)"""
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as writer,
+        table_engine(engine, warehouse, node_id="c1") as late,
+        table_engine(engine, warehouse, node_id="c2") as next_,
+    ):
+        await (await writer.stage("t", [], [{"id": -1}], frozenset(), mark=("a/0", (0, 0))))
+        captured = Capture()
+        writer.commit_sink = captured
+        staged = await writer.stage(
+            "t", [], [{"id": i} for i in range(10)], frozenset(), mark=("a/0", (1, 0))
+        )
+        prepared = await captured.arrived
+        release, reached = threading.Event(), threading.Event()
+
+        def pause() -> None:
+            if not reached.is_set():  # the first committer to get there: the late one
+                reached.set()
+                release.wait(30)
+
+        with at_fault_point("before_combined_commit", pause):
+            first = asyncio.ensure_future(late.coordinator("t").submit(prepared))
+            assert await asyncio.to_thread(reached.wait, 60), (
+                "the first committer never paused",
+                first.result() if first.done() else "pending",
+            )
+            second = await next_.coordinator("t").submit(prepared)
+            release.set()
+            late_outcome = await asyncio.wait_for(first, 30)
+        captured.answer(second)
+        await asyncio.wait_for(staged, 30)
+    assert second.kind is OutcomeKind.COMMITTED
+    assert late_outcome.kind is OutcomeKind.APPLIED
+    assert sorted(r["id"] for r in read_all(warehouse / "t")) == list(range(-1, 10))
+
+
+class Capture:
+    """A commit sink that hands the test the prepared group and waits for its answer."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.arrived: asyncio.Future[PreparedCommit] = loop.create_future()
+        self._outcome: asyncio.Future[Outcome] = loop.create_future()
+
+    async def submit(self, prepared: PreparedCommit) -> Outcome:
+        if not self.arrived.done():
+            self.arrived.set_result(prepared)
+        return await self._outcome
+
+    def answer(self, outcome: Outcome) -> None:
+        self._outcome.set_result(outcome)
+
+
+# -- the wire form a committer reads from peers ---------------------------------------------
+
+
+def _wire(**changes: Any) -> dict[str, Any]:
+    base = PreparedCommit(
+        "t",
+        "w1",
+        3,
+        [
+            {
+                "add": {
+                    "path": "_deltaflow_bucket=7/part-1.parquet",
+                    "partitionValues": {"_deltaflow_bucket": "7"},
+                    "size": 10,
+                    "modificationTime": 1,
+                    "dataChange": True,
+                    "stats": "{}",
+                }
+            },
+            {
+                "remove": {
+                    "path": "_deltaflow_bucket=7/part-0.parquet",
+                    "deletionTimestamp": 1,
+                    "dataChange": True,
+                    "extendedFileMetadata": True,
+                    "partitionValues": {"_deltaflow_bucket": "7"},
+                    "size": 10,
+                }
+            },
+        ],
+        {"s1/abc/7": (4, 0)},
+        rows=1,
+        batches=1,
+    ).to_wire()
+    return {**base, **changes}
+
+
+def test_a_prepared_commit_crosses_the_wire_unchanged() -> None:
+    data = json.loads(json.dumps(_wire()))
+    prepared = PreparedCommit.from_wire(data)
+    assert prepared.to_wire() == _wire()
+    assert prepared.removes == {"_deltaflow_bucket=7/part-0.parquet"}
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("../other/part-0.parquet", "inside"),
+        ("a/../../etc/passwd", "inside"),
+        ("/etc/passwd", "inside"),
+        ("s3://bucket/elsewhere.parquet", "inside"),
+        ("", "inside"),
+    ],
+)
+def test_a_file_outside_the_table_is_refused(path: str, field: str) -> None:
+    data = _wire()
+    data["actions"][0]["add"]["path"] = path
+    with pytest.raises(WireError, match=field):
+        PreparedCommit.from_wire(data)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"read_version": -1}, "read_version"),
+        ({"read_version": "3"}, "read_version"),
+        ({"table": "t\n"}, "table"),
+        ({"writer": "w 1"}, "writer"),
+        ({"lanes": {"s/0": [1]}}, "mark"),
+        ({"lanes": {"s/0": [True, 0]}}, "mark"),
+        ({"lanes": {"s\n0": [1, 0]}}, "lane"),
+        ({"actions": [{"metaData": {}}]}, "add or remove"),
+        ({"actions": [{"add": {"path": "a.parquet", "size": -1}}]}, "size"),
+        ({"actions": [{"add": {"path": "a.parquet", "tags": {}}}]}, "unexpected field"),
+        ({"actions": [{"add": {"path": "a.parquet"}}] * (MAX_ACTIONS + 1)}, "at most"),
+        (
+            {
+                "actions": [
+                    {
+                        "remove": {
+                            "path": "a.parquet",
+                            "deletionVector": {"storageType": "p", "pathOrInlineDv": "/x"},
+                        }
+                    }
+                ]
+            },
+            "deletionVector",
+        ),
+        (
+            {
+                "actions": [
+                    {
+                        "remove": {
+                            "path": "a.parquet",
+                            "deletionVector": {
+                                "storageType": "u",
+                                "pathOrInlineDv": "../" + "a" * 20,
+                            },
+                        }
+                    }
+                ]
+            },
+            "prefix",
+        ),
+    ],
+)
+def test_a_malformed_prepared_commit_is_refused_naming_the_field(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(WireError, match=message):
+        PreparedCommit.from_wire(_wire(**changes))
