@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from deltaflow import StreamerOptions
+from deltaflow.engines import create_table
 from deltaflow.partitioning import PartitionMap
 from deltaflow.storage.paths import Location, location
 from deltaflow.tables import maintenance
@@ -147,7 +148,7 @@ async def test_a_sigkilled_committer_is_replaced_and_no_key_is_lost(
 async def test_a_paused_committer_s_late_commit_does_not_land(
     s3_server: S3Server, bucket: str, tmp_path: Path, clusters: list[Cluster]
 ) -> None:
-    """node-3 commits the table; it stops itself (SIGSTOP) in its second combined commit, its
+    """node-3 commits the table; it stops itself (SIGSTOP) in its first combined commit, its
     marks read and its version chosen. The others find it dead, the writers resend their
     groups to the next committer, the stream completes. Then node-3 resumes: the version it
     chose is taken; it reads the marks again and answers ``applied``: nothing lands twice."""
@@ -158,8 +159,12 @@ async def test_a_paused_committer_s_late_commit_does_not_land(
     clusters.append(cluster)
     await cluster.start_all()
     name = a_table_committed_by(cluster, "node-3", "paused")
+    # Created first, so every group goes to node-3, and its first combined commit pauses it.
+    await asyncio.to_thread(
+        create_table, location(warehouse, s3_server.storage_options), name, schema="id:long"
+    )
     paused = await cluster.restart(
-        "node-3", env={"DELTAFLOW_FAULT_STOP_BEFORE_COMBINED_COMMIT": "2"}
+        "node-3", env={"DELTAFLOW_FAULT_STOP_BEFORE_COMBINED_COMMIT": "1"}
     )
     n = 20_000
     # The client gives up on the paused node's own batches after 10 s and sends them to the
