@@ -187,6 +187,65 @@ async def test_a_late_committer_finds_the_group_applied(engine: str, warehouse: 
     assert sorted(r["id"] for r in read_all(warehouse / "t")) == list(range(-1, 10))
 
 
+async def _captured(eng: TableEngine, seq: int, ids: range) -> PreparedCommit:
+    """The group ``eng`` prepares for appending ``ids`` as batch ``seq`` of lane ``a/0``."""
+    captured = Capture()
+    eng.commit_sink = captured
+    await eng.stage("t", [], [{"id": i} for i in ids], frozenset(), mark=("a/0", (seq, 0)))
+    return await asyncio.wait_for(captured.arrived, 30)
+
+
+@pytest.mark.parametrize("engine", ["delta-rs"], indirect=True)
+async def test_two_groups_of_one_lane_in_a_commit_apply_it_once(
+    engine: str, warehouse: Path
+) -> None:
+    """The same lane's batch prepared twice (its old owner's group, and the new owner's after
+    the client resent it) arrives in one combined commit: one is committed, the other sent
+    back, and the rows land once."""
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as writer,
+        table_engine(engine, warehouse, node_id="c1") as committer,
+    ):
+        await (await writer.stage("t", [], [{"id": -1}], frozenset(), mark=("a/0", (0, 0))))
+        prepared = await _captured(writer, 1, range(10))
+        coordinator = committer.coordinator("t")
+        outcomes = await asyncio.gather(coordinator.submit(prepared), coordinator.submit(prepared))
+    assert sorted(o.kind for o in outcomes) == [OutcomeKind.COMMITTED, OutcomeKind.RETRY]
+    assert sorted(r["id"] for r in read_all(warehouse / "t")) == list(range(-1, 10))
+
+
+@pytest.mark.parametrize("engine", ["delta-rs"], indirect=True)
+async def test_a_group_whose_lane_was_partly_applied_meanwhile_is_sent_back(
+    engine: str, warehouse: Path
+) -> None:
+    """A group holds batches 1 and 2 of a lane; another owner's commit applied batch 1 after
+    the group was prepared. The group is sent back (it would apply batch 1 again), not
+    committed."""
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as first,
+        table_engine(engine, warehouse, node_id="w2") as second,
+        table_engine(engine, warehouse, node_id="c1") as committer,
+    ):
+        await (await first.stage("t", [], [{"id": -1}], frozenset(), mark=("a/0", (0, 0))))
+        one = await _captured(first, 1, range(10))
+        two = await _captured(second, 2, range(10, 20))
+        both = PreparedCommit(
+            "t",
+            "w2",
+            two.read_version,
+            one.actions + two.actions,
+            {"a/0": (2, 0)},
+            {"a/0": (1, 0)},
+            rows=20,
+            batches=2,
+        )
+        coordinator = committer.coordinator("t")
+        assert (await coordinator.submit(one)).kind is OutcomeKind.COMMITTED
+        late = await coordinator.submit(both)
+    assert late.kind is OutcomeKind.RETRY, late
+    assert sorted(r["id"] for r in read_all(warehouse / "t")) == list(range(-1, 10))
+
+
 class Capture:
     """A commit sink that hands the test the prepared group and waits for its answer."""
 
@@ -235,6 +294,7 @@ def _wire(**changes: Any) -> dict[str, Any]:
             },
         ],
         {"s1/abc/7": (4, 0)},
+        {"s1/abc/7": (2, 0)},
         rows=1,
         batches=1,
     ).to_wire()
@@ -275,6 +335,8 @@ def test_a_file_outside_the_table_is_refused(path: str, field: str) -> None:
         ({"lanes": {"s/0": [1]}}, "mark"),
         ({"lanes": {"s/0": [True, 0]}}, "mark"),
         ({"lanes": {"s\n0": [1, 0]}}, "lane"),
+        ({"starts": {"s1/abc/7": [5, 0]}}, "starts"),
+        ({"starts": {"s1/abc/8": [1, 0]}}, "starts"),
         ({"actions": [{"metaData": {}}]}, "add or remove"),
         ({"actions": [{"add": {"path": "a.parquet", "size": -1}}]}, "size"),
         ({"actions": [{"add": {"path": "a.parquet", "tags": {}}}]}, "unexpected field"),

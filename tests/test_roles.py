@@ -5,6 +5,8 @@ change membership or drain, and no secret goes to an address that has not proven
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import secrets
 import subprocess
@@ -20,6 +22,7 @@ from aiohttp import web
 from deltaflow.errors import UsageError
 from deltaflow.security import NodeTls, call_proof
 from deltaflow.server import Node, NodeConfig, NodeState
+from deltaflow.tables.prepared import PreparedCommit
 from deltaflow.testing import free_port
 from deltaflow.testing.certificates import CertificateAuthority
 
@@ -77,17 +80,23 @@ async def peer_call(
     caller: str = "n9",
     caller_address: str = "127.0.0.1:1",
     headers: dict[str, str] | None = None,
+    payload: str = "",
+    proven: str | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """A peer call as a peer makes it: fetch a challenge, prove ``secret`` over it."""
+    """A peer call as a peer makes it: fetch a challenge, prove ``secret`` over it (and over
+    ``proven``, else ``payload``, the payload sent)."""
     path = "/v1/drain" if op == "drain" else f"/v1/peer/{op}"
     body: dict[str, Any] = {"node": caller, "address": caller_address, "nonce": "0" * 32}
+    if payload:
+        body["payload"] = payload
     async with http.post(f"http://{address}{path}", json=body, headers=headers) as resp:
         first = await resp.json()
         if resp.status != 401 or secret is None:
             return resp.status, first
     challenge = first["challenge"]
     body["challenge"] = challenge
-    body["proof"] = call_proof(secret, op, challenge, "0" * 32, caller, caller_address)
+    covered = payload if proven is None else proven
+    body["proof"] = call_proof(secret, op, challenge, "0" * 32, caller, caller_address, covered)
     async with http.post(f"http://{address}{path}", json=body, headers=headers) as resp:
         return resp.status, await resp.json()
 
@@ -290,6 +299,31 @@ async def test_hostile_peer_calls_are_refused_within_bounds(pair: tuple[Node, No
             async with http.post(f"http://{first.address}/v1/peer/poll", data=data) as resp:
                 assert resp.status == status, data[:40]
                 assert len(await resp.read()) < 300
+
+
+async def test_a_commit_call_is_proven_over_its_payload_and_bounded(
+    pair: tuple[Node, Node],
+) -> None:
+    """``POST /v1/peer/commit``: only a peer's proof admits it, and the proof covers the
+    payload (a relay cannot swap the group); a node sends only its own groups; a table the
+    warehouse does not hold gets no committer; a body past 8 MiB is refused unread."""
+    first, _ = pair
+    group = PreparedCommit("t", "n9", 0, [], {}, {}).to_wire()
+    payload = json.dumps(group)
+    swapped = json.dumps({**group, "read_version": 7})
+    other = json.dumps({**group, "writer": "n2"})
+    async with aiohttp.ClientSession() as http:
+        call = functools.partial(peer_call, http, first.address, "commit")
+        assert (await call(secret=TOKEN, payload=payload))[0] == 401  # a client's token
+        assert (await call(secret=PEER_TOKEN, payload=swapped, proven=payload))[0] == 401
+        assert (await call(secret=PEER_TOKEN, payload=other))[0] == 403
+        status, body = await call(secret=PEER_TOKEN, payload=payload)
+        assert status == 404 and "no table 't'" in body["error"]
+        assert first.engine.tables() == {}
+        huge = {"node": "n9", "address": "127.0.0.1:1", "nonce": "0" * 32}
+        data = json.dumps({**huge, "payload": "x" * (9 * 1024 * 1024)}).encode()
+        async with http.post(f"http://{first.address}/v1/peer/commit", data=data) as resp:
+            assert resp.status == 413
 
 
 def test_beyond_loopback_a_token_needs_tls_and_peers_a_credential_of_their_own(

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Final
 import aiohttp
 
 from ..partitioning import PartitionMap
-from ..tables.prepared import Outcome, OutcomeKind, PreparedCommit, WireError
+from ..tables.prepared import Outcome, PreparedCommit, WireError
 from .peers import PeerClient
 
 if TYPE_CHECKING:
@@ -73,8 +73,6 @@ class CommitRouter:
         self._peers = peers
         self._map = partition_map
         self._failure_timeout = failure_timeout
-        self.remote_commits = 0  # groups another node committed for this one
-        self.own_fallbacks = 0  # groups committed here because the committer was unreachable
 
     def committer(self, table: str) -> tuple[str, str]:
         """The node that commits ``table`` by the current map, and its address."""
@@ -94,7 +92,6 @@ class CommitRouter:
                 unreachable_since is not None
                 and time.monotonic() - unreachable_since > self._failure_timeout
             ):
-                self.own_fallbacks += 1
                 log.warning(
                     "table %s: committer %s unreachable for %.1f s; committing here",
                     prepared.table,
@@ -128,7 +125,6 @@ class CommitRouter:
                 log.info("table %s: committer %s did not answer (%s)", prepared.table, node_id, exc)
                 await asyncio.sleep(WATCH_SECONDS)
                 continue
-            self.remote_commits += outcome.kind is OutcomeKind.COMMITTED
             return outcome
 
     async def _call(self, address: str, prepared: PreparedCommit) -> Outcome:

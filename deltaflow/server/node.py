@@ -428,7 +428,12 @@ class Node:
             )
         if self.state is not NodeState.RUNNING and self.state is not NodeState.DRAINING:
             return web.json_response({"error": f"node {self.node_id} stopped"}, status=503)
-        outcome = await self.engine.coordinator(prepared.table).submit(prepared)
+        coordinator = await self.engine.existing_coordinator(prepared.table)
+        if coordinator is None:
+            return web.json_response(
+                {"error": f"no table {prepared.table!r} in this node's warehouse"}, status=404
+            )
+        outcome = await coordinator.submit(prepared)
         return self._peer_gate.answer(caller, {"node": self.node_id, "outcome": outcome.to_wire()})
 
     async def _drain_handler(self, request: web.Request) -> web.Response:

@@ -196,16 +196,20 @@ class TableCoordinator:
         outcomes: list[Outcome] = []
         chosen: list[int] = []
         taken: set[str] = set()  # files the chosen groups replace
+        applying: set[str] = set()  # lanes the chosen groups apply
         for i, prepared in enumerate(batch):
-            applied = [
-                lane for lane, mark in prepared.lanes.items() if self.marks.applied(lane, mark)
-            ]
-            reason = None
-            if applied and len(applied) == len(prepared.lanes):
+            held = self.marks.applied
+            if prepared.lanes and all(held(lane, m) for lane, m in prepared.lanes.items()):
                 outcomes.append(Outcome(OutcomeKind.APPLIED, committer=node))
                 continue
-            if applied:
-                reason = f"lane {applied[0]} of it was applied meanwhile"
+            # A lane's writes in the group are a run of its marks: the table holding the first
+            # holds some of them (another owner applied them meanwhile).
+            some = [lane for lane, first in prepared.starts.items() if held(lane, first)]
+            reason = None
+            if some:
+                reason = f"lane {some[0]} of it was applied meanwhile"
+            elif not applying.isdisjoint(prepared.lanes):
+                reason = "another group of this commit applies one of its lanes"
             else:
                 reason = self.marks.changed_since(prepared.read_version, prepared.removes)
             if reason is None and not taken.isdisjoint(prepared.removes):
@@ -214,6 +218,7 @@ class TableCoordinator:
                 outcomes.append(Outcome(OutcomeKind.RETRY, reason=reason, committer=node))
                 continue
             taken |= prepared.removes
+            applying |= prepared.lanes.keys()
             chosen.append(i)
             outcomes.append(Outcome(OutcomeKind.COMMITTED, committer=node))  # version set after
         return outcomes, chosen

@@ -34,7 +34,7 @@ from .committer import TableCommitter
 from .coordinator import TableCoordinator
 from .engine_settings import EngineSettings
 from .group import GroupWrite
-from .log import commit_log_entry, delta_table
+from .log import commit_log_entry, delta_table, is_table
 from .log_reader import LogReader
 from .marks import Mark
 from .merge_on_read import (
@@ -303,6 +303,15 @@ class TableEngine:
             for name in names
         }
 
+    async def existing_coordinator(self, table: str) -> TableCoordinator | None:
+        """:meth:`coordinator`, for a table that exists (None for one that does not): a
+        peer's commit call cannot make this node keep a committer for any name it sends."""
+        if table not in self._coordinators and not await self.in_thread(
+            is_table, self.warehouse / table
+        ):
+            return None
+        return self.coordinator(table)
+
     def write_group_files(self, group: GroupWrite, target: Any) -> MergeOnRead | Rewrite:
         """Blocking: write the data files (and deletion vectors) that apply ``group`` to the
         table ``target`` (delta-rs, at the version the commit will follow), nothing committed:
@@ -354,8 +363,8 @@ class TableEngine:
             self._landed(path, done)
 
     async def stop(self) -> None:
-        for coordinator in self._coordinators.values():
-            await coordinator.stop()
+        # The writers first: one told "the committer stopped" would prepare its group again
+        # and make a coordinator that nothing stops.
         for committer in self._tables.values():
             committer.task.cancel()
         for committer in self._tables.values():
@@ -363,6 +372,8 @@ class TableEngine:
                 await committer.task
             await committer.checkpoints.wait()  # finishes on its thread
             committer.fail_queued("node stopped before commit")
+        for coordinator in self._coordinators.values():
+            await coordinator.stop()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     def release(self) -> None:

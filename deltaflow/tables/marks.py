@@ -142,6 +142,14 @@ class LaneMarks:
                 out[lane] = mark
         return out
 
+    @staticmethod
+    def lowest(marks: Iterable[tuple[str, Mark]]) -> dict[str, Mark]:
+        out: dict[str, Mark] = {}
+        for lane, mark in marks:
+            if lane not in out or mark < out[lane]:
+                out[lane] = mark
+        return out
+
 
 def _listdir(path: Location) -> list[str]:
     try:

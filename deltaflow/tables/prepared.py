@@ -63,6 +63,9 @@ class PreparedCommit:
             remove were live there, and the lanes not applied.
         actions: Delta ``add``/``remove`` actions (as the log holds them, one key each).
         lanes: the highest mark of each lane the group applies (``LaneMarks.highest``).
+        starts: the lowest mark of each of those lanes (``LaneMarks.lowest``): a lane's writes
+            in a group are a run of its marks, applied in order, so the table holding the
+            lowest means it holds some of them, and holding the highest, all.
         rows: rows the group applies (for statistics).
         batches: batches the group holds.
     """
@@ -72,11 +75,16 @@ class PreparedCommit:
     read_version: int
     actions: list[dict[str, Any]]
     lanes: dict[str, Mark]
+    starts: dict[str, Mark]
     rows: int = 0
     batches: int = 0
     removes: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.starts.keys() != self.lanes.keys() or any(
+            self.starts[lane] > mark for lane, mark in self.lanes.items()
+        ):
+            raise WireError("starts: the lowest mark of each lane, at most its highest")
         removed = frozenset(
             a["remove"]["path"] for a in self.actions if "remove" in a and "path" in a["remove"]
         )
@@ -89,6 +97,7 @@ class PreparedCommit:
             "read_version": self.read_version,
             "actions": self.actions,
             "lanes": {lane: list(mark) for lane, mark in self.lanes.items()},
+            "starts": {lane: list(mark) for lane, mark in self.starts.items()},
             "rows": self.rows,
             "batches": self.batches,
         }
@@ -110,21 +119,28 @@ class PreparedCommit:
         actions = data.get("actions")
         if not isinstance(actions, list) or len(actions) > MAX_ACTIONS:
             raise WireError(f"actions: a list of at most {MAX_ACTIONS}")
-        lanes = data.get("lanes")
-        if not isinstance(lanes, Mapping) or len(lanes) > MAX_LANES:
-            raise WireError(f"lanes: an object of at most {MAX_LANES} lanes")
-        marks: dict[str, Mark] = {}
-        for lane, mark in lanes.items():
-            if not (isinstance(lane, str) and _LANE.fullmatch(lane)):
-                raise WireError(f"lanes: a bad lane name {str(lane)[:40]!r}")
-            if not (
-                isinstance(mark, list)
-                and len(mark) == 2
-                and all(type(x) is int and 0 <= x < 1 << 63 for x in mark)
-            ):
-                raise WireError(f"lanes[{lane!r}]: a mark is [seq, k], two counts")
-            marks[lane] = (mark[0], mark[1])
-        return cls(table, writer, read_version, [_action(a) for a in actions], marks, rows, batches)
+        lanes, starts = _marks(data, "lanes"), _marks(data, "starts")
+        actions = [_action(a) for a in actions]
+        return cls(table, writer, read_version, actions, lanes, starts, rows, batches)
+
+
+def _marks(data: Mapping[str, Any], name: str) -> dict[str, Mark]:
+    """A lane -> ``[seq, k]`` object of at most :data:`MAX_LANES` lanes."""
+    lanes = data.get(name)
+    if not isinstance(lanes, Mapping) or len(lanes) > MAX_LANES:
+        raise WireError(f"{name}: an object of at most {MAX_LANES} lanes")
+    marks: dict[str, Mark] = {}
+    for lane, mark in lanes.items():
+        if not (isinstance(lane, str) and _LANE.fullmatch(lane)):
+            raise WireError(f"{name}: a bad lane name {str(lane)[:40]!r}")
+        if not (
+            isinstance(mark, list)
+            and len(mark) == 2
+            and all(type(x) is int and 0 <= x < 1 << 63 for x in mark)
+        ):
+            raise WireError(f"{name}[{lane!r}]: a mark is [seq, k], two counts")
+        marks[lane] = (mark[0], mark[1])
+    return marks
 
 
 def _text(data: Mapping[str, Any], name: str, pattern: re.Pattern[str]) -> str:

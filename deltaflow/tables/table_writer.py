@@ -64,7 +64,6 @@ class Engine(Protocol):
         self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
     ) -> int: ...
     def landed(self, path: Location, done: Any) -> None: ...
-    def coordinator(self, table: str) -> Any: ...
 
 
 #: ``TableWriter._prepare_at``: the table moved on while the group was read; read again.
@@ -249,13 +248,14 @@ class TableWriter:
             done = self.engine.write_group_files(write, target)
         except RewriteUnsupported:
             return None
-        lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
+        marks = [s.mark for s in todo if s.mark is not None]
         commit = PreparedCommit(
             self.name,
             self.engine.node_id,
             version,
             done.actions(),
-            lanes,
+            LaneMarks.highest(marks),
+            LaneMarks.lowest(marks),
             rows=int(data.num_rows),
             batches=len(todo),
         )
