@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup demo test fuzz bench bench-transport mutation breaks lint clean
+.PHONY: setup demo test fuzz bench bench-transport mutation breaks lint clean versitygw toxiproxy
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,19 @@ VERSITYGW := .tools/versitygw-$(VERSITYGW_VERSION)/versitygw
 
 $(VERSITYGW):
 	GOBIN=$(CURDIR)/$(dir $@) go install github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
+
+versitygw: $(VERSITYGW)
+
+# A latency proxy for `bench/ingest.py --store-latency MS` (a store as far away as a cloud
+# one): Toxiproxy, pinned, built by Go (about 10 s once); not needed by the tests.
+TOXIPROXY_VERSION := v2.12.0
+TOXIPROXY := .tools/toxiproxy-$(TOXIPROXY_VERSION)/toxiproxy-server
+
+$(TOXIPROXY):
+	GOBIN=$(CURDIR)/$(dir $@) go install github.com/Shopify/toxiproxy/v2/cmd/server@$(TOXIPROXY_VERSION)
+	mv $(dir $@)server $@
+
+toxiproxy: $(TOXIPROXY)
 
 $(CONNECT_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(CONNECT_VENV)
@@ -41,7 +54,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest
 
-bench: setup
+bench: setup $(TOXIPROXY)
 	$(PY) bench/ingest.py
 
 bench-transport: setup

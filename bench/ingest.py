@@ -183,6 +183,9 @@ class Run:
         note: anything worth printing next to the numbers.
         ack: deltaflow's ack latency (a batch's send to its ack, the client's
             :class:`~deltaflow.client.AckLatency`); None for the baselines.
+        races: commits that lost the race for a table version and were tried again (the
+            nodes' ``deltaflow_commit_conflicts``).
+        sent_back: prepared groups a table's committer sent back to be prepared again.
     """
 
     rows: int
@@ -192,6 +195,8 @@ class Run:
     commit_seconds: float
     note: str = ""
     ack: Any = None
+    races: int = 0
+    sent_back: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +217,12 @@ class Result:
     note: str
     ack_p50_s: float = float("nan")  # a batch's send to its ack (deltaflow only)
     ack_p99_s: float = float("nan")
+    races: int = 0
+    sent_back: int = 0
     table_rows: int | None = None
     expected_rows: int | None = None
+    #: Versions of the table (the parent reads its log).
+    versions: int | None = None
     check: str = "n/a"
 
 
@@ -352,6 +361,14 @@ def _create_spark_table(spark: Any, path: Path) -> None:
 BULK_PAGE_SIZE: Final = 4000
 BULK_WINDOW_BATCHES: Final = {"spark": 32, "delta-rs": 16}
 BULK_WINDOW_PER_PARTITION: Final = 2
+
+
+def _window(engine: str) -> int:
+    """Batches in flight per node (the window grows with the nodes, as their capacity does):
+    ``--window``, else the engine's :data:`BULK_WINDOW_BATCHES`."""
+    return int(os.environ.get("BENCH_WINDOW_PER_NODE") or BULK_WINDOW_BATCHES[engine])
+
+
 #: The client's window for the Spark SQL writer's variant: up to 512 batches (512,000 rows) in
 #: flight, 16 per partition. Under load a node's group commit is what arrived during the
 #: previous commits, so a larger window makes larger groups that amortise Spark's MERGE fixed
@@ -462,7 +479,7 @@ def run_deltaflow(
         if engine == "spark" and os.environ.get("BENCH_SPARK_WINDOW", writer) == "sql"
         else deltaflow.StreamerOptions(
             page_size=BULK_PAGE_SIZE,
-            max_in_flight=BULK_WINDOW_BATCHES[engine],
+            max_in_flight=_window(engine) * nodes,
             per_partition_in_flight=BULK_WINDOW_PER_PARTITION,
             stagger_pages=True,
         )
@@ -490,6 +507,7 @@ def run_deltaflow(
                             key="id",
                         )
             before = await statistics()
+            cpu_before = _cpu_times()
             started = time.monotonic()
             async with deltaflow.connect([address]) as client:
                 summary = await client.stream_data(
@@ -500,6 +518,7 @@ def run_deltaflow(
                     options=options,
                 )
             seconds = time.monotonic() - started
+            busy = _busy(cpu_before, _cpu_times())
             counts = (await statistics()).since(before)
         finally:
             await stop()
@@ -510,11 +529,14 @@ def run_deltaflow(
             commits=counts.commits,
             commit_seconds=counts.commit_seconds,
             ack=summary.ack_latency,
+            races=counts.races,
+            sent_back=counts.sent_back,
             note=(
                 f"largest group {counts.largest:,} rows; retried batches "
                 f"{summary.batches_retried}; on the nodes, staged to durable: p50 "
                 f"{_fmt_s(counts.durable_quantile(0.5))}, p99 "
-                f"{_fmt_s(counts.durable_quantile(0.99))}"
+                f"{_fmt_s(counts.durable_quantile(0.99))}; the machine's cores busy "
+                f"{busy:.0%} of the stream"
             ),
         )
 
@@ -538,6 +560,21 @@ def run_deltaflow(
     return run
 
 
+def _cpu_times() -> tuple[int, int]:
+    """The machine's CPU time since boot, all cores (``/proc/stat``): (busy, total) ticks."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle and iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _busy(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of all cores' time spent busy between two :func:`_cpu_times` (every process:
+    client, nodes, the S3 server, the proxy): near 100% the run was bound by this CPU."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total else float("nan")
+
+
 @dataclass(frozen=True, slots=True)
 class NodeCounts:
     """What the two nodes report, summed: commits, their seconds, the largest group, and
@@ -547,6 +584,8 @@ class NodeCounts:
     commit_seconds: float
     largest: int
     durable: dict[float, float]
+    races: int = 0
+    sent_back: int = 0
 
     def since(self, before: NodeCounts) -> NodeCounts:
         durable = {le: n - before.durable.get(le, 0.0) for le, n in self.durable.items()}
@@ -555,6 +594,8 @@ class NodeCounts:
             self.commit_seconds - before.commit_seconds,
             self.largest,
             durable,
+            self.races - before.races,
+            self.sent_back - before.sent_back,
         )
 
     def durable_quantile(self, q: float) -> float:
@@ -640,6 +681,8 @@ async def _start_nodes(
                 sum(s.get("deltaflow_commit_seconds_sum", 0.0) for s in samples),
                 int(max(s.get("deltaflow_largest_group_rows", 0) for s in samples)),
                 durable,
+                int(sum(s.get("deltaflow_commit_conflicts_total", 0) for s in samples)),
+                int(sum(s.get("deltaflow_groups_sent_back_total", 0) for s in samples)),
             )
 
         async def stop_procs() -> None:
@@ -688,6 +731,8 @@ async def _start_nodes(
             sum(s.commit_seconds for s in stats),
             max(s.largest_group_rows for s in stats),
             durable,
+            sum(s.commit_conflicts for s in stats),
+            sum(s.groups_sent_back for s in stats),
         )
 
     async def stop_nodes() -> None:
@@ -919,6 +964,8 @@ VARIANTS: Final = (
     # Nodes into one table by count (the object-store bench, docs/object-storage.md).
     _procs_variant("delta-rs", "1node-arrow-procs", arrow=True, nodes=1),
     _procs_variant("delta-rs", "3node-arrow-procs", arrow=True, nodes=3),
+    _spark_variant("1node-arrow-procs", nodes=1),
+    _spark_variant("3node-arrow-procs", nodes=3),
     _dv_variant("spark", "arrow-procs", arrow=True),  # the Arrow source
     _dv_variant("delta-rs", "arrow-procs", arrow=True),
     _dv_variant("spark", "paced", rate=PACED_RATE),  # the dict source, paced
@@ -976,6 +1023,8 @@ def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
         note=run.note,
         ack_p50_s=run.ack.p50 if run.ack is not None else float("nan"),
         ack_p99_s=run.ack.p99 if run.ack is not None else float("nan"),
+        races=run.races,
+        sent_back=run.sent_back,
     )
     out.write_text(json.dumps(asdict(result)))
 
@@ -983,16 +1032,18 @@ def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
 # -- the parent: run every variant, check, report -----------------------------------------
 
 
-def count_table(path: Path) -> tuple[int, int]:
-    """Rows and distinct ids of a Delta table, read with delta-rs (not Spark), through its
-    query engine, which applies deletion vectors (on a store, its settings from ``AWS_*``)."""
+def count_table(path: Path) -> tuple[int, int, int]:
+    """Rows, distinct ids and versions of a Delta table, read with delta-rs (not Spark),
+    through its query engine, which applies deletion vectors (on a store, its settings from
+    ``AWS_*``)."""
     import pyarrow as pa
     from deltalake import DeltaTable, QueryBuilder
 
-    query = QueryBuilder().register("t", DeltaTable(str(path)))
+    table = DeltaTable(str(path))
+    query = QueryBuilder().register("t", table)
     counted = query.execute("SELECT count(*) AS n, count(DISTINCT id) AS d FROM t").read_all()
     row = pa.table(counted).to_pylist()[0]
-    return int(row["n"]), int(row["d"])
+    return int(row["n"]), int(row["d"]), table.version() + 1
 
 
 def _fmt_s(seconds: float) -> str:
@@ -1046,6 +1097,9 @@ def print_ratios(results: list[Result]) -> None:
     ratio("deltaflow-delta-rs-1node-arrow-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-arrow-procs", "bulk-delta-rs")
     ratio("deltaflow-delta-rs-3node-arrow-procs", "bulk-delta-rs")
+    for engine in ("delta-rs", "spark"):  # a table's rate on 2 and 3 nodes against 1
+        for more in ("arrow-procs", "3node-arrow-procs"):
+            ratio(f"deltaflow-{engine}-{more}", f"deltaflow-{engine}-1node-arrow-procs")
     ratio("deltaflow-delta-rs-arrow-procs-dv", "bulk-delta-rs")
     for name in by:
         if "-paced" in name:
@@ -1053,6 +1107,14 @@ def print_ratios(results: list[Result]) -> None:
             print(
                 f"  {name}: sustained {r.rows_per_s:,.0f} rows/s (source paced at "
                 f"{PACED_RATE:,}/s), time to table p50 {_fmt_s(r.p50_s)}, p95 {_fmt_s(r.p95_s)}"
+            )
+    for name in by:
+        r = by[name]
+        if name.startswith("deltaflow-") and r.versions:
+            print(
+                f"  {name}: table versions {r.versions} ({r.versions / r.seconds:.1f}/s); "
+                f"version races lost {r.races} ({100 * r.races / r.versions:.1f} per 100 "
+                f"versions); groups sent back {r.sent_back}"
             )
     for name in by:
         if not name.startswith("deltaflow-"):
@@ -1097,28 +1159,73 @@ def plot(results: list[Result], path: Path) -> None:
     plt.close(fig)
 
 
-def run_all(total: int, names: list[str], out_dir: Path, keep: bool, store: bool = False) -> int:
+def _round_trip_ms(options: dict[str, str], bucket: str, count: int = 40) -> float:
+    """Median milliseconds of a small request (HEAD of the bucket) to the store ``options``
+    reach: what the latency proxy adds, measured rather than assumed."""
+    import boto3  # type: ignore[import-untyped]
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["AWS_ENDPOINT_URL"],
+        aws_access_key_id=options["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=options["AWS_SECRET_ACCESS_KEY"],
+        region_name=options["AWS_REGION"],
+    )
+    client.head_bucket(Bucket=bucket)  # the connection, untimed
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        client.head_bucket(Bucket=bucket)
+        times.append(time.perf_counter() - t0)
+    return _quantile(sorted(times), 0.5) * 1000
+
+
+def run_all(
+    total: int,
+    names: list[str],
+    out_dir: Path,
+    keep: bool,
+    store: bool = False,
+    latency_ms: float | None = None,
+) -> int:
     """Parent: run each variant in its own subprocess, verify its table, print and save.
     ``store``: the tables go to a bucket of an S3 server (versitygw) the run starts on
-    127.0.0.1; its settings reach the variants and their nodes through ``AWS_*`` variables."""
+    127.0.0.1; its settings reach the variants and their nodes through ``AWS_*`` variables.
+    ``latency_ms``: everything reaches the server through a proxy that delays each answer by
+    that much (Toxiproxy; 0 measures the proxy itself)."""
     from deltaflow.storage.paths import location
 
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="deltaflow-bench-"))
-    server = None
+    servers: list[Any] = []
     where = str(scratch)
+    described = ""
     if store:
-        from deltaflow.testing.object_store import S3Server
+        from deltaflow.testing.object_store import LatencyS3, S3Server
 
         server = S3Server(scratch / "s3").start()
-        os.environ.update(server.storage_options)
+        servers.append(server)
         where = server.create_bucket("deltaflow-bench") + "/warehouse"
+        options = server.storage_options
+        described = " (versitygw on 127.0.0.1"
+        if latency_ms is not None:
+            proxy = LatencyS3(scratch / "proxy", server, latency_ms).start()
+            servers.append(proxy)
+            direct = _round_trip_ms(options, "deltaflow-bench")
+            options = proxy.storage_options
+            described += (
+                f", through Toxiproxy adding {latency_ms:g} ms to each answer: a small request's "
+                f"round trip {direct:.1f} ms direct, "
+                f"{_round_trip_ms(options, 'deltaflow-bench'):.1f} ms through it"
+            )
+        described += ")"
+        os.environ.update(options)
     warehouse = location(where)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"deltaflow ingest benchmark: {total:,} rows ({max(1, total // 2):,} distinct ids, "
         f"~{DELETE_FRACTION:.0%} deletes), {os.cpu_count()} cores, load {load}\n"
-        f"warehouse {where}" + (" (versitygw on 127.0.0.1)" if store else ""),
+        f"warehouse {where}{described}",
         flush=True,
     )
     results: list[Result] = []
@@ -1147,13 +1254,14 @@ def run_all(total: int, names: list[str], out_dir: Path, keep: bool, store: bool
             limit = variant.limit(total)
             if limit not in expected:
                 expected[limit] = expected_rows(total, limit)
-            rows, distinct = count_table(warehouse / variant.table)
+            rows, distinct, versions = count_table(warehouse / variant.table)
             ok = rows == expected[limit] == distinct
             result = Result(
                 **{
                     **asdict(result),
                     "table_rows": rows,
                     "expected_rows": expected[limit],
+                    "versions": versions,
                     "check": "OK" if ok else f"MISMATCH ({rows:,} rows, {distinct:,} ids)",
                 }
             )
@@ -1164,8 +1272,8 @@ def run_all(total: int, names: list[str], out_dir: Path, keep: bool, store: bool
                 flush=True,
             )
     finally:
-        if server is not None:
-            server.stop()
+        for running in reversed(servers):
+            running.stop()
         if keep:
             print(f"kept {scratch}")
         else:
@@ -1199,6 +1307,21 @@ def main(argv: list[str] | None = None) -> int:
         help="s3://...: write the tables to object storage; the bench starts its own S3 server "
         "(versitygw, on 127.0.0.1) for the run (default: a temporary directory)",
     )
+    parser.add_argument(
+        "--store-latency",
+        type=float,
+        metavar="MS",
+        help="with --warehouse s3://...: reach the S3 server through a proxy (Toxiproxy, built "
+        "by `make toxiproxy`) that delays each answer by MS milliseconds, as a remote store "
+        "would; 0 measures the proxy alone",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        metavar="BATCHES",
+        help="batches of 4,000 rows the client keeps in flight per node (default: 16 with "
+        "delta-rs, 32 with Spark; a stream to 3 nodes keeps three times as many)",
+    )
     parser.add_argument("--variant", choices=sorted(BY_NAME), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1211,15 +1334,21 @@ def main(argv: list[str] | None = None) -> int:
 
         run_variant(args.variant, args.rows, location(args.warehouse), args.out)  # type: ignore[arg-type]
         return 0
+    if args.window is not None:  # reaches the variants' processes
+        if args.window < 1:
+            parser.error("--window takes at least 1 batch")
+        os.environ["BENCH_WINDOW_PER_NODE"] = str(args.window)
     store = args.warehouse is not None
     if store and not args.warehouse.startswith("s3://"):
         parser.error("--warehouse takes s3://... (the bench starts the S3 server itself)")
+    if args.store_latency is not None and (not store or args.store_latency < 0):
+        parser.error("--store-latency takes MS >= 0 and needs --warehouse s3://...")
     default = STORE_VARIANTS if store else tuple(BY_NAME)
     names = [n.strip() for n in (args.variants or ",".join(default)).split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {sorted(BY_NAME)}")
-    return run_all(args.rows, names, args.out_dir, args.keep, store)
+    return run_all(args.rows, names, args.out_dir, args.keep, store, args.store_latency)
 
 
 if __name__ == "__main__":

@@ -124,8 +124,8 @@ BREAKS: dict[str, Break] = {
     ),
     "no_one_by_one": Break(
         "deltaflow/tables/committer.py",
-        "            for staged in group:\n                await self._commit_group([staged])\n            return\n",
-        "            for staged in group:\n                settle(staged.future, exc)\n            return\n",
+        "        for staged in group:\n            await self._commit_group([staged])\n",
+        "        for staged in group:\n            settle(staged.future, exc)\n",
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),
     ),
     "dl_write_failure_ignored": Break(

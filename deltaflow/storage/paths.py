@@ -176,11 +176,6 @@ class StorePath:
             raise OSError(f"{self}: the store gave no ETag, so the object cannot be swapped")
         return bytes(got.bytes()), etag
 
-    def stat_size(self) -> int:
-        import obstore
-
-        return int(obstore.head(self._store, self._key)["size"])
-
     def open(self, mode: str = "r", encoding: str | None = None) -> Any:
         """``r``/``rb``: the whole object, in memory. ``w``/``wb``: written on close. ``x``/
         ``xb``: created on close only if absent (FileExistsError otherwise)."""
@@ -326,11 +321,13 @@ def open_input(source: Location) -> Any:
 
 
 class open_output:
-    """A pyarrow sink writing ``target`` (stored when the block ends without an error)."""
+    """A pyarrow sink writing ``target`` (stored when the block ends without an error);
+    :attr:`size` is then the bytes written, so that no request asks the store for them."""
 
     def __init__(self, target: Location) -> None:
         self._target = target
         self._sink: Any = None
+        self.size = 0
 
     def __enter__(self) -> Any:
         import pyarrow as pa
@@ -343,15 +340,9 @@ class open_output:
         return self._sink
 
     def __exit__(self, kind: Any, *_: Any) -> None:
+        self.size = self._sink.tell()
         if isinstance(self._target, StorePath):
             if kind is None:
                 self._target.write_bytes(self._sink.getvalue().to_pybytes())
         else:
             self._sink.close()
-
-
-def size_of(target: Location) -> int:
-    """The size of the file or object at ``target``, bytes."""
-    if isinstance(target, StorePath):
-        return target.stat_size()
-    return os.path.getsize(target)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import random
 import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -121,12 +122,19 @@ class TableCommitter(TableWriter):
             except Exception as exc:  # noqa: BLE001 - e.g. a full disk: the commit does it all
                 log.warning("table %s: preparing a group failed (%s)", self.name, exc)
                 prepared = None
-            if (
-                self.engine.commit_sink is not None
-                and self.engine.prepares_groups
-                and await self._through_committer(group, prepared)
-            ):
-                continue
+            await self._apply(group, prepared)
+
+    async def _apply(self, group: list[Staged], prepared: PreparedGroup | None) -> None:
+        """Commit ``group``: through the table's committer when there is one and the group
+        can be prepared for it, else holding the table here. A held commit that loses the
+        race for its version (another node created the table first, say) goes back to the
+        committer rather than racing it again."""
+        coordinated = self.engine.commit_sink is not None and self.engine.prepares_groups
+        for attempt in range(self.engine.atomicity.conflict_attempts):
+            if attempt:  # a random pause, as between racing commits (a group held each time)
+                await asyncio.sleep(random.uniform(0, min(MAX_CONFLICT_WAIT, 0.02 * 2**attempt)))
+            if coordinated and await self._through_committer(group, prepared):
+                return
             try:
                 held = await hold_table(self.engine, self.name, self.released_at)
             except asyncio.CancelledError:  # the node stops
@@ -134,17 +142,25 @@ class TableCommitter(TableWriter):
                 raise
             except Exception as exc:  # noqa: BLE001 - e.g. the lock's timeout: fail the group
                 self._fail(group, str(exc), count=True)
-                continue
+                return
             try:
                 # A commit under way finishes (and settles its batches) even when the node
                 # stops, so the table is never released under a running commit.
-                await finish(self._commit_group(group, prepared))
+                raced = await finish(self._commit_group(group, prepared, coordinated))
             finally:
                 held.__exit__(None, None, None)  # does not block: on the loop
                 self.released_at = time.monotonic()
             due = self.engine.checkpoints_due.pop(self.path, None)
             if due is not None:
                 self.checkpoints.start(due)
+            if not raced:
+                return
+            prepared = None
+        self._fail(
+            group,
+            f"table {self.name!r}: every commit of this group lost the race for its version",
+            count=True,
+        )
 
     def _fail(self, group: list[Staged], message: str, *, count: bool) -> None:
         """Settle a group taken off the queue that will not be committed (``count``: as
@@ -249,39 +265,50 @@ class TableCommitter(TableWriter):
             settle(staged.future, None)
 
     async def _commit_group(
-        self, group: list[Staged], prepared: PreparedGroup | None = None
-    ) -> None:
+        self, group: list[Staged], prepared: PreparedGroup | None = None, coordinated: bool = False
+    ) -> bool:
+        """Commit ``group`` with the table held; True when it lost the race for its version
+        and, ``coordinated``, must go to the table's committer instead (nothing settled)."""
         group = self._live(group)
         if not group:
-            return
+            return False
         try:
-            await self._commit_with_retries(group, prepared)
+            await self._commit_with_retries(group, prepared, once=coordinated)
+        except CommitConflictError as exc:
+            if coordinated:
+                return True
+            await self._commit_failed(group, exc)
+            return False
         # Whatever the commit raised settles the batches' futures (or isolates the culprit).
         except Exception as exc:  # noqa: BLE001
-            if len(group) == 1:
-                self.engine.stats.batches_failed += 1
-                settle(group[0].future, exc)
-                return
-            # Isolate the culprit: the others must not fail with it.
-            log.warning(
-                "group commit to %s failed (%s); applying its %d batches one by one",
-                self.name,
-                exc,
-                len(group),
-            )
-            for staged in group:
-                await self._commit_group([staged])
-            return
+            await self._commit_failed(group, exc)
+            return False
         self._settle(group)
+        return False
+
+    async def _commit_failed(self, group: list[Staged], exc: Exception) -> None:
+        if len(group) == 1:
+            self.engine.stats.batches_failed += 1
+            settle(group[0].future, exc)
+            return
+        # Isolate the culprit: the others must not fail with it.
+        log.warning(
+            "group commit to %s failed (%s); applying its %d batches one by one",
+            self.name,
+            exc,
+            len(group),
+        )
+        for staged in group:
+            await self._commit_group([staged])
 
     async def _commit_with_retries(
-        self, group: list[Staged], prepared: PreparedGroup | None
+        self, group: list[Staged], prepared: PreparedGroup | None, *, once: bool = False
     ) -> None:
         stats = self.engine.stats
         atomicity = self.engine.atomicity
         retrying = AsyncRetrying(  # a lost race is tried again, after 0.1, 0.2, 0.4, 0.8 s
             retry=retry_if_exception_type(CommitConflictError),
-            stop=stop_after_attempt(atomicity.conflict_attempts),
+            stop=stop_after_attempt(1 if once else atomicity.conflict_attempts),
             wait=(
                 # Racing writers without a lock: random pauses, so they do not meet again.
                 wait_random_exponential(multiplier=0.02, max=MAX_CONFLICT_WAIT)

@@ -68,6 +68,10 @@ class TableCoordinator:
         self._checkpoint_due: int | None = None
         self.checkpoints = CheckpointWriter(engine, table)
         self.version: int | None = None  # the last version this committer committed
+        # Whether the marks were read up to the latest version this committer knows of: after
+        # its own commit they are, and the log is not listed again before the next (a commit
+        # it did not see holds the next version, so that commit's write fails and lists).
+        self._current = False
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-coordinate-{table}")
 
     @property
@@ -134,7 +138,9 @@ class TableCoordinator:
         table in one version; each group's outcome."""
         node = self.engine.node_id
         for _ in range(COMMIT_ATTEMPTS):
-            if self.marks.refresh() or self._interval is None:
+            scanned = self.marks.scanned
+            stale = not self._current or any(p.read_version > scanned for p in batch)
+            if (stale and self.marks.refresh()) or self._interval is None:
                 # (A metadata change also shows in ``changed_since`` for groups read before.)
                 configured = self.engine.describe(self.name, self.path).properties
                 self._interval = int(configured.get(PROP_CHECKPOINT_INTERVAL) or 0)
@@ -157,12 +163,14 @@ class TableCoordinator:
                     "table %s: version %d was taken (%s); reading again", self.name, read + 1, exc
                 )
                 self.engine.stats.commit_conflicts += 1
+                self._current = False
                 continue
             except Exception as exc:  # noqa: BLE001 - in doubt: it may have landed
                 # (A store that did not answer.) The marks tell: each writer prepares again,
                 # and finds its group applied or not.
                 log.warning("table %s: a combined commit is in doubt: %s", self.name, exc)
                 self.engine.stats.commits_in_doubt += 1
+                self._current = False
                 return [
                     Outcome(
                         OutcomeKind.RETRY,
@@ -171,7 +179,11 @@ class TableCoordinator:
                     )
                     for _ in batch
                 ]
-            self.marks.absorb(lanes)
+            # Its own commit read back (from the node's kept commits, no request): the marks,
+            # the files it replaced and its vectors as any other commit's.
+            self.marks.refresh(version)
+            self.marks.absorb(lanes)  # even if the read back failed
+            self._current = self.marks.scanned == version
             if version % (self._interval or CHECKPOINT_INTERVAL) == 0:
                 self._checkpoint_due = version
             self._count(batch, chosen, time.monotonic() - started)

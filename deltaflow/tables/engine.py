@@ -330,7 +330,7 @@ class TableEngine:
             column, candidates = footprint.column, footprint.files
         merge_on_read = group.written is not None or candidates is not None
         if merge_on_read and column is not None and has_deletion_vectors(target):
-            return self._merge_on_read(group, target, column=column)
+            return self._merge_on_read(group, target, group.read_version, column=column)
         return write_files(target, group.path, group.data, column, candidates)
 
     def commit_actions(

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from ..storage.paths import Location
-from .log import log_dir
+from .log import commit_text, log_dir
 
 __all__ = ["LiveFiles"]
 
@@ -73,7 +73,7 @@ class LiveFiles:
         for version in range(self.version + 1, latest + 1):
             # A missing file (cleaned up) or an entry not as the protocol writes them raises:
             # advance() declines.
-            text = (self._log_dir / f"{version:020d}.json").read_text(encoding="utf-8")
+            text = commit_text(self._log_dir / f"{version:020d}.json")
             removed: set[str] = set()
             added: dict[str, dict[str, Any]] = {}
             for line in text.splitlines():

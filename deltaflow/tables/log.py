@@ -6,7 +6,9 @@ store; both answer the same calls.
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from typing import Any, Final
 
 from ..errors import CommitConflictError, UsageError
@@ -16,8 +18,10 @@ from ..storage.paths import Location, StorePath, create_exclusive, storage_optio
 __all__ = [
     "DELTA_LOG",
     "commit_log_entry",
+    "commit_text",
     "commit_versions",
     "delta_table",
+    "forget_commits",
     "is_table",
     "latest_version",
     "log_dir",
@@ -86,6 +90,54 @@ def commit_versions(path: Location, after: int = -1) -> list[int]:
     )
 
 
+#: Commit files read from a store, kept (the newest ``_KEPT_COMMITS`` of at most
+#: ``_KEPT_COMMIT_CHARS`` characters each): a node's readers of one table's log (its lane
+#: marks, its live files, its committer's marks) read each new commit once per node, not once
+#: each, which on a store is a round trip each. A commit file never changes once written (a
+#: create-if-absent put), so a kept one is never stale; a table deleted and made again
+#: restarts its log, which the readers notice (:meth:`.LogReader.forget` drops its commits).
+_KEPT_COMMITS: Final = 256
+_KEPT_COMMIT_CHARS: Final = 1 << 20
+_kept_commits: collections.OrderedDict[str, str] = collections.OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def commit_text(commit: Location) -> str:
+    """The text of the commit file ``commit`` (``<log>/<version>.json``), kept after a read
+    from a store.
+
+    Raises:
+        OSError: it cannot be read.
+    """
+    if not isinstance(commit, StorePath):
+        return commit.read_text(encoding="utf-8")
+    name = str(commit)
+    with _kept_lock:
+        text = _kept_commits.get(name)
+        if text is not None:
+            _kept_commits.move_to_end(name)
+            return text
+    text = commit.read_text(encoding="utf-8")
+    _keep(commit, text)
+    return text
+
+
+def _keep(commit: Location, text: str) -> None:
+    if isinstance(commit, StorePath) and len(text) <= _KEPT_COMMIT_CHARS:
+        with _kept_lock:
+            _kept_commits[str(commit)] = text
+            while len(_kept_commits) > _KEPT_COMMITS:
+                _kept_commits.popitem(last=False)
+
+
+def forget_commits(path: Location) -> None:
+    """Drop the kept commit files of the table at ``path``."""
+    prefix = f"{log_dir(path)}/"
+    with _kept_lock:
+        for name in [n for n in _kept_commits if n.startswith(prefix)]:
+            del _kept_commits[name]
+
+
 def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:
     """Write Delta log entry ``version`` of the table at ``path`` with ``actions``, if no
     other writer did (:func:`~deltaflow.storage.paths.create_exclusive`: a hard link on disk,
@@ -95,9 +147,11 @@ def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]
         CommitConflictError: the version exists (another writer's commit won).
     """
     entry = "".join(json.dumps(a, separators=(",", ":")) + "\n" for a in actions)
+    commit = log_dir(path) / f"{version:020d}.json"
     try:
-        create_exclusive(log_dir(path) / f"{version:020d}.json", entry.encode())
+        create_exclusive(commit, entry.encode())
     except FileExistsError as exc:
         raise CommitConflictError(
             f"table {path.name!r}: another writer committed version {version} first"
         ) from exc
+    _keep(commit, entry)  # it landed: this node's readers of the log need not fetch it

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..storage.paths import Location
 from .live_files import LiveFiles
-from .log import delta_table, latest_version
+from .log import delta_table, forget_commits, latest_version
 
 __all__ = ["LogReader"]
 
@@ -30,34 +30,39 @@ class LogReader:
         self._open: dict[Location, Any] = {}  # delta-rs tables, see latest
         self._live: dict[Location, LiveFiles] = {}  # their live files, see live_files
 
-    def latest(self, path: Location) -> Any:
+    def latest(self, path: Location, known: int | None = None) -> Any:
         """The delta-rs table at ``path``, at its latest version. A commit asks twice (for its
         file statistics and its write): a listing finds the log unchanged the second time,
-        far cheaper than delta-rs's own no-op update."""
+        far cheaper than delta-rs's own no-op update. ``known``: the latest version as the
+        caller just listed it (no listing here; on a store that is a round trip)."""
         table = self._open.get(path)
         if table is None:
             table = self._open[path] = delta_table(path)
-        elif table.version() < latest_version(path, int(table.version())):
+        elif table.version() < self._latest(path, int(table.version()), known):
             table.update_incremental()
         return table
+
+    @staticmethod
+    def _latest(path: Location, version: int, known: int | None) -> int:
+        return latest_version(path, version) if known is None else known
 
     def opened(self, path: Location) -> Any:
         """The delta-rs table at ``path`` as last read, without reading the log (None if it
         was not read since the last :meth:`forget`)."""
         return self._open.get(path)
 
-    def live_files(self, path: Location) -> tuple[Any, int] | None:
+    def live_files(self, path: Location, known: int | None = None) -> tuple[Any, int] | None:
         """The table's live files with their statistics (``get_add_actions(flatten=True)``)
         and the version they are of, or None if they cannot be read (a table feature delta-rs
         does not read): the group is then merged.
 
         Listed through delta-rs once, then kept up to date from the commits made since
         (:class:`.LiveFiles`), which spares delta-rs's replay of the log."""
-        index = self._kept(path)
+        index = self._kept(path, known)
         if index is not None:
             return index.files, index.version
         try:
-            table = self.latest(path)
+            table = self.latest(path, known)
             files, version = table.get_add_actions(flatten=True), int(table.version())
         except Exception as exc:  # noqa: BLE001 - any failure only costs the append shortcut
             self._open.pop(path, None)
@@ -68,18 +73,18 @@ class LogReader:
             return index.files, version
         return files, version
 
-    def planned(self, path: Location) -> tuple[Any, int]:
+    def planned(self, path: Location, known: int | None = None) -> tuple[Any, int]:
         """The delta-rs table (for its metadata, protocol and schema) and the version a commit
         is planned on, the latest. From the live files when they are kept (no commit since the
         table was read changed its metadata or protocol, or they would have declined), else by
         bringing the table up to date."""
-        index = self._kept(path)
+        index = self._kept(path, known)
         if index is not None:
             table = self._open.get(path)
             if table is None:  # opened afresh, at the latest version: its metadata is current
-                table = self.latest(path)
+                table = self.latest(path, known)
             return table, index.version
-        table = self.latest(path)
+        table = self.latest(path, known)
         return table, int(table.version())
 
     def keeps(self, path: Location) -> bool:
@@ -90,12 +95,13 @@ class LogReader:
         """Read the table afresh next time (a write failed: its state is unknown)."""
         self._open.pop(path, None)
         self._live.pop(path, None)
+        forget_commits(path)
 
-    def _kept(self, path: Location) -> LiveFiles | None:
-        """The table's kept live files brought up to the latest commit, or None (and
-        dropped) when there are none or they declined."""
+    def _kept(self, path: Location, known: int | None = None) -> LiveFiles | None:
+        """The table's kept live files brought up to the latest commit (``known``: as the
+        caller just listed it), or None (and dropped) when there are none or they declined."""
         index = self._live.get(path)
-        if index is not None and index.advance(latest_version(path, index.version)):
+        if index is not None and index.advance(self._latest(path, index.version, known)):
             return index
         self._live.pop(path, None)
         return None

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from ..storage.paths import Location, open_input
 from .deletion_vectors import descriptor_id
-from .log import commit_versions, log_dir
+from .log import commit_text, commit_versions, log_dir
 
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
@@ -65,13 +65,17 @@ class LaneMarks:
         held = self._marks.get(lane)
         return held is not None and mark <= held
 
-    def refresh(self) -> bool:
-        """Read the commits written since the last refresh (by any process).
+    def refresh(self, latest: int | None = None) -> bool:
+        """Read the commits written since the last refresh (by any process); ``latest``: up
+        to that version, which the caller knows exists (no listing: it committed it).
 
         Returns whether one of them changed the table's metadata or protocol (its schema or
         properties, for instance): the caller then reads them again.
         """
-        versions = commit_versions(self._table, self._scanned)
+        if latest is None:
+            versions = commit_versions(self._table, self._scanned)
+        else:
+            versions = list(range(self._scanned + 1, latest + 1))
         vectors_after = -1
         if self._scanned < 0 and versions and versions[0] > 0:
             # The first commits are gone: the vectors of older commits are in a checkpoint.
@@ -173,24 +177,23 @@ def _read_commit(
     removed: list[tuple[str, dict[str, Any] | None]] = []
     added: _Vectors = {}
     try:
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                # Each line is one action, an object with one key.
-                if line.startswith(('{"metaData"', '{"protocol"')):
-                    metadata = True
-                elif (every_remove and line.startswith('{"remove"')) or (
-                    '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"'))
-                ):
-                    kind, action = next(iter(json.loads(line).items()))
-                    dv = action.get("deletionVector")
-                    if kind == "add":
-                        if dv is not None:
-                            added[action["path"]] = dv
-                    elif dv is not None or every_remove:
-                        removed.append((action["path"], dv))
-                elif not lanes and '"commitInfo"' in line:
-                    info = json.loads(line).get("commitInfo") or {}
-                    lanes = _lanes_of(info)
+        for line in commit_text(path).splitlines():
+            # Each line is one action, an object with one key.
+            if line.startswith(('{"metaData"', '{"protocol"')):
+                metadata = True
+            elif (every_remove and line.startswith('{"remove"')) or (
+                '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"'))
+            ):
+                kind, action = next(iter(json.loads(line).items()))
+                dv = action.get("deletionVector")
+                if kind == "add":
+                    if dv is not None:
+                        added[action["path"]] = dv
+                elif dv is not None or every_remove:
+                    removed.append((action["path"], dv))
+            elif not lanes and '"commitInfo"' in line:
+                info = json.loads(line).get("commitInfo") or {}
+                lanes = _lanes_of(info)
     except (OSError, ValueError) as exc:
         log.warning("cannot read lane marks from %s: %s", path, exc)
     return lanes, metadata, removed, added

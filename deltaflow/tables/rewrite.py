@@ -43,7 +43,7 @@ from urllib.parse import unquote
 
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
-from ..storage.paths import Location, open_input, open_output, size_of
+from ..storage.paths import Location, open_input, open_output
 from .footprint import Footprint
 from .settings import BUCKET_COLUMN
 
@@ -76,8 +76,9 @@ VECTOR_FEATURES: Final = _SIMPLE_FEATURES | {"deletionVectors"}
 #: Table properties that, set to true, ask for what this writer does not do.
 _UNSUPPORTED_IF_TRUE: Final = frozenset({"delta.appendOnly", "delta.enableChangeDataFeed"})
 #: Reads and writes of data files (small ones cost more in opening than in bytes; pyarrow
-#: releases the GIL for both).
-FILE_POOL: Final = ThreadPoolExecutor(2, thread_name_prefix="deltaflow-rewrite")
+#: releases the GIL for both). More threads than cores: on a store each file waits a round
+#: trip, and a group's files (one per bucket it touches) should wait for it together.
+FILE_POOL: Final = ThreadPoolExecutor(8, thread_name_prefix="deltaflow-rewrite")
 
 
 class RewriteUnsupported(Exception):
@@ -411,12 +412,13 @@ def _write_file(path: Location, rows: Any, bucket: str | None, key: str | None) 
     directory = "" if bucket is None else f"{BUCKET_COLUMN}={bucket}/"
     relative = f"{directory}part-00000-{uuid.uuid4()}-c000.snappy.parquet"
     target = path / relative
-    with open_output(target) as sink:
+    output = open_output(target)
+    with output as sink:
         if rows.num_rows < PLAIN_FILE_ROWS:
             pq.write_table(rows, sink, compression="none", use_dictionary=False)
         else:
             pq.write_table(rows, sink, compression="snappy")
-    return DataFile(relative, size_of(target), bucket, json.dumps(_stats(rows, key)))
+    return DataFile(relative, output.size, bucket, json.dumps(_stats(rows, key)))
 
 
 def _stats(rows: Any, key: str | None) -> dict[str, Any]:

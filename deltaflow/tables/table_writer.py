@@ -187,8 +187,10 @@ class TableWriter:
                 continue
             if self.settings is None:
                 return None
-            target = self.engine.log.latest(self.path)
-            version = int(target.version())
+            # The marks' listing names the latest version: the log is not listed again. The
+            # table delta-rs opened may be older than the kept live files; its metadata is
+            # that version's (a metadata change drops them), and the files are pinned to it.
+            target, version = self.engine.log.planned(self.path, self.marks.scanned)
             if self.marks.scanned < version:
                 continue
             ready = self._prepare_at(group, prepared, key, target, version)
@@ -233,7 +235,7 @@ class TableWriter:
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets)) if key else None
         if footprint is not None:
             fault_point("before_listing")
-            listed = self.engine.log.live_files(self.path) if footprint.ranges else None
+            listed = self.engine.log.live_files(self.path, version) if footprint.ranges else None
             if listed is None:
                 return None
             files, listed_version = listed
