@@ -111,7 +111,7 @@ def commit_text(commit: Location) -> str:
     """
     if not isinstance(commit, StorePath):
         return commit.read_text(encoding="utf-8")
-    name = str(commit)
+    name = _kept_name(commit)
     with _kept_lock:
         text = _kept_commits.get(name)
         if text is not None:
@@ -122,10 +122,15 @@ def commit_text(commit: Location) -> str:
     return text
 
 
+def _kept_name(commit: Location) -> str:
+    """A kept commit's name: its whole URI (the same version of two tables differs)."""
+    return str(commit)
+
+
 def _keep(commit: Location, text: str) -> None:
     if isinstance(commit, StorePath) and len(text) <= _KEPT_COMMIT_CHARS:
         with _kept_lock:
-            _kept_commits[str(commit)] = text
+            _kept_commits[_kept_name(commit)] = text
             while len(_kept_commits) > _KEPT_COMMITS:
                 _kept_commits.popitem(last=False)
 
