@@ -518,7 +518,7 @@ def run_deltaflow(
                     options=options,
                 )
             seconds = time.monotonic() - started
-            busy = _busy(cpu_before, _cpu_times())
+            cpu = _cpu_profile(cpu_before, _cpu_times())
             counts = (await statistics()).since(before)
         finally:
             await stop()
@@ -535,8 +535,7 @@ def run_deltaflow(
                 f"largest group {counts.largest:,} rows; retried batches "
                 f"{summary.batches_retried}; on the nodes, staged to durable: p50 "
                 f"{_fmt_s(counts.durable_quantile(0.5))}, p99 "
-                f"{_fmt_s(counts.durable_quantile(0.99))}; the machine's cores busy "
-                f"{busy:.0%} of the stream"
+                f"{_fmt_s(counts.durable_quantile(0.99))}; {cpu}"
             ),
         )
 
@@ -560,19 +559,38 @@ def run_deltaflow(
     return run
 
 
-def _cpu_times() -> tuple[int, int]:
-    """The machine's CPU time since boot, all cores (``/proc/stat``): (busy, total) ticks."""
+def _process_ticks(pid: int | str) -> int:
+    """CPU time (user + system) a live process used so far, clock ticks; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def _cpu_times() -> tuple[int, int, int, int]:
+    """CPU time so far, clock ticks: the machine's busy and total (all cores, ``/proc/stat``),
+    this process's (the client) and its descendants' (the nodes and their JVMs)."""
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     idle = ticks[3] + ticks[4]  # idle and iowait
-    return sum(ticks) - idle, sum(ticks)
+    nodes = sum(_process_ticks(pid) for pid in _descendants(os.getpid()))
+    return sum(ticks) - idle, sum(ticks), _process_ticks("self"), nodes
 
 
-def _busy(before: tuple[int, int], after: tuple[int, int]) -> float:
-    """The share of all cores' time spent busy between two :func:`_cpu_times` (every process:
-    client, nodes, the S3 server, the proxy): near 100% the run was bound by this CPU."""
-    total = after[1] - before[1]
-    return (after[0] - before[0]) / total if total else float("nan")
+def _cpu_profile(before: tuple[int, int, int, int], after: tuple[int, int, int, int]) -> str:
+    """Where the CPU went between two :func:`_cpu_times`: the share of all cores busy (near
+    100%: the run was bound by this machine's CPU), and the busy core-seconds of the client,
+    the nodes and the rest (the S3 server, the proxy, the system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, total, client, nodes = (a - b for a, b in zip(after, before, strict=True))
+    rest = busy - client - nodes  # /proc/stat counts every core's ticks
+    return (
+        f"the machine's cores busy {busy / total:.0%} of the stream (core-seconds: client "
+        f"{client / tick:.1f}, nodes {nodes / tick:.1f}, the rest {rest / tick:.1f})"
+        if total
+        else "no CPU figures"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,11 @@ store; both answer the same calls.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from ..errors import CommitConflictError, UsageError
@@ -17,10 +20,12 @@ from ..storage.paths import Location, StorePath, create_exclusive, storage_optio
 
 __all__ = [
     "DELTA_LOG",
+    "FETCH_AHEAD",
     "commit_log_entry",
     "commit_text",
     "commit_versions",
     "delta_table",
+    "fetch_commits",
     "forget_commits",
     "is_table",
     "latest_version",
@@ -120,6 +125,31 @@ def commit_text(commit: Location) -> str:
     text = commit.read_text(encoding="utf-8")
     _keep(commit, text)
     return text
+
+
+#: Commit files fetched at once by :func:`fetch_commits` (a store's requests wait together).
+FETCH_AHEAD: Final = 16
+_FETCH_POOL: Final = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="deltaflow-log")
+
+
+def fetch_commits(log: Location, versions: Sequence[int]) -> None:
+    """Blocking: fetch the commit files ``versions`` of the log directory ``log`` that are not
+    kept, in parallel (the first :data:`FETCH_AHEAD`), so that reading them in order next costs
+    one round trip, not one each. A file that cannot be read is left to that reading."""
+    if not isinstance(log, StorePath) or len(versions) < 2:
+        return
+    with _kept_lock:
+        missing = [
+            log / f"{v:020d}.json"
+            for v in versions[:FETCH_AHEAD]
+            if _kept_name(log / f"{v:020d}.json") not in _kept_commits
+        ]
+
+    def fetch(commit: Location) -> None:
+        with contextlib.suppress(OSError):
+            commit_text(commit)
+
+    list(_FETCH_POOL.map(fetch, missing))
 
 
 def _kept_name(commit: Location) -> str:

@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from ..storage.paths import Location, open_input
 from .deletion_vectors import descriptor_id
-from .log import commit_text, commit_versions, log_dir
+from .log import FETCH_AHEAD, commit_text, commit_versions, fetch_commits, log_dir
 
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
@@ -81,7 +81,9 @@ class LaneMarks:
             # The first commits are gone: the vectors of older commits are in a checkpoint.
             vectors_after = _checkpoint_vectors(self._log_dir, self.vectors)
         changed = False
-        for version in versions:
+        for i, version in enumerate(versions):
+            if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
+                fetch_commits(self._log_dir, versions[i:])
             lanes, metadata, removed, added = _read_commit(
                 self._log_dir / f"{version:020d}.json", self._history > 0
             )
