@@ -141,13 +141,13 @@ async def test_three_writers_of_a_table_commit_through_its_committer_without_rac
 ) -> None:
     """Every node owns partitions of both tables and prepares their groups; each table's
     committer commits them, several writers' groups per version. No version is raced for
-    (where, before, the three owners lost races on every tick); every append lands once,
-    every upsert at its last value. Spark's commits go through deltaflow's conditional-write
-    log store."""
+    (where, before, the three owners lost races on every tick), not even the first ones of
+    the upserted table, which the stream creates: the nodes that find it created as they
+    create it hand their rows to its committer. Every append lands once, every upsert at its
+    last value. Spark's commits go through deltaflow's conditional-write log store."""
     cluster = await store_cluster(engine=engine)
     client = await cluster.wait_members(3)
     await create(s3_server, bucket, "appended", "id:long")
-    await create(s3_server, bucket, "upserted", "id:long,name:string", key="id")
     keys = rows * 3 // 8
     appends = [{"id": i} for i in range(rows)]
     upserts = [{"id": i % keys, "name": f"v{i}"} for i in range(rows)]
@@ -180,6 +180,8 @@ async def test_three_writers_of_a_table_commit_through_its_committer_without_rac
     ]
     assert commits >= at_least, (commits, conflicts)
     assert sum(conflicts) == 0, "a version was raced for: the tables have one committer each"
+    created = [await metric(n, "deltaflow_tables_created_total") for n in cluster.nodes.values()]
+    assert sum(created) == 1, created  # the upserted table, by one node
     assert commit_writers(tables[0]).keys() == set(cluster.nodes)  # every node wrote
     for path in tables:
         assert len(set(_writers(path))) == 1, set(_writers(path))

@@ -133,6 +133,11 @@ class NodeCollector:
             "deltaflow_tables_created", "Tables created on first write.", e.tables_created
         )
         yield counter(
+            "deltaflow_table_creation_races",
+            "Tables another node created while this one was creating them (once per table).",
+            e.creation_races,
+        )
+        yield counter(
             "deltaflow_columns_added", "Columns added by schema evolution.", e.columns_added
         )
         yield counter(

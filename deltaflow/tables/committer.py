@@ -40,7 +40,7 @@ from .merge_on_read import write_group
 from .prepared import OutcomeKind
 from .settings import BUCKET_COLUMN
 from .staging import Staged, StagingQueue, settle
-from .table_writer import Engine, TableWriter
+from .table_writer import Engine, TableCreated, TableWriter
 
 if TYPE_CHECKING:
     pass
@@ -129,7 +129,7 @@ class TableCommitter(TableWriter):
         can be prepared for it, else holding the table here. A held commit that loses the
         race for its version (another node created the table first, say) goes back to the
         committer rather than racing it again."""
-        coordinated = self.engine.commit_sink is not None and self.engine.prepares_groups
+        coordinated = self._coordinated
         for attempt in range(self.engine.atomicity.conflict_attempts):
             if attempt:  # a random pause, as between racing commits (a group held each time)
                 await asyncio.sleep(random.uniform(0, min(MAX_CONFLICT_WAIT, 0.02 * 2**attempt)))
@@ -267,14 +267,15 @@ class TableCommitter(TableWriter):
     async def _commit_group(
         self, group: list[Staged], prepared: PreparedGroup | None = None, coordinated: bool = False
     ) -> bool:
-        """Commit ``group`` with the table held; True when it lost the race for its version
-        and, ``coordinated``, must go to the table's committer instead (nothing settled)."""
+        """Commit ``group`` with the table held; True when, ``coordinated``, it must go to the
+        table's committer instead (nothing settled): it lost the race for its version, or
+        the table was created (here or by another node) and exists now."""
         group = self._live(group)
         if not group:
             return False
         try:
             await self._commit_with_retries(group, prepared, once=coordinated)
-        except CommitConflictError as exc:
+        except (CommitConflictError, TableCreated) as exc:
             if coordinated:
                 return True
             await self._commit_failed(group, exc)

@@ -88,6 +88,9 @@ class EngineStatistics:
     groups_prepared: int = 0
     groups_sent_back: int = 0
     tables_created: int = 0
+    #: Tables another node created while this one was creating them (its rows then went to
+    #: the committer): a race once per table, not one for a version.
+    creation_races: int = 0
     columns_added: int = 0
     checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
     checkpoint_seconds: float = 0.0

@@ -70,6 +70,12 @@ class Engine(Protocol):
 _AGAIN: Any = object()
 
 
+class TableCreated(Exception):
+    """The table exists now (this writer created it, or another did meanwhile): the group
+    goes to the table's committer instead of being committed here, so that no writer races
+    the committer for the versions after the creation."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReadyCommit:
     """A group prepared for the table's committer (see ``TableWriter._prepare_commit``).
@@ -301,6 +307,8 @@ class TableWriter:
             if all(data.column(DELETE_COLUMN).to_pylist()):
                 return 0  # only deletes, and no table: nothing exists to delete
             self._create(data)
+            if self._coordinated:
+                raise TableCreated(self.name)
         settings = self.settings
         assert settings is not None
         if settings.managed and list(settings.key) != key:
@@ -370,6 +378,11 @@ class TableWriter:
             )
         return self.marks.scanned
 
+    @property
+    def _coordinated(self) -> bool:
+        """Whether the table's groups go to its committer (:mod:`.coordinator`)."""
+        return self.engine.commit_sink is not None and self.engine.prepares_groups
+
     def _create(self, data: Any) -> None:
         """Blocking, while held: create the table from the group's columns."""
         import pyarrow as pa
@@ -383,6 +396,9 @@ class TableWriter:
             # commit not there yet): on a store no lock kept them apart. Read it, and go on.
             optimistic = self.engine.atomicity.optimistic
             if is_table(self.path) or (optimistic and log_dir(self.path).is_dir()):
+                if self._coordinated:
+                    self.engine.stats.creation_races += 1
+                    raise TableCreated(self.name) from exc
                 raise CommitConflictError(
                     f"table {self.name!r} was created by another writer meanwhile",
                     node=self.engine.node_id,
