@@ -188,6 +188,22 @@ def test_an_unreadable_commit_is_logged_and_holds_no_marks(
     assert record.getMessage() == f"cannot read lane marks from {broken}: {record.args[1]}"
 
 
+def test_a_commit_that_cannot_be_read_is_read_next_time_not_skipped(tmp_path: Path) -> None:
+    # A store that fails a read (or a file in the way) must not make a batch applied in that
+    # commit look new: the refresh stops before it, and the next one reads it.
+    commit(tmp_path, 0, lanes={"s/0": (1, 0)})
+    in_the_way = tmp_path / "_delta_log" / f"{1:020d}.json"
+    in_the_way.mkdir()  # read_text fails: IsADirectoryError
+    marks = LaneMarks(tmp_path)
+    with pytest.raises(OSError):
+        marks.refresh()
+    assert marks.scanned == 0 and marks.applied("s/0", (1, 0))
+    in_the_way.rmdir()
+    commit(tmp_path, 1, lanes={"s/0": (2, 0)})
+    marks.refresh()
+    assert marks.scanned == 1 and marks.applied("s/0", (2, 0))
+
+
 def test_user_metadata_is_compact_json_naming_the_node_and_each_lanes_mark() -> None:
     # The format every node (and older releases) reads back from the log: keep it stable.
     text = LaneMarks.user_metadata("node-1", {"s/0": (3, 1), "s/5": (0, 0)})

@@ -214,6 +214,14 @@ BREAKS: dict[str, Break] = {
             "tests/test_coordinator.py::test_a_group_whose_files_were_replaced_meanwhile_is_prepared_again",
         ),
     ),
+    # A commit that cannot be read stops the marks before it; skipped, a batch it applied
+    # would look new.
+    "unreadable_commit_skipped": Break(
+        "deltaflow/tables/marks.py",
+        "    except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it\n",
+        "    except (OSError, ValueError) as exc:\n",
+        ("tests/test_marks.py::test_a_commit_that_cannot_be_read_is_read_next_time_not_skipped",),
+    ),
     # A node that finds a table created as it creates it hands its rows to the committer
     # rather than racing it for the next versions.
     "creation_loser_races_committer": Break(

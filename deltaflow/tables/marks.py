@@ -71,6 +71,10 @@ class LaneMarks:
 
         Returns whether one of them changed the table's metadata or protocol (its schema or
         properties, for instance): the caller then reads them again.
+
+        Raises:
+            OSError: a commit could not be read; the marks stay at the one before it (its
+                marks are read next time, never skipped: a batch it applied must not look new).
         """
         if latest is None:
             versions = commit_versions(self._table, self._scanned)
@@ -173,7 +177,11 @@ def _read_commit(
     """What one commit file records: its lane marks (empty if it has none); whether it has a
     ``metaData`` or ``protocol`` action; the files with deletion vectors it removes (with
     ``every_remove``, every file it removes) and the ones with vectors it adds (path and
-    descriptor)."""
+    descriptor).
+
+    Raises:
+        OSError: it cannot be read.
+    """
     lanes: dict[str, Mark] = {}
     metadata = False
     removed: list[tuple[str, dict[str, Any] | None]] = []
@@ -196,7 +204,7 @@ def _read_commit(
             elif not lanes and '"commitInfo"' in line:
                 info = json.loads(line).get("commitInfo") or {}
                 lanes = _lanes_of(info)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it
         log.warning("cannot read lane marks from %s: %s", path, exc)
     return lanes, metadata, removed, added
 
