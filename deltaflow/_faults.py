@@ -15,6 +15,9 @@ pause, a frozen VM) that another node replaces, and that resumes when sent SIGCO
 ``DELTAFLOW_FAULT_UNREACHABLE=HOST:PORT,...`` cuts a node off from those peers, as a network
 partition would: its polls of them go unanswered (never refused), while clients and the store
 stay reachable. Two nodes each given the other's address believe each other dead.
+``DELTAFLOW_FAULT_UNREACHABLE_COMMITS=HOST:PORT,...`` cuts only its commit calls to those
+peers (they time out), its polls still answered: a committer the map still names that this
+writer cannot reach.
 
 In-process, :func:`deltaflow.testing.at_fault_point` runs a function at a point instead, on the
 thread that reaches it: ``before_commit`` is reached once a group's data files are written
@@ -37,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["fault_point", "set_action", "unreachable"]
+__all__ = ["fault_point", "set_action", "unreachable", "unreachable_commits"]
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
@@ -55,7 +58,17 @@ def set_action(name: str, action: Callable[[], None] | None) -> None:
 def unreachable(address: str) -> bool:
     """Whether ``DELTAFLOW_FAULT_UNREACHABLE`` cuts this process off from the peer at
     ``address``."""
-    cut = os.environ.get("DELTAFLOW_FAULT_UNREACHABLE", "")
+    return _cut("DELTAFLOW_FAULT_UNREACHABLE", address)
+
+
+def unreachable_commits(address: str) -> bool:
+    """Whether ``DELTAFLOW_FAULT_UNREACHABLE_COMMITS`` cuts this process's commit calls to the
+    peer at ``address``."""
+    return _cut("DELTAFLOW_FAULT_UNREACHABLE_COMMITS", address)
+
+
+def _cut(variable: str, address: str) -> bool:
+    cut = os.environ.get(variable, "")
     return address in cut.split(",") if cut else False
 
 

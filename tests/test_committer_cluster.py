@@ -219,6 +219,34 @@ async def test_a_writer_killed_between_prepare_and_commit_leaves_only_files_vacu
     assert len(ids) == n and set(ids) == set(range(n))
 
 
+async def test_a_writer_that_cannot_reach_the_committer_commits_its_groups_itself(
+    tmp_path: Path, clusters: list[Cluster]
+) -> None:
+    """node-2's commit calls to node-1, the table's committer, go unanswered while node-1
+    stays a live member (a one-way cut). After the failure timeout node-2 commits its groups
+    itself, beside node-1's commits of its own: every key at its last value, the stream
+    whole, and versions committed by each node."""
+    cluster = Cluster(tmp_path / "warehouse", count=2, flags=FLAGS)
+    clusters.append(cluster)
+    first = await cluster.start("node-1")
+    await cluster.start("node-2", env={"DELTAFLOW_FAULT_UNREACHABLE_COMMITS": first.address})
+    client = await cluster.wait_members(2)
+    name = a_table_committed_by(cluster, "node-1", "cut")
+    n, keys = 4_000, 1_000
+    async with client:
+        summary = await client.stream_data(
+            [{"id": i % keys, "v": i} for i in range(n)], table=name, key="id", options=SMALL
+        )
+    assert summary.items_acked == n
+    path = tmp_path / "warehouse" / name
+    assert {k: r["v"] for k, r in read_delta(path).items()} == {
+        k: n - keys + k for k in range(keys)
+    }
+    committers = {r["node"] for r in await asyncio.to_thread(history, path)}
+    assert committers == {"node-1", "node-2"}, committers
+    assert any("unreachable for" in line for line in cluster.nodes["node-2"].output)
+
+
 def _unreferenced(path: Path) -> set[str]:
     """The table's data files no commit of its log adds."""
     referenced = {

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from .._faults import unreachable
+from .._faults import unreachable, unreachable_commits
 from ..security import NODE_ID, answer_proof, call_proof, has_peer_role, url
 from .identity import NodeIdentity
 from .peer_gate import PROOF_HEADER, read_bounded
@@ -116,6 +116,8 @@ class PeerClient:
                 answer.
         """
         assert self._session is not None
+        if op == "commit" and unreachable_commits(address):  # a one-way cut, injected
+            raise TimeoutError(f"the commit call to {address} went unanswered")
         path = "/v1/drain" if op == "drain" else f"/v1/peer/{op}"
         for attempt in range(2):
             nonce = secrets.token_hex(16)

@@ -20,6 +20,8 @@
   :func:`wait_for_members` until such nodes see each other.
 - ``DELTAFLOW_FAULT_UNREACHABLE=HOST:PORT,...``: a node cut off from those peers, as by a
   network partition.
+- ``DELTAFLOW_FAULT_UNREACHABLE_COMMITS=HOST:PORT,...``: only a node's commit calls to those
+  peers go unanswered (a committer it cannot reach while the map still names it).
 - :mod:`.certificates` (a CA issuing node and client certificates, for TLS), :mod:`.netns`
   (hosts as network namespaces on a bridge), :mod:`.object_store` (a real S3 server): import
   them from their modules, they need extra packages or root.
