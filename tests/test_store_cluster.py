@@ -181,7 +181,9 @@ async def test_three_writers_of_a_table_commit_through_its_committer_without_rac
     assert commits >= at_least, (commits, conflicts)
     assert sum(conflicts) == 0, "a version was raced for: the tables have one committer each"
     created = [await metric(n, "deltaflow_tables_created_total") for n in cluster.nodes.values()]
-    assert sum(created) == 1, created  # the upserted table, by one node
+    # The upserted table, created by a node: one with delta-rs (create-if-absent of version
+    # 0); Spark's CREATE TABLE of a table that exists with the same columns succeeds too.
+    assert sum(created) == 1 or (engine == "spark" and sum(created) >= 1), created
     assert commit_writers(tables[0]).keys() == set(cluster.nodes)  # every node wrote
     for path in tables:
         assert len(set(_writers(path))) == 1, set(_writers(path))

@@ -73,6 +73,10 @@ class CommitRouter:
         self._peers = peers
         self._map = partition_map
         self._failure_timeout = failure_timeout
+        # Committers whose commit calls went unanswered, since when, and when one was last
+        # tried: once past the failure timeout, groups are committed here at once, and the
+        # committer is tried again once per failure timeout (the cut may heal).
+        self._unreachable: dict[str, tuple[float, float]] = {}
 
     def committer(self, table: str) -> tuple[str, str]:
         """The node that commits ``table`` by the current map, and its address."""
@@ -83,22 +87,24 @@ class CommitRouter:
     async def submit(self, prepared: PreparedCommit) -> Outcome:
         """The outcome of ``prepared`` from its table's committer (whichever node that is by
         the time it answers)."""
-        unreachable_since: float | None = None
+        tried = False  # this group tried the committer once
         while True:
             node_id, address = self.committer(prepared.table)
             if node_id == self.node_id:
                 return await self._engine.coordinator(prepared.table).submit(prepared)
-            if (
-                unreachable_since is not None
-                and time.monotonic() - unreachable_since > self._failure_timeout
+            now = time.monotonic()
+            since, last_try = self._unreachable.get(node_id, (now, now))
+            if now - since > self._failure_timeout and (
+                tried or now - last_try < self._failure_timeout
             ):
                 log.warning(
                     "table %s: committer %s unreachable for %.1f s; committing here",
                     prepared.table,
                     node_id,
-                    time.monotonic() - unreachable_since,
+                    now - since,
                 )
                 return await self._engine.coordinator(prepared.table).submit(prepared)
+            tried = True
             call = asyncio.ensure_future(self._call(address, prepared))
             moved = False
             try:
@@ -120,11 +126,12 @@ class CommitRouter:
             try:
                 outcome = call.result()
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-                if unreachable_since is None:
-                    unreachable_since = time.monotonic()
+                now = time.monotonic()
+                self._unreachable[node_id] = (self._unreachable.get(node_id, (now, now))[0], now)
                 log.info("table %s: committer %s did not answer (%s)", prepared.table, node_id, exc)
                 await asyncio.sleep(WATCH_SECONDS)
                 continue
+            self._unreachable.pop(node_id, None)
             return outcome
 
     async def _call(self, address: str, prepared: PreparedCommit) -> Outcome:
