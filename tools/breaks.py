@@ -316,8 +316,8 @@ BREAKS: dict[str, Break] = {
     ),
     "streams_unbounded": Break(
         "deltaflow/server/streams.py",
-        "        if len(self._streams) >= MAX_STREAMS:\n",
-        "        if False:\n",
+        "        if len(self._streams) >= MAX_STREAMS:\n            raise OverloadedError(\n",
+        "        if False:\n            raise OverloadedError(\n",
         ("tests/test_dispatcher.py::test_a_node_holds_at_most_max_streams_open",),
     ),
     "handoff_ignores_later_sends": Break(
