@@ -101,8 +101,10 @@ def commit_versions(path: Location, after: int = -1) -> list[int]:
 #: each, which on a store is a round trip each. A commit file never changes once written (a
 #: create-if-absent put), so a kept one is never stale; a table deleted and made again
 #: restarts its log, which the readers notice (:meth:`.LogReader.forget` drops its commits).
+#: At most 32 MiB kept on a node: a commit of a few dozen groups' files is some tens of KiB; a
+#: larger one is read again when needed.
 _KEPT_COMMITS: Final = 256
-_KEPT_COMMIT_CHARS: Final = 1 << 20
+_KEPT_COMMIT_CHARS: Final = 128 * 1024
 _kept_commits: collections.OrderedDict[str, str] = collections.OrderedDict()
 _kept_lock = threading.Lock()
 
