@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .client import (
+        Changelog,
         Client,
         CommitPosition,
         Delete,
@@ -25,10 +26,12 @@ if TYPE_CHECKING:
         stream_data,
     )
     from .columnar import DELETE_COLUMN, ArrowRows
+    from .engines import create_table
     from .errors import DataStreamerError, DeltaflowError, FailedItem
     from .security import ClientTls
 
 _HOMES = {
+    "Changelog": "client",
     "Client": "client",
     "CommitPosition": "client",
     "Delete": "client",
@@ -38,6 +41,7 @@ _HOMES = {
     "stream_data": "client",
     "DELETE_COLUMN": "columnar",
     "ArrowRows": "columnar",
+    "create_table": "engines",
     "DataStreamerError": "errors",
     "DeltaflowError": "errors",
     "FailedItem": "errors",
@@ -47,6 +51,7 @@ _HOMES = {
 __all__ = [
     "DELETE_COLUMN",
     "ArrowRows",
+    "Changelog",
     "Client",
     "ClientTls",
     "CommitPosition",
@@ -57,6 +62,7 @@ __all__ = [
     "StreamSummary",
     "StreamerOptions",
     "connect",
+    "create_table",
     "stream_data",
 ]
 

@@ -146,6 +146,8 @@ def _table_create(args: argparse.Namespace) -> int:
         allow_schema_evolution=args.allow_schema_evolution,
         deletion_vectors=args.deletion_vectors,
         engine=engine,
+        sequence_by=[c for c in (args.sequence_by or "").split(",") if c],
+        tombstone_retention=args.tombstone_retention,
     )
     print(f"table {name} created: {settings.describe()}")
     return 0
@@ -433,6 +435,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     create.add_argument(
         "--deletion-vectors", action="store_true", help="Delta deletion vectors (merge-on-read)"
+    )
+    create.add_argument(
+        "--sequence-by",
+        help="column(s) ordering the changes to a key, comma-separated (docs/cdc.md): a change "
+        "applies only if its sequence is greater than the table's",
+    )
+    create.add_argument(
+        "--tombstone-retention",
+        default="7 days",
+        help="with --sequence-by: how long a deleted key's sequence is kept (default 7 days)",
     )
     create.add_argument(
         "--engine",

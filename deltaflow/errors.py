@@ -18,10 +18,13 @@ Every error deltaflow raises derives from :class:`DeltaflowError`::
     │   ├── AuthenticationError    wrong or missing token
     │   ├── UnknownReceiverError   receiver name not on the node's allow-list
     │   ├── SchemaError            rows do not fit the table schema
+    │   │   └── TableSettingsError     a stream names another key or sequence than the
+    │   │                              table's (also a UsageError)
     │   ├── ReceiverError          a receiver raised while applying a batch
     │   └── LaneFailedError        an earlier batch of the same partition failed
     └── DataStreamerError          a stream ended with items not applied (``failed_items``,
-                                   and ``failures``: each with its source position and reason)
+        │                          and ``failures``: each with its source position and reason)
+        └── StreamUsageError       ... because of how the stream was called (also a UsageError)
 
 Whether an error is retried is decided in one place: the error's ``retriable``, read by
 :func:`is_retriable` and sent in the node's ``error`` frames. It is the class's unless a
@@ -55,6 +58,8 @@ __all__ = [
     "SchemaError",
     "ServerError",
     "SideInputError",
+    "StreamUsageError",
+    "TableSettingsError",
     "TlsError",
     "TransportError",
     "UnknownReceiverError",
@@ -77,6 +82,7 @@ class ErrorCode:
     OVERLOADED = "OVERLOADED"
     COMMIT_CONFLICT = "COMMIT_CONFLICT"
     SCHEMA_MISMATCH = "SCHEMA_MISMATCH"
+    TABLE_SETTINGS = "TABLE_SETTINGS"
     RECEIVER_FAILED = "RECEIVER_FAILED"
     LANE_FAILED = "LANE_FAILED"
     SIDE_INPUT = "SIDE_INPUT"
@@ -221,6 +227,14 @@ class SchemaError(ServerError):
     retriable = False
 
 
+class TableSettingsError(SchemaError, UsageError):
+    """A write names table settings other than the table's own (its key, its sequence
+    columns): the stream's arguments, not its rows, must change."""
+
+    code = ErrorCode.TABLE_SETTINGS
+    retriable = False
+
+
 class ReceiverError(ServerError):
     """The receiver raised while applying a batch."""
 
@@ -308,6 +322,11 @@ class DataStreamerError(DeltaflowError):
         self.cause = cause
 
 
+class StreamUsageError(DataStreamerError, UsageError):
+    """A stream stopped because of how it was called (a :class:`TableSettingsError`, say):
+    a :class:`DataStreamerError` with the items not applied, and a :class:`UsageError`."""
+
+
 _BY_CODE: dict[str, type[ServerError]] = {
     cls.code: cls
     for cls in (
@@ -318,6 +337,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
         AuthenticationError,
         UnknownReceiverError,
         SchemaError,
+        TableSettingsError,
         ReceiverError,
         LaneFailedError,
         SideInputError,

@@ -65,7 +65,7 @@ EVERY_ENGINE = (
     "spark-dv",
     "delta-rs-dv",
     "spark-connect",
-    "spark-connect-dv",
+    "spark-sql-dv",
     "delta-rs-s3",
     "delta-rs-s3-dv",
     "spark-s3",
@@ -92,7 +92,7 @@ def engine_options(engine: str) -> dict[str, Any]:
     ``spark-sql`` (the Spark engine MERGEing every group), ``delta-rs``, ``spark-dv`` and
     ``delta-rs-dv`` (on tables with deletion vectors: merge-on-read), ``spark-connect`` (the
     Spark engine on the ``connect_server`` fixture's server: SQL MERGE/INSERT),
-    ``spark-connect-dv`` (the server's MERGE on tables with deletion vectors), and
+    ``spark-sql-dv`` (the SQL writer's MERGE on tables with deletion vectors), and
     ``delta-rs-s3``, ``delta-rs-s3-dv`` and ``spark-s3`` (an engine on a warehouse in a bucket
     of the S3 server: optimistic commits; Spark's through deltaflow's S3 log store)."""
     if engine.endswith("-dv"):

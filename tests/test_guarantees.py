@@ -394,15 +394,16 @@ async def test_a_streams_state_is_freed_when_it_ends(
 # -- Usage errors and receivers that cannot start --------------------------------------------
 
 
-async def test_table_and_receiver_are_exclusive_and_a_table_needs_its_key(
+async def test_table_and_receiver_are_exclusive_and_a_table_names_its_key_by_columns(
     cluster: list[Node],
 ) -> None:
     async with deltaflow.connect([cluster[0].address]) as client:
         for kwargs, message in [
             ({"table": "t", "receiver": "deltaflow.testing.Echo", "key": "id"}, "exactly one"),
             ({"key": "id"}, "exactly one"),
-            ({"table": "t"}, "needs key="),
+            ({"table": "t", "sequence_by": "lsn"}, "sequence_by orders the changes to a key"),
             ({"table": "t", "key": lambda r: r}, "needs key="),
+            ({"table": "t", "key": "id", "sequence_by": "id"}, r"\['id'\] are the key"),
             ({"receiver": "deltaflow.testing.Echo"}, "key= is required"),
         ]:
             with pytest.raises(UsageError, match=message):

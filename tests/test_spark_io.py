@@ -277,7 +277,7 @@ def test_columns_the_wire_cannot_carry_are_rejected_before_any_job(
     with pytest.raises(UsageError, match="query_name='my query' is not allowed"):
         foreach_batch(nodes=["127.0.0.1:1"], query_name="my query", table="t", key="id")
     with pytest.raises(UsageError, match="needs key="):
-        foreach_batch(nodes=["127.0.0.1:1"], query_name="q", table="t")
+        foreach_batch(nodes=["127.0.0.1:1"], query_name="q", table="t", key=lambda r: r)
     with pytest.raises(UsageError, match="foreachBatch"):
         stream_dataframe(
             spark.readStream.format("rate").load(), nodes=["127.0.0.1:1"], table="t", key="value"

@@ -433,6 +433,77 @@ BREAKS: dict[str, Break] = {
         'not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$", name)',
         ("tests/test_bad_input.py::test_a_table_name_with_a_trailing_newline_is_refused",),
     ),
+    # sequence_by: within a group the highest sequence of a key wins, not the last arrival.
+    "sequence_last_arrival_wins": Break(
+        "deltaflow/tables/table_writer.py",
+        "            return newest_per_key(data, self.key, self.sequence_by)\n",
+        "            return last_per_key(data, self.key)\n",
+        ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
+    ),
+    # ... against the table, a stored row of a sequence not lower stays (deltaflow's writers).
+    "sequence_stored_row_ignored": Break(
+        "deltaflow/tables/sequence.py",
+        "    if group_sequence is None or not hit.any():\n",
+        "    if True:\n",
+        (
+            "tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs-dv]",
+            "tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[spark]",
+        ),
+    ),
+    # ... and in a MERGE (delta-rs's and Spark SQL's).
+    "sequence_merge_ignored": Break(
+        "deltaflow/engines/delta_rs.py",
+        "            newer = merge_condition(group.sequence, _quote) if group.sequence else None\n",
+        "            newer = None\n",
+        ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
+    ),
+    "sequence_sql_merge_ignored": Break(
+        "deltaflow/engines/spark.py",
+        '    newer = f" AND {merge_condition(sequence, _quote)}" if sequence else ""\n',
+        '    newer = ""\n',
+        ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[spark-sql]",),
+    ),
+    # A delete's tombstone keeps an older change arriving later from bringing the key back...
+    "tombstones_ignored": Break(
+        "deltaflow/tables/sequence.py",
+        "        if not self._held or not data.num_rows:\n",
+        "        if True:\n",
+        ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
+    ),
+    # ... also on a node that starts later: the deletes are recorded in the commits.
+    "tombstones_not_recorded": Break(
+        "deltaflow/tables/marks.py",
+        '        if deleted:\n            meta["deleted"] = deleted\n',
+        '        if False:\n            meta["deleted"] = deleted\n',
+        ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
+    ),
+    # The same on a cluster: producers out of order, nodes of both engines, a committer.
+    "sequence_ignored_on_a_cluster": Break(
+        "deltaflow/tables/sequence.py",
+        "    if group_sequence is None or not hit.any():\n",
+        "    if True:\n",
+        (
+            "tests/test_cdc_cluster.py::test_three_producers_out_of_order_end_at_the_highest_sequence",
+        ),
+    ),
+    "tombstones_ignored_on_a_cluster": Break(
+        "deltaflow/tables/sequence.py",
+        "        if not self._held or not data.num_rows:\n",
+        "        if True:\n",
+        (
+            "tests/test_cdc_cluster.py::test_three_producers_out_of_order_end_at_the_highest_sequence",
+        ),
+    ),
+    # A table stream without a key routes each item by its bytes: a replay of the same input
+    # cuts the same batches, and its lane marks skip what the first run applied.
+    "append_routing_not_replayable": Break(
+        "deltaflow/client/admission.py",
+        "                parts = [zlib.crc32(data) % partitions for data in packed]\n",
+        "                parts = [hash(object()) % partitions for data in packed]\n",
+        (
+            "tests/test_cdc_cluster.py::test_a_table_stream_without_a_key_appends_once_under_resends_and_a_replay",
+        ),
+    ),
 }
 
 

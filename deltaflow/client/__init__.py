@@ -5,11 +5,13 @@ connections), :mod:`.stream` (one stream's pump), :mod:`.admission` (keying and 
 :mod:`.accumulator` (per-partition buffers), :mod:`.sender` (window and retries),
 :mod:`.dead_letters` (the fallback policy), :mod:`.ledger` (items that did not land),
 :mod:`.connection` (one WebSocket per node), :mod:`.results` (result dispatch),
-:mod:`.sources` (source adapters), :mod:`.sync` (blocking facade), :mod:`.latency` (ack
-latency), :mod:`.stream_types` (what a stream takes and gives back).
+:mod:`.sources` (source adapters), :mod:`.changelog` (change events as rows), :mod:`.sync`
+(blocking facade), :mod:`.latency` (ack latency), :mod:`.stream_types` (what a stream takes
+and gives back).
 """
 
 from .accumulator import Batch, BatchCreator, SizeBatchCreator
+from .changelog import Changelog
 from .client import Client, ClientState, ClientStatistics, connect
 from .latency import AckLatency
 from .ledger import CommitPosition
@@ -23,6 +25,7 @@ __all__ = [
     "AckLatency",
     "Batch",
     "BatchCreator",
+    "Changelog",
     "Client",
     "ClientState",
     "ClientStatistics",

@@ -7,6 +7,7 @@ chunk go back to the source's leftovers.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from ..protocol import pack_item, pack_items
 from .accumulator import Accumulator
 from .ledger import Ledger
 from .sources import ChunkedIterator
-from .stream_types import Delete, KeyFn
+from .stream_types import Delete, KeyFn, spread
 
 __all__ = ["Admission"]
 
@@ -85,8 +86,12 @@ class Admission:
             deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
         key, partitions = self.key, self.partitions
         try:
-            parts = partition_many(map(key, values), partitions)
-            packed = pack_items(values)
+            if key is spread:  # appends: by a hash of the item's bytes
+                packed = pack_items(values)
+                parts = [zlib.crc32(data) % partitions for data in packed]
+            else:
+                parts = partition_many(map(key, values), partitions)
+                packed = pack_items(values)
             bad, cause = None, None
         except Exception:  # noqa: BLE001 - find which item, below
             parts, packed, bad, cause = [], [], None, None
@@ -146,15 +151,18 @@ class Admission:
                         "a stream carries row items or Arrow batches, not both; this one "
                         f"began with Arrow batches and then gave a {type(item).__name__}"
                     )
-                if self.key_columns is None:
+                if self.key_columns is None and self.key is not spread:
                     raise UsageError(  # noqa: TRY301
                         "Arrow batches are routed by key columns: pass key= as column names"
                     )
                 rows = ArrowRows.of(item)
-                missing = [k for k in self.key_columns if k not in rows.table.column_names]
-                if missing:
-                    raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
-                parts = partition_table(rows.table, self.key_columns, self.partitions)
+                if self.key_columns is None:  # appends: the batch to one partition
+                    parts = pa.array([self.pulled % self.partitions] * len(rows), pa.int32())
+                else:
+                    missing = [k for k in self.key_columns if k not in rows.table.column_names]
+                    if missing:
+                        raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
+                    parts = partition_table(rows.table, self.key_columns, self.partitions)
             except Exception as exc:
                 error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
                 self.ledger.fail([self.pulled], [item], [str(error)])

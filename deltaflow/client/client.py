@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..partitioning import PartitionMap
 from ..protocol import CALLER_STREAM_ID
 from ..security import ClientTls
+from .changelog import Changelog, convert_changelog
 from .ledger import CommitPosition
 from .options import StreamerOptions
 from .results import OnResult
@@ -25,6 +26,7 @@ from .stream_types import (
     StreamStatistics,
     StreamSummary,
     key_function,
+    spread,
 )
 
 __all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "connect"]
@@ -135,15 +137,19 @@ class Client:
         options: StreamerOptions | None = None,
         stream_id: str | None = None,
         stream_key: str | bytes | None = None,
+        sequence_by: str | Sequence[str] | None = None,
+        changelog: str | Changelog | None = None,
     ) -> StreamSummary:
         """Stream ``source`` to the cluster and wait until every item is applied.
 
         Args:
             source: an async iterable, an iterable, or a reactivex Observable of items. Wrap an
                 item in :class:`~deltaflow.Delete` to delete its key.
-            table: upsert rows (dicts) into this Delta table on the nodes, merging on ``key``.
+            table: upsert rows (dicts, or Arrow batches) into this Delta table on the nodes,
+                merging on ``key``; without ``key``, append them (an append table, created on
+                first write), exactly once per stream id as upserts are.
             key: the routing key: a column name, a tuple of column names, or a callable of an
-                item. With ``table=`` it must name the key column(s).
+                item. With ``table=`` it names the key column(s), or is left out to append.
             receiver: name of a receiver class registered on the nodes (instead of ``table``).
             receiver_args: a msgpack value handed to the receiver with every batch.
             on_result: receives each per-item result the receiver produces: a callable, an
@@ -172,6 +178,19 @@ class Client:
                 yours. Default None: a random stream has a random key; a ``stream_id`` without
                 ``stream_key`` has one derived from the token, which keeps strangers out but
                 not other clients holding the token (see ``docs/security.md``).
+            sequence_by: with ``table=``, the column(s) that order the changes to a key (a
+                log sequence number, a commit time; several are compared in order): a change
+                applies only if its sequence is greater than the one the table holds for the
+                key, deletes included, whatever order changes arrive in (``docs/cdc.md``).
+                Every row, deletes too, carries them. A table this stream creates gets them;
+                an existing table must have the same (else :class:`~deltaflow.errors.
+                StreamUsageError`). Default None: the table's, if it has any.
+            changelog: the source yields change events rather than rows: ``"debezium"``
+                (Debezium envelopes: ``c``/``r``/``u`` upsert ``after``, ``d`` deletes the key
+                of ``before``; with ``sequence_by``, a sequence missing from the row is taken
+                from the event's ``source`` block, else its ``ts_ms``), or a
+                :class:`~deltaflow.Changelog` naming the operation column of flat rows and its
+                values that delete (``docs/cdc.md``).
 
         Returns:
             A :class:`StreamSummary` once every item is acknowledged as applied.
@@ -201,22 +220,36 @@ class Client:
                     "streams running at the same time need different ids"
                 )
         secret = make_stream_key(stream_id, stream_key, token=self._token)
+        route = key_function(key) if key is not None or table is None else spread
         if table is not None:
-            if not isinstance(key, (str, tuple, list)):
+            if key is not None and not isinstance(key, (str, tuple, list)):
                 raise UsageError(
-                    f"table={table!r} needs key= naming the key column(s), not {key!r}"
+                    f"table={table!r} needs key= naming the key column(s), not {key!r}; "
+                    "without key= the rows are appended"
                 )
-            key_columns = [key] if isinstance(key, str) else list(key)
+            key_columns = [] if key is None else [key] if isinstance(key, str) else list(key)
             receiver = TABLE_RECEIVER
             receiver_args = {"table": table, "key": key_columns}
+            if sequence_by is not None:
+                if not key_columns:
+                    raise UsageError("sequence_by orders the changes to a key: pass key= too")
+                receiver_args["sequence_by"] = _sequence_columns(sequence_by, key_columns)
+        elif sequence_by is not None:
+            raise UsageError(
+                "sequence_by= orders the changes a table= stream writes; a "
+                "receiver's table writes name it in ctx.table(..., sequence_by=)"
+            )
         assert receiver is not None
+        if changelog is not None:
+            sequence = receiver_args.get("sequence_by", ()) if table is not None else ()
+            source = convert_changelog(source, changelog, sequence)
         return await run_stream(
             self._router,
             self._active,
             source,
             receiver=receiver,
             receiver_args=receiver_args,
-            key=key_function(key),
+            key=route,
             key_columns=_key_columns(key),
             on_result=on_result,
             on_ack=on_ack,
@@ -235,6 +268,25 @@ class Client:
             connections=self._router.open_connections,
             streams=[run.statistics() for run in self._active.values()],
         )
+
+
+def _sequence_columns(sequence_by: Any, key: Sequence[str]) -> list[str]:
+    """``sequence_by=`` as a list of column names, checked."""
+    columns = [sequence_by] if isinstance(sequence_by, str) else sequence_by
+    if (
+        not isinstance(columns, (list, tuple))
+        or not columns
+        or not all(isinstance(c, str) and c for c in columns)
+    ):
+        raise UsageError(
+            f"sequence_by={sequence_by!r}: name a column, or a tuple of columns compared in order"
+        )
+    both = [c for c in columns if c in key]
+    if both:
+        raise UsageError(f"sequence_by: column(s) {both} are the key; name other columns")
+    if len(set(columns)) != len(columns):
+        raise UsageError(f"sequence_by: columns repeat in {list(columns)}")
+    return list(columns)
 
 
 def _key_columns(key: Any) -> list[str] | None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
-from ..errors import DataStreamerError, FailedItem, ServerError
+from ..errors import DataStreamerError, FailedItem, ServerError, StreamUsageError, UsageError
 
 __all__ = ["CommitPosition", "Ledger", "Watermark", "locate"]
 
@@ -102,7 +102,8 @@ class Ledger:
             raise cause
         stopped = f"not applied: the stream stopped before it was sent ({cause})"
         failures = [FailedItem(p, item, why or stopped) for p, item, why in self._failed]
-        raise DataStreamerError(
+        kind = StreamUsageError if isinstance(cause, UsageError) else DataStreamerError
+        raise kind(
             f"stream {sid} failed: {cause}; {len(failures)} item(s) not applied "
             f"({applied} applied)",
             [f.item for f in failures],

@@ -20,6 +20,7 @@ __all__ = [
     "StreamStatistics",
     "StreamSummary",
     "key_function",
+    "spread",
 ]
 
 #: Name of the built-in receiver that upserts into a Delta table (registered on every node).
@@ -106,6 +107,13 @@ class StreamStatistics:
     commit_position: int
     per_node: dict[str, NodeStatistics]
     ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
+
+
+def spread(item: Any) -> None:
+    """The routing of a table stream without a key (appends): no key; admission spreads the
+    items over the partitions by a hash of their packed bytes (an Arrow batch by its source
+    position), the same for a replay of the same input."""
+    return None
 
 
 def key_function(key: str | Sequence[str] | KeyFn | None) -> KeyFn:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..security import ClientTls
+from .changelog import Changelog
 from .client import connect
 from .ledger import CommitPosition
 from .options import StreamerOptions
@@ -34,6 +35,8 @@ def stream_data(
     options: StreamerOptions | None = None,
     stream_id: str | None = None,
     stream_key: str | bytes | None = None,
+    sequence_by: str | Sequence[str] | None = None,
+    changelog: str | Changelog | None = None,
 ) -> StreamSummary:
     """Connect, stream ``source`` and return its summary, blocking the calling thread.
 
@@ -70,6 +73,8 @@ def stream_data(
                 options=options,
                 stream_id=stream_id,
                 stream_key=stream_key,
+                sequence_by=sequence_by,
+                changelog=changelog,
             )
 
     return asyncio.run(main())

@@ -13,6 +13,7 @@ Spark nor delta-rs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
@@ -20,6 +21,7 @@ from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
 from ..tables.atomicity import atomicity_for
 from ..tables.log import is_table
+from ..tables.sequence import DEFAULT_TOMBSTONE_RETENTION, check_sequence_type, parse_interval
 from ..tables.settings import DEFAULT_BUCKETS, TableSettings, parse_schema
 from .options import (
     DEFAULT_ENGINE,
@@ -74,6 +76,8 @@ def create_table(
     allow_schema_evolution: bool = False,
     deletion_vectors: bool = False,
     engine: str | EngineOptions = DELTA_RS,
+    sequence_by: str | Sequence[str] = (),
+    tombstone_retention: int | str | timedelta = DEFAULT_TOMBSTONE_RETENTION,
 ) -> TableSettings:
     """Create an empty deltaflow table under ``warehouse`` (blocking; run it in a thread from
     async code).
@@ -95,6 +99,14 @@ def create_table(
         engine: the engine that creates it: ``"delta-rs"`` (default; no JVM), ``"spark"``,
             or :data:`EngineOptions` (``SparkOptions(config=SparkConfig(...))`` for a Spark
             session of your own).
+        sequence_by: the column(s) that order the changes to a key (a log sequence number,
+            a commit time; several are compared in order): a change applies only if its
+            sequence is greater than the one the table holds for the key, deletes included
+            (``docs/cdc.md``). Integers, strings, dates or timestamps. Default: none, changes
+            apply in arrival order.
+        tombstone_retention: with ``sequence_by``, how long a deleted key's sequence is kept
+            (seconds, a ``timedelta`` or text like ``"7 days"``; default 7 days): within it,
+            an older change arriving late does not bring the key back.
 
     Returns the settings stored in the table's properties.
 
@@ -108,11 +120,19 @@ def create_table(
     missing = [k for k in keys if k not in data_schema.names]
     if missing:
         raise UsageError(f"key column(s) {missing} are not in the schema {data_schema.names}")
+    sequence = (sequence_by,) if isinstance(sequence_by, str) else tuple(sequence_by)
+    missing = [c for c in sequence if c not in data_schema.names]
+    if missing:
+        raise UsageError(f"sequence column(s) {missing} are not in the schema {data_schema.names}")
+    for column in sequence:
+        check_sequence_type(column, data_schema.field(column).type)
     settings = TableSettings(
         key=keys,
         buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
         schema_evolution=allow_schema_evolution,
         deletion_vectors=deletion_vectors,
+        sequence_by=sequence,
+        tombstone_retention=parse_interval(tombstone_retention),
     )
     warehouse = location(warehouse)
     path = warehouse / name

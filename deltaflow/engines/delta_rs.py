@@ -36,6 +36,7 @@ from ..tables.log import commit_log_entry, delta_table
 from ..tables.log import log_dir as delta_log_dir
 from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
 from ..tables.rewrite import RewriteUnsupported, rewrite
+from ..tables.sequence import merge_condition
 from ..tables.settings import (
     BUCKET_COLUMN,
     TableSettings,
@@ -255,13 +256,17 @@ class DeltaRsTableEngine(TableEngine):
                 return None
             if _copies_much(footprint, data.num_rows):
                 try:
-                    rewrite(target, path, data, footprint, props, hooks)
+                    self.landed(
+                        path, rewrite(target, path, data, footprint, props, hooks, group.sequence)
+                    )
                     return None
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", group.table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
             updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
+            # A stored row of a sequence not lower stays (sequence_by tables).
+            newer = merge_condition(group.sequence, _quote) if group.sequence else None
             (
                 target.merge(
                     data,
@@ -272,8 +277,8 @@ class DeltaRsTableEngine(TableEngine):
                     commit_properties=props,
                     post_commithook_properties=hooks,
                 )
-                .when_matched_delete(predicate=flag)
-                .when_matched_update(updates=updates)
+                .when_matched_delete(predicate=flag if newer is None else f"{flag} AND {newer}")
+                .when_matched_update(updates=updates, predicate=newer)
                 .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
                 .execute()
             )
@@ -311,5 +316,5 @@ class DeltaRsTableEngine(TableEngine):
         }
         fault_point("before_commit")
         commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
-        self._landed(path, done)
+        self.landed(path, done)
         return version

@@ -52,6 +52,7 @@ from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
 from ..tables.rewrite import RewriteUnsupported
+from ..tables.sequence import merge_condition
 from ..tables.settings import (
     BUCKET_COLUMN,
     PROP_CHECKPOINT_INTERVAL,
@@ -432,7 +433,14 @@ class SparkTableEngine(TableEngine):
                     source = f"parquet.{_quote(str(staging))}"
                     if group.footprint is not None:
                         session.sql(
-                            _merge_sql(path, group.key, source, data.column_names, group.footprint)
+                            _merge_sql(
+                                path,
+                                group.key,
+                                source,
+                                data.column_names,
+                                group.footprint,
+                                group.sequence,
+                            )
                         )
                     else:
                         cols = ", ".join(_quote(c) for c in columns)
@@ -461,6 +469,7 @@ def _merge_sql(
     source: str,
     columns: Sequence[str],
     footprint: Footprint,
+    sequence: Sequence[str] = (),
 ) -> str:
     data = [c for c in columns if c != DELETE_COLUMN]
     # Delta prunes a MERGE's target files by the literal predicates on target columns in its
@@ -470,9 +479,11 @@ def _merge_sql(
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)
     flag = f"s.{_quote(DELETE_COLUMN)}"
+    # A stored row of a sequence not lower stays (sequence_by tables).
+    newer = f" AND {merge_condition(sequence, _quote)}" if sequence else ""
     return (
         f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {on} "
-        f"WHEN MATCHED AND {flag} THEN DELETE "
-        f"WHEN MATCHED THEN UPDATE SET {sets} "
+        f"WHEN MATCHED AND {flag}{newer} THEN DELETE "
+        f"WHEN MATCHED{newer} THEN UPDATE SET {sets} "
         f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
     )

@@ -53,6 +53,7 @@ class TableWriter(Protocol):
         abandoned: Any,
         mark: tuple[str, tuple[int, int]] | None = None,
         held: Callable[[], bool] | None = None,
+        sequence: Sequence[str] | None = None,
     ) -> asyncio.Future[None]:
         """Validate and queue rows for the table's next commit (not before ``held()`` turns
         false); the future resolves when the commit holding them is durable."""
@@ -154,13 +155,24 @@ class ReceiverContext:
     def is_delete(self, index: int) -> bool:
         return index in self.deletes
 
-    def table(self, name: str, *, key: str | Sequence[str] = ()) -> TableHandle:
+    def table(
+        self,
+        name: str,
+        *,
+        key: str | Sequence[str] = (),
+        sequence_by: str | Sequence[str] | None = None,
+    ) -> TableHandle:
         """Access a Delta table in the node's warehouse, merging on ``key`` (or, without a
-        key, appending)."""
+        key, appending). ``sequence_by``: the columns that order the changes to a key (see
+        ``docs/cdc.md``); the table's must be the same, and a table this write creates gets
+        them. None: whatever the table has."""
         if self._writer is None:
             raise RuntimeError("this node has no table engine")
         keys = [key] if isinstance(key, str) else list(key)
-        return TableHandle(self, check_table_name(name), keys)
+        sequence = [sequence_by] if isinstance(sequence_by, str) else sequence_by
+        return TableHandle(
+            self, check_table_name(name), keys, None if sequence is None else tuple(sequence)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +192,7 @@ class TableHandle:
     ctx: ReceiverContext
     name: str
     key: list[str]
+    sequence_by: tuple[str, ...] | None = None
 
     async def upsert(self, rows: Sequence[Any], *, deletes: Iterable[int] = ()) -> None:
         """Upsert ``rows`` (dicts) by key; rows at the indexes in ``deletes`` delete their key.
@@ -208,6 +221,7 @@ class TableHandle:
             abandoned=self.ctx._abandoned,
             mark=self.ctx._next_mark(self.name),
             held=self.ctx._is_running,
+            sequence=self.sequence_by,
         )
         self.ctx._durable.append(fut)
 

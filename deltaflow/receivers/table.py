@@ -1,4 +1,5 @@
-"""The built-in table receiver: upsert rows (and deletes) into a Delta table by key."""
+"""The built-in table receiver: upsert rows (and deletes) into a Delta table by key, or append
+them to one without a key."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ __all__ = ["TableUpsert"]
 class TableUpsert(Receiver):
     """Used when a client calls ``stream_data(rows, table=..., key=...)``.
 
-    ``ctx.args`` is ``{"table": name, "key": [column, ...]}``. Rows are dicts; items marked
+    ``ctx.args`` is ``{"table": name, "key": [column, ...]}`` (an empty key appends the rows),
+    and ``"sequence_by": [column, ...]`` when the stream names one. Rows are dicts; items marked
     :class:`deltaflow.Delete` delete their key. The table is created from the rows' schema on
     first write. Produces no per-item results.
     """
@@ -31,4 +33,22 @@ class TableUpsert(Receiver):
             )
         # Unchecked here on purpose: ctx.table() rejects a missing or bad name with a SchemaError.
         table: Any = args.get("table")
-        await ctx.table(table, key=args["key"]).upsert(items, deletes=ctx.deletes)
+        sequence = args.get("sequence_by")
+        if sequence is not None and not (
+            isinstance(sequence, list) and sequence and all(isinstance(c, str) for c in sequence)
+        ):
+            raise SchemaError(
+                "the table receiver's sequence_by is a list of column names", node=ctx.node_id
+            )
+        handle = ctx.table(table, key=args["key"], sequence_by=sequence)
+        if handle.key:
+            await handle.upsert(items, deletes=ctx.deletes)
+            return
+        if ctx.deletes:
+            raise SchemaError(
+                f"table {handle.name!r} is appended to (the stream has no key=): item "
+                f"#{min(ctx.deletes)} is a Delete, which needs a key",
+                node=ctx.node_id,
+                details={"item": min(ctx.deletes)},
+            )
+        await handle.append(items)

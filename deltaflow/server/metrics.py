@@ -141,6 +141,11 @@ class NodeCollector:
             "deltaflow_columns_added", "Columns added by schema evolution.", e.columns_added
         )
         yield counter(
+            "deltaflow_changes_superseded",
+            "Changes to sequence_by tables not applied: the table held a newer change of the key.",
+            e.changes_superseded,
+        )
+        yield counter(
             "deltaflow_checkpoints",
             "Delta checkpoints written (after their commit, outside the table lock).",
             e.checkpoints,

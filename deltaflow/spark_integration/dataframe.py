@@ -394,8 +394,11 @@ def check_target(
     """The driver-side checks of ``Client.stream_data``, before any Spark job runs."""
     if (table is None) == (receiver is None):
         raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
-    if table is not None and not isinstance(key, (str, tuple, list)):
-        raise UsageError(f"table={table!r} needs key= naming the key column(s), not {key!r}")
+    if table is not None and key is not None and not isinstance(key, (str, tuple, list)):
+        raise UsageError(
+            f"table={table!r} needs key= naming the key column(s), not {key!r}; without key= "
+            "the rows are appended"
+        )
     if key is None:
         raise UsageError("key= is required: a column name, a tuple of column names, or a callable")
 

@@ -370,6 +370,7 @@ class TableCommitter(TableWriter):
             len(self.key) == 1
             and set(self.partition_columns) <= {BUCKET_COLUMN}
             and self.engine.merges_on_read(settings)
+            and not settings.sequence_by  # its rows are known once the stored ones are read
         ):
             written = write_group(self.path, data, schema, self.key[0])
         footprint = Footprint.of(data, self.key, bucketed=bool(settings.buckets))

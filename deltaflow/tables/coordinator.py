@@ -28,6 +28,7 @@ from ..errors import CommitConflictError
 from .committer import CheckpointWriter, finish, hold_table
 from .marks import LaneMarks, Mark
 from .prepared import Outcome, OutcomeKind, PreparedCommit
+from .sequence import merged_deletes
 from .settings import CHECKPOINT_INTERVAL, PROP_CHECKPOINT_INTERVAL
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ class TableCoordinator:
             )
             writers = {batch[i].writer for i in chosen}
             actions: list[dict[str, Any]] = [a for i in chosen for a in batch[i].actions]
-            metadata = LaneMarks.user_metadata(node, lanes, writers)
+            deleted = merged_deletes(batch[i].deleted for i in chosen)
+            metadata = LaneMarks.user_metadata(node, lanes, writers, deleted)
             read = self.marks.scanned
             started = time.monotonic()
             fault_point("before_combined_commit")

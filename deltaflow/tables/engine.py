@@ -274,6 +274,7 @@ class TableEngine:
             vectors,
             memory,
             group.written,
+            group.sequence,
         )
 
     def _landed(self, path: Location, done: MergeOnRead) -> None:
@@ -331,7 +332,7 @@ class TableEngine:
         merge_on_read = group.written is not None or candidates is not None
         if merge_on_read and column is not None and has_deletion_vectors(target):
             return self._merge_on_read(group, target, group.read_version, column=column)
-        return write_files(target, group.path, group.data, column, candidates)
+        return write_files(target, group.path, group.data, column, candidates, group.sequence)
 
     def commit_actions(
         self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
@@ -359,6 +360,7 @@ class TableEngine:
 
     def landed(self, path: Location, done: MergeOnRead | Rewrite) -> None:
         """Files written by :meth:`write_group_files` were committed."""
+        self.stats.changes_superseded += done.superseded
         if isinstance(done, MergeOnRead):
             self._landed(path, done)
 
@@ -397,6 +399,7 @@ class TableEngine:
         abandoned: Callable[[], bool] | None = None,
         mark: tuple[str, Mark] | None = None,
         held: Callable[[], bool] | None = None,
+        sequence: Sequence[str] | None = None,
     ) -> asyncio.Future[None]:
         """Validate ``rows`` and queue them for ``table``'s next commit.
 
@@ -407,6 +410,9 @@ class TableEngine:
             mark: ``(lane, (seq, k))``: the write is skipped if the table already holds it.
             held: true while the write must not be committed yet (its receiver still runs);
                 call :meth:`release` when it turns false.
+            sequence: the sequence columns the write names (``sequence_by``): the table's
+                must be the same, and a table created by this write gets them. None: the
+                table's, whatever they are.
 
         Returns a future that resolves when the commit holding the rows is durable (or fails
         with the commit's error). Waits while the table's queue is full.
@@ -424,7 +430,7 @@ class TableEngine:
         with committer.queue.arriving():
             await committer.load()
             for attempt in (1, 2):
-                settings = committer.plan(key)
+                settings = committer.plan(key, sequence)
                 try:
                     converted = await asyncio.to_thread(
                         to_arrow_rows,
@@ -436,6 +442,7 @@ class TableEngine:
                         node=self.node_id,
                         evolve=settings.schema_evolution,
                         buckets=settings.buckets,
+                        sequence=settings.sequence_by,
                     )
                     break
                 except SchemaError as exc:

@@ -70,11 +70,13 @@ class EngineSettings:
         """The rows that make a whole group: a queue can hold no more than its bound."""
         return min(self.max_group_rows, self.max_queued_rows)
 
-    def new_table(self, key: tuple[str, ...]) -> TableSettings:
-        """The settings of a table the node creates on first write with ``key``."""
+    def new_table(self, key: tuple[str, ...], sequence_by: tuple[str, ...] = ()) -> TableSettings:
+        """The settings of a table the node creates on first write with ``key`` (and the
+        sequence columns the writes name)."""
         return TableSettings(
             key=key,
             buckets=self.table_buckets if key else 0,
             schema_evolution=self.schema_evolution,
             deletion_vectors=self.deletion_vectors,
+            sequence_by=sequence_by,
         )

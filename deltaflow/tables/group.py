@@ -41,6 +41,9 @@ class GroupWrite:
             version whose lane marks the group was checked against: the engine commits at
             exactly the next version, or raises ``CommitConflictError`` so the committer
             checks again (a commit rebased over another writer's could apply a batch twice).
+        sequence: the table's sequence columns (``sequence_by``; :mod:`.sequence`): a row of
+            ``data`` replaces or deletes a stored row only if its sequence is greater. Empty:
+            every row does.
     """
 
     table: str
@@ -51,6 +54,7 @@ class GroupWrite:
     footprint: Footprint | None = None
     written: list[tuple[DataFile, Any]] | None = None
     read_version: int | None = None
+    sequence: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from typing import Any, Final
 from ..storage.paths import Location, open_input
 from .deletion_vectors import descriptor_id
 from .log import FETCH_AHEAD, commit_text, commit_versions, fetch_commits, log_dir
+from .sequence import Tombstones
 
 __all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
 
@@ -41,8 +42,12 @@ class LaneMarks:
     Blocking (file reads): use from a worker thread, under the table's commit lock.
     """
 
-    def __init__(self, table_path: Location, *, history: int = 0) -> None:
+    def __init__(
+        self, table_path: Location, *, history: int = 0, tombstones: Tombstones | None = None
+    ) -> None:
         self._table = table_path
+        #: The deletes the commits record (``sequence_by`` tables), when kept.
+        self.tombstones = tombstones
         self._log_dir = log_dir(table_path)
         self._marks: dict[str, Mark] = {}
         self._scanned = -1
@@ -88,10 +93,12 @@ class LaneMarks:
         for i, version in enumerate(versions):
             if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
                 fetch_commits(self._log_dir, versions[i:])
-            lanes, metadata, removed, added = _read_commit(
+            lanes, metadata, removed, added, deleted = _read_commit(
                 self._log_dir / f"{version:020d}.json", self._history > 0
             )
             self.absorb(lanes)
+            if deleted is not None and self.tombstones is not None:
+                self.tombstones.absorb(*deleted)
             if self._history:
                 paths = frozenset(p for p, _ in removed)
                 self._changes[version] = (paths, metadata)
@@ -135,13 +142,19 @@ class LaneMarks:
 
     @staticmethod
     def user_metadata(
-        node: str, lanes: Mapping[str, Mark], writers: Iterable[str] | None = None
+        node: str,
+        lanes: Mapping[str, Mark],
+        writers: Iterable[str] | None = None,
+        deleted: Mapping[str, list[Any]] | None = None,
     ) -> str:
         """The commit's ``userMetadata`` recording ``lanes``, committed by ``node`` (with
-        ``writers``: the nodes whose prepared groups it holds)."""
+        ``writers``: the nodes whose prepared groups it holds; ``deleted``: the keys it deletes
+        from a ``sequence_by`` table and their sequences, :func:`.sequence.recorded`)."""
         meta: dict[str, Any] = {"node": node, "lanes": {k: list(v) for k, v in lanes.items()}}
         if writers is not None:
             meta["writers"] = sorted(set(writers))
+        if deleted:
+            meta["deleted"] = deleted
         return json.dumps({METADATA_KEY: meta}, separators=(",", ":"))
 
     @staticmethod
@@ -171,18 +184,24 @@ def _listdir(path: Location) -> list[str]:
 _Vectors = dict[str, dict[str, Any]]
 
 
+_Deleted = tuple[Mapping[str, Any], int]
+
+
 def _read_commit(
     path: Location, every_remove: bool = False
-) -> tuple[dict[str, Mark], bool, list[tuple[str, dict[str, Any] | None]], _Vectors]:
+) -> tuple[
+    dict[str, Mark], bool, list[tuple[str, dict[str, Any] | None]], _Vectors, _Deleted | None
+]:
     """What one commit file records: its lane marks (empty if it has none); whether it has a
     ``metaData`` or ``protocol`` action; the files with deletion vectors it removes (with
     ``every_remove``, every file it removes) and the ones with vectors it adds (path and
-    descriptor).
+    descriptor); the keys it deletes from a ``sequence_by`` table with the commit's time.
 
     Raises:
         OSError: it cannot be read.
     """
     lanes: dict[str, Mark] = {}
+    deleted: _Deleted | None = None
     metadata = False
     removed: list[tuple[str, dict[str, Any] | None]] = []
     added: _Vectors = {}
@@ -203,10 +222,10 @@ def _read_commit(
                     removed.append((action["path"], dv))
             elif not lanes and '"commitInfo"' in line:
                 info = json.loads(line).get("commitInfo") or {}
-                lanes = _lanes_of(info)
+                lanes, deleted = _lanes_of(info)
     except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it
         log.warning("cannot read lane marks from %s: %s", path, exc)
-    return lanes, metadata, removed, added
+    return lanes, metadata, removed, added, deleted
 
 
 def _checkpoint_vectors(log_dir: Location, into: _Vectors) -> int:
@@ -226,7 +245,7 @@ def _checkpoint_vectors(log_dir: Location, into: _Vectors) -> int:
 
 def commit_vectors(commit: Location) -> list[dict[str, Any]]:
     """The deletion vectors one commit file names, in its adds and its removes."""
-    _, _, removed, added = _read_commit(commit)
+    _, _, removed, added, _ = _read_commit(commit)
     return [dv for _, dv in removed if dv is not None] + list(added.values())
 
 
@@ -244,7 +263,8 @@ def checkpoint_vectors(checkpoint: Location, kinds: tuple[str, ...]) -> list[tup
     ]
 
 
-def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:
+def _lanes_of(info: Mapping[str, Any]) -> tuple[dict[str, Mark], _Deleted | None]:
+    """A commit's lane marks, and the deletes it records with its time (None without)."""
     raw = info.get("userMetadata")
     meta: Any = None
     if isinstance(raw, str) and METADATA_KEY in raw:
@@ -255,9 +275,13 @@ def _lanes_of(info: Mapping[str, Any]) -> dict[str, Mark]:
     elif isinstance(info.get(METADATA_KEY), Mapping):  # written as a top-level field
         meta = info[METADATA_KEY]
     if not isinstance(meta, Mapping) or not isinstance(meta.get("lanes"), Mapping):
-        return {}
+        return {}, None
     lanes: dict[str, Mark] = {}
     for lane, mark in meta["lanes"].items():
         if isinstance(mark, list) and len(mark) == 2 and all(isinstance(x, int) for x in mark):
             lanes[str(lane)] = (mark[0], mark[1])
-    return lanes
+    deleted = meta.get("deleted")
+    at = info.get("timestamp")
+    if isinstance(deleted, Mapping) and isinstance(at, int):
+        return lanes, (deleted, at)
+    return lanes, None

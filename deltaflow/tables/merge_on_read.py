@@ -32,7 +32,7 @@ import json
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import unquote
@@ -55,6 +55,7 @@ from .rewrite import (
     unsupported_by,
     write_buckets,
 )
+from .sequence import resolve
 from .settings import BUCKET_COLUMN, PROP_DELETION_VECTORS
 
 __all__ = [
@@ -82,6 +83,7 @@ class _Known:
     deleted: Any = None  # BitMap64 of the vector ``descriptor`` names, once read
     descriptor_id: str | None = None
     stats: str = ""  # the add action's statistics, for files this node wrote
+    sequence: list[Any] | None = None  # its sequence columns (``sequence_by`` tables)
 
 
 @dataclass
@@ -135,11 +137,14 @@ class MergeOnRead:
         adds: the new files (the group's rows, and the live rows of merged files).
         changes: the files whose deletion vectors change.
         timestamp: milliseconds since the epoch.
+        superseded: rows of the group not applied: the table held a change of their key of a
+            sequence at least as high (``sequence_by`` tables).
     """
 
     adds: list[DataFile]
     changes: list[DvChange]
     timestamp: int
+    superseded: int = 0
 
     @property
     def removed(self) -> list[str]:
@@ -191,6 +196,7 @@ def write_merge_on_read(
     vectors: dict[str, dict[str, Any]],
     memory: KeyColumns,
     written: list[tuple[DataFile, Any]] | None = None,
+    sequence: Sequence[str] = (),
 ) -> MergeOnRead:
     """Blocking, under the table's lock: write the new files and the deletion vector file
     that apply the group ``data`` to ``table`` (delta-rs, at its latest version); nothing is
@@ -206,7 +212,10 @@ def write_merge_on_read(
             (path as in the log -> descriptor), from the log.
         memory: this node's key columns of the table's files.
         written: the group's new files, already written by :func:`write_group` (outside the
-            lock); None to write them here.
+            lock); None to write them here (always, with ``sequence``).
+        sequence: the table's sequence columns: a live stored row whose sequence is not
+            lower than the group's row of its key stays, and the group's row is dropped
+            (:func:`.sequence.resolve`).
 
     Raises:
         RewriteUnsupported: the table has a feature this writer does not honour (nothing was
@@ -214,7 +223,6 @@ def write_merge_on_read(
     """
     import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
     from pyroaring import BitMap64
 
     metadata = table.metadata()
@@ -231,24 +239,48 @@ def write_merge_on_read(
     changes: list[DvChange] = []
 
     kept: dict[str | None, list[Any]] = {}  # bucket -> live rows of the files merged away
+    superseded = 0
     holding = [] if candidates is None else files_holding(candidates, keys, key)
     if holding:
+        assert written is None or not sequence
         # Held here too: the memory may drop some of them again when over its budget.
         known = {f["path"]: memory.get(f["path"]) for f in holding}
-        unseen = [f for f in holding if known[f["path"]] is None]
-        read_keys = FILE_POOL.map(lambda f: _read_keys(path / unquote(f["path"]), key), unseen)
-        for f, column in zip(unseen, read_keys, strict=True):
-            read_now = known[f["path"]] = _Known(column.cast(keys.type))
+        unseen = [f for f in holding if _unknown(known[f["path"]], bool(sequence))]
+        columns_read = FILE_POOL.map(
+            lambda f: _read_keys(path / unquote(f["path"]), [key, *sequence]), unseen
+        )
+        for f, read_columns in zip(unseen, columns_read, strict=True):
+            read_now = known[f["path"]] = _Known(read_columns[0].cast(keys.type))
+            if sequence:
+                read_now.sequence = [
+                    c.cast(data.schema.field(name).type)
+                    for c, name in zip(read_columns[1:], sequence, strict=True)
+                ]
             memory.put(f["path"], read_now)
-        files = [(f, known[f["path"]]) for f in holding]
-        columns = [k.keys for _, k in files if k is not None]
-        hits = pc.is_in(pa.chunked_array(columns, type=keys.type), value_set=keys)
-        hits = hits.combine_chunks().to_numpy(zero_copy_only=False)
+        files = [(f, k) for f in holding if (k := known[f["path"]]) is not None]
+        stored = [k for _, k in files]
+        live = stored_sequence = None
+        if sequence:
+            # Rows a vector deleted already hold no sequence against the group.
+            live = np.concatenate([_live(path, k, vectors.get(f["path"])) for f, k in files])
+            stored_sequence = [
+                pa.chunked_array([k.sequence[i] for k in stored if k.sequence is not None])
+                for i in range(len(sequence))
+            ]
+        hits, losers = resolve(
+            keys,
+            [data.column(c) for c in sequence] if sequence else None,
+            pa.chunked_array([k.keys for k in stored], type=keys.type),
+            stored_sequence,
+            live,
+        )
+        if losers.any():  # the table holds a newer change of these keys: not applied
+            superseded = int(losers.sum())
+            data = data.filter(pa.array(~losers))
         merging = _tier_to_merge(holding)
         merged: list[tuple[dict[str, Any], Any]] = []  # (file, its rows deleted from now on)
         start = 0
         for f, k in files:
-            assert k is not None
             rows = np.flatnonzero(hits[start : start + len(k.keys)])
             start += len(k.keys)
             if not len(rows) and f["path"] not in merging:
@@ -288,11 +320,15 @@ def write_merge_on_read(
         written = written + write_group(path, data.slice(0, 0), file_schema, key, gathered)
     adds = []
     for added, rows in written:
-        memory.put(added.path, _Known(rows.column(key).combine_chunks(), stats=added.stats))
+        order = [rows.column(c).combine_chunks() for c in sequence] if sequence else None
+        memory.put(
+            added.path,
+            _Known(rows.column(key).combine_chunks(), stats=added.stats, sequence=order),
+        )
         adds.append(added)
     if any(c.new is not None for c in changes):
         writer.write()
-    return MergeOnRead(adds, changes, int(time.time() * 1000))
+    return MergeOnRead(adds, changes, int(time.time() * 1000), superseded)
 
 
 def write_group(
@@ -344,12 +380,29 @@ def _deleted(table: Location, known: _Known, descriptor: dict[str, Any] | None) 
     return known.deleted
 
 
-def _read_keys(file: Location, key: str) -> Any:
+def _read_keys(file: Location, columns: list[str]) -> list[Any]:
+    """The ``columns`` (the key, and the sequence columns) of a data file."""
     import pyarrow.parquet as pq
 
     with open_input(file) as source:
-        rows = pq.ParquetFile(source).read(columns=[key], use_threads=False)
-    return rows.column(0).combine_chunks()
+        rows = pq.ParquetFile(source).read(columns=columns, use_threads=False)
+    return [rows.column(c).combine_chunks() for c in columns]
+
+
+def _unknown(known: _Known | None, sequence: bool) -> bool:
+    """Whether a file's columns must be read (not kept, or kept without its sequence)."""
+    return known is None or (sequence and known.sequence is None)
+
+
+def _live(table: Location, known: _Known, descriptor: dict[str, Any] | None) -> Any:
+    """Per row of a file, whether its current deletion vector keeps it (numpy bools)."""
+    import numpy as np
+
+    live = np.ones(len(known.keys), dtype=bool)
+    deleted = _deleted(table, known, descriptor)
+    if len(deleted):
+        live[np.frombuffer(deleted.to_array(), dtype=np.uint64).astype(np.int64)] = False
+    return live
 
 
 def _loosened(stats: str) -> str:

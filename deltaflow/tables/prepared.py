@@ -37,6 +37,8 @@ __all__ = [
 MAX_ACTIONS: Final = 20_000
 #: The most lanes one prepared group may carry.
 MAX_LANES: Final = 20_000
+#: The most deleted keys one prepared group may record (a group is bounded by rows anyway).
+MAX_DELETED: Final = 1_000_000
 _LANE: Final = re.compile(r"[\x21-\x7e]{1,300}")
 _TABLE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _NODE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -68,6 +70,8 @@ class PreparedCommit:
             lowest means it holds some of them, and holding the highest, all.
         rows: rows the group applies (for statistics).
         batches: batches the group holds.
+        deleted: the keys the group deletes from a ``sequence_by`` table, with their
+            sequences (:func:`.sequence.recorded`): the commit records them.
     """
 
     table: str
@@ -78,6 +82,7 @@ class PreparedCommit:
     starts: dict[str, Mark]
     rows: int = 0
     batches: int = 0
+    deleted: dict[str, list[Any]] | None = None
     removes: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +105,7 @@ class PreparedCommit:
             "starts": {lane: list(mark) for lane, mark in self.starts.items()},
             "rows": self.rows,
             "batches": self.batches,
+            "deleted": self.deleted,
         }
 
     @classmethod
@@ -121,7 +127,33 @@ class PreparedCommit:
             raise WireError(f"actions: a list of at most {MAX_ACTIONS}")
         lanes, starts = _marks(data, "lanes"), _marks(data, "starts")
         actions = [_action(a) for a in actions]
-        return cls(table, writer, read_version, actions, lanes, starts, rows, batches)
+        deleted = _deleted(data.get("deleted"))
+        return cls(table, writer, read_version, actions, lanes, starts, rows, batches, deleted)
+
+
+def _deleted(value: Any) -> dict[str, list[Any]] | None:
+    """The deletes a group records: ``{"keys": [...], "seqs": [...]}`` of equal length, at
+    most :data:`MAX_DELETED`, each a JSON scalar or a short list of them."""
+    if value is None:
+        return None
+    if not (isinstance(value, Mapping) and set(value) == {"keys", "seqs"}):
+        raise WireError("deleted: an object of keys and seqs")
+    keys, seqs = value["keys"], value["seqs"]
+    if not (isinstance(keys, list) and isinstance(seqs, list) and len(keys) == len(seqs)):
+        raise WireError("deleted: keys and seqs, two lists of one length")
+    if len(keys) > MAX_DELETED:
+        raise WireError(f"deleted: at most {MAX_DELETED} keys")
+    for entry in (*keys, *seqs):
+        values = entry if isinstance(entry, list) else [entry]
+        if len(values) > 32 or not all(_scalar(v) for v in values):
+            raise WireError("deleted: each key and sequence a value or a list of values")
+    return {"keys": keys, "seqs": seqs}
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, str):
+        return len(value) <= 4096
+    return value is None or isinstance(value, (bool, int, float))
 
 
 def _marks(data: Mapping[str, Any], name: str) -> dict[str, Mark]:

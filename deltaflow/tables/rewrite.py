@@ -36,6 +36,7 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Final
@@ -45,6 +46,7 @@ from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
 from ..storage.paths import Location, open_input, open_output
 from .footprint import Footprint
+from .sequence import resolve
 from .settings import BUCKET_COLUMN
 
 __all__ = [
@@ -139,12 +141,15 @@ class Rewrite:
         removes: the live files they replace.
         partition_by: the table's partition columns.
         timestamp: milliseconds since the epoch, for the actions' times.
+        superseded: rows of the group not applied: the table held a change of their key of a
+            sequence at least as high (``sequence_by`` tables).
     """
 
     adds: list[DataFile]
     removes: list[DataFile]
     partition_by: list[str]
     timestamp: int
+    superseded: int = 0
 
     def actions(self) -> list[dict[str, Any]]:
         """The commit's ``add`` and ``remove`` actions, as the Delta log holds them."""
@@ -186,7 +191,12 @@ def remove_action(f: DataFile, timestamp: int, dv: dict[str, Any] | None = None)
 
 
 def write_files(
-    table: Any, path: Location, data: Any, key: str | None, candidates: Any | None
+    table: Any,
+    path: Location,
+    data: Any,
+    key: str | None,
+    candidates: Any | None,
+    sequence: Sequence[str] = (),
 ) -> Rewrite:
     """Blocking, under the table's lock: write the files that apply the group ``data`` to
     ``table`` (delta-rs, at its latest version), nothing committed yet.
@@ -198,6 +208,9 @@ def write_files(
             None for a table without a one-column key, whose group is only appended.
         candidates: the live files that may hold one of the group's keys
             (:attr:`.Footprint.files`); None when it holds none (the group is appended).
+        sequence: the table's sequence columns: a stored row whose sequence is not lower
+            than the group's row of its key is kept, and the group's row dropped
+            (:func:`.sequence.resolve`).
 
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
@@ -217,10 +230,9 @@ def write_files(
     if set(partition_by) - {BUCKET_COLUMN}:  # the files written carry the bucket value only
         raise RewriteUnsupported(f"partitioned by {partition_by}")
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
-    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
-
     touched: list[DataFile] = []  # the candidate files that hold a key of the group
     kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
+    superseded = 0
     if key is not None and candidates is not None:
         keys = data.column(key)
         holding = files_holding(candidates, keys, key)
@@ -229,21 +241,31 @@ def write_files(
         )
         if read:
             rows = pa.concat_tables(read)
-            hit = pc.is_in(rows.column(key), value_set=keys)  # one hash set for every file
+            # One hash set for every file: the stored rows the group replaces (or deletes).
+            replaced, losers = resolve(
+                keys,
+                [data.column(c) for c in sequence] if sequence else None,
+                rows.column(key),
+                [rows.column(c) for c in sequence] if sequence else None,
+            )
+            if losers.any():  # the table holds a newer change of these keys
+                superseded = int(losers.sum())
+                data = data.filter(pa.array(~losers))
             start = 0
             for file, part in zip(holding, read, strict=True):
-                hits = hit.slice(start, part.num_rows)
+                hits = replaced[start : start + part.num_rows]
                 start += part.num_rows
-                if not pc.any(hits).as_py():
+                if not hits.any():
                     continue  # its range holds a key of the group, its rows do not
                 bucket = bucket_of(file)
                 touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
-                rest = part.filter(pc.invert(hits))
+                rest = part.filter(pa.array(~hits))
                 if rest.num_rows:
                     kept.setdefault(bucket, []).append(rest)
 
+    upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
     adds = [added for added, _ in write_buckets(path, upserts, kept, file_schema, key)]
-    return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
+    return Rewrite(adds, touched, partition_by, int(time.time() * 1000), superseded)
 
 
 def write_buckets(
@@ -268,7 +290,8 @@ def rewrite(
     footprint: Footprint,
     commit_properties: Any,
     post_commithook_properties: Any = None,
-) -> None:
+    sequence: Sequence[str] = (),
+) -> Rewrite:
     """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
     its latest version) in one delta-rs commit, by copy-on-write of the files holding its keys
     (see :func:`write_files`).
@@ -279,6 +302,9 @@ def rewrite(
         commit_properties: the commit's properties (its ``userMetadata`` carries the marks).
         post_commithook_properties: delta-rs's hooks after the commit (checkpoint, log
             cleanup); None for its defaults.
+        sequence: the table's sequence columns (see :func:`write_files`).
+
+    Returns what was written and removed.
 
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
@@ -287,7 +313,7 @@ def rewrite(
 
     if footprint.column is None or footprint.files is None:
         raise RewriteUnsupported("no key range to rewrite by")
-    done = write_files(table, path, data, footprint.column, footprint.files)
+    done = write_files(table, path, data, footprint.column, footprint.files, sequence)
     actions: list[Any] = [
         AddAction(
             path=f.path,
@@ -319,6 +345,7 @@ def rewrite(
         commit_properties=commit_properties,
         post_commithook_properties=post_commithook_properties,
     )
+    return done
 
 
 def files_holding(files: Any, keys: Any, key: str) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ table exactly, or the write is refused.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 from .._faults import fault_point
@@ -43,6 +44,7 @@ def to_arrow_rows(
     node: str,
     evolve: bool = False,
     buckets: int = 0,
+    sequence: Sequence[str] = (),
 ) -> Any:
     """Validate rows and build an Arrow table (with the delete flag column, and the bucket
     column when ``buckets`` > 0).
@@ -55,6 +57,8 @@ def to_arrow_rows(
         evolve: columns the table lacks are inferred and kept (schema evolution) instead of
             rejected.
         buckets: the table's bucket count; 0 for no bucket column.
+        sequence: the table's sequence columns: every row, deletes included, must carry a
+            value for each (a delete keeps them, and its key; its other values are ignored).
 
     Raises:
         SchemaError: naming the first bad item (its index in the batch) and column.
@@ -62,16 +66,26 @@ def to_arrow_rows(
     fault_point("converting")
     import pyarrow as pa
 
+    # What every row must carry: its key and, on a sequence_by table, its sequence.
+    required = _Required(tuple(key), tuple(sequence))
     if isinstance(rows, ArrowRows):
-        data, new = _page_columns(rows, key, schema, table=table, node=node, evolve=evolve)
+        data, new = _page_columns(rows, required, schema, table=table, node=node, evolve=evolve)
         flags = rows.flags
     else:
-        data, new = _row_columns(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+        data, new = _row_columns(
+            rows, deletes, required, schema, table=table, node=node, evolve=evolve
+        )
         flags = pa.array([i in deletes for i in range(len(rows))], pa.bool_()) if deletes else None
     if schema is None:
         missing = [k for k in key if k not in data.column_names]
         if missing:
             raise SchemaError(f"rows for table {table!r} lack key column(s) {missing}", node=node)
+        missing = [c for c in sequence if c not in data.column_names]
+        if missing:
+            raise SchemaError(
+                f"rows for table {table!r} lack sequence column(s) {missing} (its sequence_by)",
+                node=node,
+            )
     for field in data.schema:
         if (schema is None or field.name in new) and pa.types.is_null(field.type):
             raise SchemaError(
@@ -87,10 +101,28 @@ def to_arrow_rows(
     return ArrowRows(data, flags).with_delete_column()
 
 
+@dataclass(frozen=True, slots=True)
+class _Required:
+    """The columns every row must have a value for: the key, and the sequence columns of a
+    ``sequence_by`` table (which a delete keeps as well)."""
+
+    key: tuple[str, ...]
+    sequence: tuple[str, ...] = ()
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        return self.key + self.sequence
+
+    def missing(self, i: int, column: str, table: str) -> str:
+        what = "key column" if column in self.key else "sequence column"
+        why = "" if column in self.key else " (its sequence_by: every change, deletes too)"
+        return f"item #{i} of the batch has no value for {what} {column!r} of table {table!r}{why}"
+
+
 def _row_columns(
     rows: Sequence[Any],
     deletes: frozenset[int],
-    key: Sequence[str],
+    required: _Required,
     schema: Any,
     *,
     table: str,
@@ -107,11 +139,11 @@ def _row_columns(
     fast = (
         schema is not None
         and set(map(type, rows)) <= {dict}
-        and all(k in schema.names for k in key)
+        and all(k in schema.names for k in required.columns)
         and all(map(frozenset(schema.names).issuperset, rows))
     )
     if not fast:
-        new = _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+        new = _check_rows(rows, deletes, required, schema, table=table, node=node, evolve=evolve)
     if schema is None:
         # Inferred per column over every row (from_pylist would take the first row's keys).
         names = list(dict.fromkeys(c for row in rows for c in row))
@@ -127,7 +159,7 @@ def _row_columns(
         fields = [f for f in schema if f.name in present]
         values = transpose(rows, [f.name for f in fields])
         for column, field in zip(values, fields, strict=True):
-            if field.name not in key:
+            if field.name not in required.columns:
                 for i in deletes:  # a delete needs only its key: its other values are ignored
                     column[i] = None
         given = {
@@ -138,8 +170,8 @@ def _row_columns(
             [given[f.name] if f.name in given else pa.nulls(len(rows), f.type) for f in schema],
             schema=schema,
         )
-    if fast and any(data.column(k).null_count for k in key):
-        _check_rows(rows, deletes, key, schema, table=table, node=node, evolve=evolve)
+    if fast and any(data.column(k).null_count for k in required.columns):
+        _check_rows(rows, deletes, required, schema, table=table, node=node, evolve=evolve)
     for c in new:
         column = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
         data = data.append_column(c, infer_column(column, c, table=table, node=node))
@@ -147,7 +179,7 @@ def _row_columns(
 
 
 def _page_columns(
-    page: ArrowRows, key: Sequence[str], schema: Any, *, table: str, node: str, evolve: bool
+    page: ArrowRows, required: _Required, schema: Any, *, table: str, node: str, evolve: bool
 ) -> tuple[Any, dict[str, None]]:
     """The columns of an Arrow page, checked as columns (a row is named only for a null key)
     and converted to the table's types; and the columns they add to the table."""
@@ -161,14 +193,18 @@ def _page_columns(
             node=node,
             details={"column": BUCKET_COLUMN},
         )
-    for k in key:
+    for k in required.columns:
         if k in data.column_names and data.column(k).null_count:
             i = pc.index(pc.is_null(data.column(k)), True).as_py()
             raise SchemaError(
-                f"item #{i} of the batch has no value for key column {k!r} of table {table!r}",
-                node=node,
-                details={"item": i, "column": k},
+                required.missing(i, k, table), node=node, details={"item": i, "column": k}
             )
+    if schema is not None:
+        for k in required.sequence:
+            if k not in data.column_names:
+                raise SchemaError(
+                    required.missing(0, k, table), node=node, details={"item": 0, "column": k}
+                )
     if schema is None:
         return _as_table_types(data, table=table, node=node), {}
     unknown = [c for c in data.column_names if c not in schema.names]
@@ -208,7 +244,7 @@ def _as_table_types(data: Any, *, table: str, node: str, only: Sequence[str] | N
 def _check_rows(
     rows: Sequence[Any],
     deletes: frozenset[int],
-    key: Sequence[str],
+    required: _Required,
     schema: Any,
     *,
     table: str,
@@ -231,12 +267,10 @@ def _check_rows(
                 node=node,
                 details={"item": i},
             )
-        for k in key:
+        for k in required.columns:
             if row.get(k) is None:
                 raise SchemaError(
-                    f"item #{i} of the batch has no value for key column {k!r} of table {table!r}",
-                    node=node,
-                    details={"item": i, "column": k},
+                    required.missing(i, k, table), node=node, details={"item": i, "column": k}
                 )
         if BUCKET_COLUMN in row or DELETE_COLUMN in row:
             reserved = BUCKET_COLUMN if BUCKET_COLUMN in row else DELETE_COLUMN

@@ -6,6 +6,9 @@ every engine) reads the same ones from the table itself:
 - ``deltaflow.key``: the merge key columns, a JSON list (``[]`` for an append table);
 - ``deltaflow.buckets``: the number of buckets of the layout (``0``: no bucket column);
 - ``deltaflow.schemaEvolution``: ``true`` if writes may add columns;
+- ``deltaflow.sequenceBy``: the sequence columns, a JSON list (absent: changes apply in
+  arrival order); ``deltaflow.tombstoneRetention``: how long a deleted key's sequence is kept
+  (:mod:`.sequence`);
 - ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors;
 - ``delta.checkpointInterval``: 100 (:data:`CHECKPOINT_INTERVAL`), not Spark's 10: deltaflow
   commits several times a second under load, and a checkpoint costs many commits' time.
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS
+from .sequence import DEFAULT_TOMBSTONE_RETENTION, format_interval, parse_interval
 
 if TYPE_CHECKING:
     from ..storage.paths import Location
@@ -56,6 +60,8 @@ MAX_BUCKETS: Final = 1024
 PROP_KEY: Final = "deltaflow.key"
 PROP_BUCKETS: Final = "deltaflow.buckets"
 PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
+PROP_SEQUENCE_BY: Final = "deltaflow.sequenceBy"
+PROP_TOMBSTONE_RETENTION: Final = "deltaflow.tombstoneRetention"
 PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
 PROP_CHECKPOINT_INTERVAL: Final = "delta.checkpointInterval"
 PROP_EXPIRED_LOG_CLEANUP: Final = "delta.enableExpiredLogCleanup"
@@ -77,6 +83,11 @@ class TableSettings:
             of their files rewritten; see docs/tables.md).
         managed: the table carries deltaflow's properties (False for a table another program
             created: deltaflow then merges on the key the writer names, without buckets).
+        sequence_by: the columns that order the changes to a key (compared in order): a
+            change applies only if its sequence is greater than the stored one
+            (:mod:`.sequence`). Empty: changes apply in arrival order.
+        tombstone_retention: seconds a deleted key's sequence is kept (``sequence_by``
+            tables): an older upsert arriving within it does not bring the key back.
     """
 
     key: tuple[str, ...] = ()
@@ -84,6 +95,8 @@ class TableSettings:
     schema_evolution: bool = False
     deletion_vectors: bool = False
     managed: bool = True
+    sequence_by: tuple[str, ...] = ()
+    tombstone_retention: int = DEFAULT_TOMBSTONE_RETENTION
 
     def __post_init__(self) -> None:
         if not 0 <= self.buckets <= MAX_BUCKETS:
@@ -92,6 +105,16 @@ class TableSettings:
             raise UsageError("a bucket layout needs a key: append tables have no buckets")
         if len(set(self.key)) != len(self.key):
             raise UsageError(f"key columns repeat: {list(self.key)}")
+        if self.sequence_by:
+            if not self.key:
+                raise UsageError("sequence_by orders the changes to a key: it needs a key")
+            if len(set(self.sequence_by)) != len(self.sequence_by):
+                raise UsageError(f"sequence columns repeat: {list(self.sequence_by)}")
+            both = [c for c in self.sequence_by if c in self.key]
+            if both:
+                raise UsageError(f"column(s) {both} cannot be both key and sequence")
+        if self.tombstone_retention <= 0:
+            raise UsageError("tombstone_retention must be longer than zero")
 
     def properties(self) -> dict[str, str]:
         """The Delta table properties that record these settings."""
@@ -103,6 +126,9 @@ class TableSettings:
         }
         if self.deletion_vectors:
             props[PROP_DELETION_VECTORS] = "true"
+        if self.sequence_by:
+            props[PROP_SEQUENCE_BY] = json.dumps(list(self.sequence_by))
+            props[PROP_TOMBSTONE_RETENTION] = format_interval(self.tombstone_retention)
         return props
 
     @classmethod
@@ -119,11 +145,25 @@ class TableSettings:
             raise UsageError(f"unreadable deltaflow table properties {dict(properties)}") from exc
         if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
             raise UsageError(f"table property {PROP_KEY} must be a JSON list, got {raw_key!r}")
+        raw_sequence = properties.get(PROP_SEQUENCE_BY, "[]")
+        try:
+            sequence = json.loads(raw_sequence)
+        except ValueError:
+            sequence = None
+        if not isinstance(sequence, list) or not all(isinstance(c, str) for c in sequence):
+            raise UsageError(
+                f"table property {PROP_SEQUENCE_BY} must be a JSON list, got {raw_sequence!r}"
+            )
+        retention = properties.get(PROP_TOMBSTONE_RETENTION)
         return cls(
             key=tuple(key),
             buckets=buckets if BUCKET_COLUMN in columns else 0,
             schema_evolution=str(properties.get(PROP_SCHEMA_EVOLUTION, "")).lower() == "true",
             deletion_vectors=dv,
+            sequence_by=tuple(sequence),
+            tombstone_retention=(
+                DEFAULT_TOMBSTONE_RETENTION if retention is None else parse_interval(retention)
+            ),
         )
 
     def describe(self) -> str:
@@ -134,6 +174,11 @@ class TableSettings:
         parts.append(f"{self.buckets} buckets" if self.buckets else "no bucket layout")
         parts.append(f"schema evolution {'on' if self.schema_evolution else 'off'}")
         parts.append(f"deletion vectors {'on' if self.deletion_vectors else 'off'}")
+        if self.sequence_by:
+            parts.append(
+                f"sequence by {list(self.sequence_by)} (tombstones kept "
+                f"{format_interval(self.tombstone_retention).removeprefix('interval ')})"
+            )
         return ", ".join(parts)
 
 

@@ -92,6 +92,9 @@ class EngineStatistics:
     #: the committer): a race once per table, not one for a version.
     creation_races: int = 0
     columns_added: int = 0
+    #: Changes of ``sequence_by`` tables not applied because the table held a change of the
+    #: key with a sequence at least as high (a row, or a delete's tombstone): late arrivals.
+    changes_superseded: int = 0
     checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
     checkpoint_seconds: float = 0.0
     # Per commit: its duration in seconds (its preparation outside the table lock included, the

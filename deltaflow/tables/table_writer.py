@@ -1,7 +1,7 @@
-"""One table as a node knows it (its key, settings and schema as last read, the lane marks its
-log holds) and how one group is applied to it while its commit atomicity is held: writes the
-table already holds are dropped, the table is created or given new columns if needed, and the
-rest lands in one commit that also records the group's lane marks (:mod:`.marks`).
+"""How one group is applied to a table while its commit atomicity is held: writes the table
+already holds are dropped, the table is created or given new columns if needed, and the rest
+lands in one commit that also records the group's lane marks (:mod:`.marks`). What the node
+knows of the table is :class:`.TableState`'s.
 
 :class:`.TableCommitter` adds when groups are taken and committed, and their retries.
 """
@@ -9,61 +9,28 @@ rest lands in one commit that also records the group's lane marks (:mod:`.marks`
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
-from ..errors import CommitConflictError, SchemaError
+from ..errors import CommitConflictError, SchemaError, TableSettingsError, UsageError
 from .footprint import Footprint
 from .group import GroupWrite, PreparedGroup
-from .grouping import conform, last_per_key
-from .log import is_table, latest_version, log_dir
-from .marks import LaneMarks
+from .log import is_table, log_dir
+from .marks import LaneMarks, Mark
 from .rewrite import DataFile, RewriteUnsupported
-from .rows import INTERNAL_COLUMNS, no_evolution_text
-from .settings import BUCKET_COLUMN, TableSettings
+from .rows import INTERNAL_COLUMNS
+from .sequence import check_sequence_type
+from .table_state import Engine, TableState
 
 if TYPE_CHECKING:
-    from ..storage.paths import Location
-    from .atomicity import CommitAtomicity
-    from .engine_settings import EngineSettings
-    from .log_reader import LogReader
-    from .prepared import CommitSink, PreparedCommit
+    from .prepared import PreparedCommit
     from .staging import Staged
-    from .statistics import EngineStatistics
 
 __all__ = ["Engine", "ReadyCommit", "TableWriter"]
 
 log = logging.getLogger(__name__)
-
-
-class Engine(Protocol):
-    """What a committer needs of its table engine (:class:`.TableEngine` is one)."""
-
-    warehouse: Location
-    node_id: str
-    settings: EngineSettings
-    stats: EngineStatistics
-    atomicity: CommitAtomicity
-    log: LogReader
-    checkpoints_due: dict[Location, int]
-    commit_sink: CommitSink | None
-    prepares_groups: bool
-
-    def in_thread(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]: ...
-    def describe(self, table: str, path: Location) -> Any: ...
-    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None: ...
-    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None: ...
-    def checkpoint(self, table: str, path: Location, version: int) -> None: ...
-    def merges_on_read(self, settings: TableSettings) -> bool: ...
-    def write(self, group: GroupWrite) -> None: ...
-    def write_group_files(self, group: GroupWrite, target: Any) -> Any: ...
-    def commit_actions(
-        self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
-    ) -> int: ...
-    def landed(self, path: Location, done: Any) -> None: ...
 
 
 #: ``TableWriter._prepare_at``: the table moved on while the group was read; read again.
@@ -91,82 +58,13 @@ class ReadyCommit:
     todo: list[Staged]
 
 
-class TableWriter:
-    """One table on this node: what it knows of it, and the blocking calls that apply a group
-    to it while held (from a worker thread)."""
+class TableWriter(TableState):
+    """One table on this node: the blocking calls that apply a group to it while held (from a
+    worker thread), on what :class:`.TableState` knows of it."""
 
     def __init__(self, engine: Engine, name: str) -> None:
-        self.engine = engine
-        self.name = name
-        self.path = engine.warehouse / name
-        self.key: list[str] | None = None  # the key this node's writes use
-        self.settings: TableSettings | None = None  # None until the table exists
-        self.schema: Any = None  # the data columns (no bucket), None until the table exists
-        self.partition_columns: tuple[str, ...] = ()
-        self.described_version = -1
-        self.marks = LaneMarks(self.path)
+        super().__init__(engine, name)
         self._checking: list[Staged] = []  # the writes of the commit under way, see _commit
-
-    def describe_if_newer(self) -> bool:
-        """Blocking: read the table again if it has commits newer than the last read (an
-        operator may have changed its settings); whether it did."""
-        if latest_version(self.path) <= self.described_version:
-            return False
-        self.describe()
-        return True
-
-    def describe(self) -> None:
-        """Blocking: read the table's settings and schema (nothing if it does not exist)."""
-        version = latest_version(self.path)  # one listing: is_table() is version >= 0
-        if version < 0:
-            self.settings = self.schema = None
-            return
-        import pyarrow as pa
-
-        self.described_version = version
-        desc = self.engine.describe(self.name, self.path)
-        full = pa.schema(desc.schema)
-        self.settings = TableSettings.from_table(desc.properties, full.names)
-        self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
-        self.partition_columns = tuple(desc.partition_columns)
-        if self.settings.buckets and BUCKET_COLUMN not in desc.partition_columns:
-            log.warning("table %s: %s is not a partition column", self.name, BUCKET_COLUMN)
-
-    def plan(self, key: Sequence[str]) -> TableSettings:
-        """The settings a write with ``key`` is staged under (the table's, or the ones this
-        node would create it with).
-
-        Raises:
-            SchemaError: the write's key is not the table's.
-        """
-        settings = self.settings
-        if settings is not None and settings.managed:
-            if list(settings.key) != list(key):
-                how = f"merged on key {list(settings.key)}" if settings.key else "appended to"
-                raise SchemaError(
-                    f"table {self.name!r} is {how} (its deltaflow.key property); this write "
-                    f"{'appends' if not key else f'merges on {list(key)}'}",
-                    node=self.engine.node_id,
-                )
-        elif self.key is not None and self.key != list(key):
-            how = f"merged on key {self.key}" if self.key else "appended to"
-            raise SchemaError(
-                f"table {self.name!r} is {how} on this node; this write "
-                f"{'appends' if not key else f'merges on {list(key)}'}",
-                node=self.engine.node_id,
-            )
-        if self.key is None:
-            self.key = list(key)
-        if settings is not None:
-            return settings
-        return self.engine.settings.new_table(tuple(key))
-
-    def _group_rows(self, group: list[Staged]) -> Any:
-        """The group's rows in staging order, the last per key kept."""
-        import pyarrow as pa
-
-        data = pa.concat_tables([s.table for s in group], promote_options="permissive")
-        return last_per_key(data, self.key) if self.key else data
 
     def _prepare_commit(
         self, group: list[Staged], prepared: PreparedGroup | None = None
@@ -239,6 +137,10 @@ class TableWriter:
             )
             written = None
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets)) if key else None
+        buried = self._bury(data)
+        if buried is not data:  # fewer rows: their files and footprint are made again
+            data, written = buried, None
+            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
         if footprint is not None:
             fault_point("before_listing")
             listed = self.engine.log.live_files(self.path, version) if footprint.ranges else None
@@ -251,7 +153,9 @@ class TableWriter:
             footprint = footprint.checked_against(files, vectors, version)
             if footprint.fresh:
                 footprint = None  # no key of the group can be in the table: appended
-        write = GroupWrite(self.name, self.path, key, data, "", footprint, written, version)
+        write = GroupWrite(
+            self.name, self.path, key, data, "", footprint, written, version, settings.sequence_by
+        )
         try:
             done = self.engine.write_group_files(write, target)
         except RewriteUnsupported:
@@ -266,6 +170,7 @@ class TableWriter:
             LaneMarks.lowest(marks),
             rows=int(data.num_rows),
             batches=len(todo),
+            deleted=self._deleted(data),
         )
         fault_point("commit_prepared")
         return ReadyCommit(commit, done, todo)
@@ -290,21 +195,28 @@ class TableWriter:
             # Some writes were abandoned or are applied already, or the table changed meanwhile.
             prepared = None
         lanes = LaneMarks.highest(s.mark for s in todo if s.mark is not None)
-        metadata = LaneMarks.user_metadata(self.engine.node_id, lanes)
-        rows = self._commit_rows(todo, metadata, prepared)
+        rows = self._commit_rows(todo, lanes, prepared)
         self.marks.absorb(lanes)
         fault_point("after_commit")
         return rows
 
     def _commit_rows(
-        self, group: list[Staged], metadata: str, prepared: PreparedGroup | None
+        self, group: list[Staged], lanes: dict[str, Mark], prepared: PreparedGroup | None
     ) -> int:
         key = self.key or []
         if prepared is not None:
-            return self._write(key, prepared.data, metadata, prepared.written, prepared.footprint)
+            return self._write(key, prepared.data, lanes, prepared.written, prepared.footprint)
         data = self._group_rows(group)
         if self.settings is None:
             if all(data.column(DELETE_COLUMN).to_pylist()):
+                if self.sequence_by:  # its deletes must be recorded, in a table
+                    raise SchemaError(
+                        f"table {self.name!r} does not exist yet and these batches only delete: "
+                        "the deletes of a sequence_by table are recorded in the table, so an "
+                        "older change arriving later cannot bring the key back; create the "
+                        "table first (deltaflow.create_table(..., sequence_by=...))",
+                        node=self.engine.node_id,
+                    )
                 return 0  # only deletes, and no table: nothing exists to delete
             self._create(data)
             if self._coordinated:
@@ -318,19 +230,23 @@ class TableWriter:
                 node=self.engine.node_id,
             )
         data = self._conform(data, recompute=any(s.buckets != settings.buckets for s in group))
-        return self._write(key, data, metadata, None)
+        return self._write(key, data, lanes, None)
 
     def _write(
         self,
         key: list[str],
         data: Any,
-        metadata: str,
+        lanes: dict[str, Mark],
         written: list[tuple[DataFile, Any]] | None,
         footprint: Footprint | None = None,
     ) -> int:
-        """Blocking, while held: apply the conformed group ``data`` in one commit
-        (``footprint``: its :meth:`.Footprint.of`, if prepared beforehand)."""
+        """Blocking, while held: apply the conformed group ``data`` in one commit that
+        records ``lanes`` (``footprint``: its :meth:`.Footprint.of`, if prepared beforehand)."""
         assert self.settings is not None
+        buried = self._bury(data)
+        if buried is not data:  # fewer rows: their files and footprint are made again
+            data, written, footprint = buried, None, None
+        metadata = LaneMarks.user_metadata(self.engine.node_id, lanes, deleted=self._deleted(data))
         if key:
             if footprint is None:
                 footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
@@ -349,7 +265,17 @@ class TableWriter:
         read_version = self._read_version() if self.engine.atomicity.optimistic else None
         fault_point("before_write")
         self.engine.write(
-            GroupWrite(self.name, self.path, key, data, metadata, footprint, written, read_version)
+            GroupWrite(
+                self.name,
+                self.path,
+                key,
+                data,
+                metadata,
+                footprint,
+                written,
+                read_version,
+                self.settings.sequence_by,
+            )
         )
         return int(data.num_rows)
 
@@ -387,8 +313,15 @@ class TableWriter:
         """Blocking, while held: create the table from the group's columns."""
         import pyarrow as pa
 
-        settings = self.engine.settings.new_table(tuple(self.key or ()))
+        settings = self.engine.settings.new_table(tuple(self.key or ()), self.sequence or ())
         schema = pa.schema([f for f in data.schema if f.name not in INTERNAL_COLUMNS])
+        for column in settings.sequence_by:
+            try:
+                check_sequence_type(column, schema.field(column).type)
+            except UsageError as exc:
+                raise TableSettingsError(
+                    f"table {self.name!r} cannot be created: {exc}", node=self.engine.node_id
+                ) from exc
         try:
             self.engine.create(self.name, self.path, schema, settings)
         except Exception as exc:
@@ -407,39 +340,3 @@ class TableWriter:
         self.engine.stats.tables_created += 1
         log.info("created table %s (%s)", self.name, settings.describe())
         self.describe()
-
-    def _conform(self, data: Any, *, recompute: bool, evolve: bool = True) -> Any:
-        """Blocking, while held (or, with ``evolve`` False, anywhere): the group conformed to
-        the table (:func:`.conform`), its new columns added first if the table allows schema
-        evolution.
-
-        Raises:
-            SchemaError: a column the table lacks (and may not add, or ``evolve`` is False),
-                or one whose type does not convert.
-        """
-        import pyarrow as pa
-
-        settings, schema = self.settings, self.schema
-        assert settings is not None and schema is not None
-        node = self.engine.node_id
-        new = [
-            f for f in data.schema if f.name not in schema.names and f.name not in INTERNAL_COLUMNS
-        ]
-        if new:
-            names = [f.name for f in new]
-            if not settings.schema_evolution or not evolve:
-                raise SchemaError(no_evolution_text(self.name, names), node=node)
-            untyped = [f.name for f in new if pa.types.is_null(f.type)]
-            if untyped:
-                raise SchemaError(
-                    f"new column(s) {untyped} of table {self.name!r} are null in every row, so "
-                    "their type cannot be inferred; send a non-null value",
-                    node=node,
-                    details={"column": untyped[0]},
-                )
-            self.engine.add_columns(self.name, self.path, new)
-            self.engine.stats.columns_added += len(new)
-            log.info("table %s: added columns %s", self.name, names)
-            self.describe()
-            schema = self.schema
-        return conform(data, schema, settings, table=self.name, node=node, recompute=recompute)

@@ -1,0 +1,209 @@
+"""Change feeds on a node's table engine: ``sequence_by`` tables apply a change to its key only
+if its sequence is greater than the table's, whatever order changes arrive in; a delete is
+remembered (its tombstone) so an older change arriving later does not bring the key back, also
+for a node that starts afterwards. Every write path: the copy-on-write rewrite and delta-rs's
+MERGE (delta-rs), merge-on-read (``-dv``), Spark's direct writer and its SQL MERGE, and a
+warehouse on the S3 server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deltaflow
+from deltaflow.errors import SchemaError, TableSettingsError, UsageError
+from deltaflow.tables import read_table_settings
+from deltaflow.tables.settings import TableSettings
+
+from .support import open_table, read_delta, table_engine
+
+#: Every way a group reaches a table (see the module docstring).
+CDC_ENGINES = ("delta-rs", "delta-rs-dv", "delta-rs-s3", "spark", "spark-sql", "spark-dv")
+
+
+@pytest.fixture(params=CDC_ENGINES, name="engine")
+def cdc_engine(request: pytest.FixtureRequest) -> str:
+    if str(request.param).startswith("spark"):
+        request.getfixturevalue("spark")  # the run's one session, started on first use
+    return str(request.param)
+
+
+def change(key: int, lsn: int, v: str) -> dict[str, Any]:
+    return {"id": key, "lsn": lsn, "v": v}
+
+
+async def apply(
+    eng: Any, rows: list[dict[str, Any]], deletes: frozenset[int] = frozenset()
+) -> None:
+    """One batch (one group): ``rows``, those at ``deletes`` deleting their key."""
+    await (await eng.stage("cdc", ["id"], rows, frozenset(deletes), sequence=("lsn",)))
+
+
+def table_of(warehouse: Any) -> dict[int, tuple[int, str]]:
+    return {k: (r["lsn"], r["v"]) for k, r in read_delta(warehouse / "cdc").items()}
+
+
+async def test_changes_apply_by_sequence_and_deletes_stay_deleted(
+    warehouse: Any, engine: str
+) -> None:
+    async with table_engine(engine, warehouse) as eng:
+        # The first write creates the table with sequence_by; within a batch the highest
+        # sequence of a key wins, not the last to arrive.
+        await apply(eng, [change(1, 5, "a"), change(2, 5, "a"), change(3, 5, "a"),
+                          change(1, 4, "older"), change(4, 2, "x"), change(4, 3, "y")])  # fmt: skip
+        assert table_of(warehouse) == {1: (5, "a"), 2: (5, "a"), 3: (5, "a"), 4: (3, "y")}
+        # Late changes lose to the stored row; a late delete too; a newer delete wins; a delete
+        # of a key the table does not hold yet is remembered.
+        await apply(
+            eng,
+            [change(1, 3, "late"), change(2, 6, "b"), change(3, 4, ""), change(4, 9, ""),
+             change(5, 7, "")],
+            deletes=frozenset({2, 3, 4}),
+        )  # fmt: skip
+        assert table_of(warehouse) == {1: (5, "a"), 2: (6, "b"), 3: (5, "a")}
+        # Older than the deletes: not brought back. An equal sequence is not greater.
+        await apply(eng, [change(4, 8, "undead"), change(5, 6, "undead"), change(2, 6, "same")])
+        assert table_of(warehouse) == {1: (5, "a"), 2: (6, "b"), 3: (5, "a")}
+        # Newer than the deletes: back.
+        await apply(eng, [change(4, 10, "back"), change(5, 8, "new")])
+        await apply(eng, [change(1, 20, "")], deletes=frozenset({0}))
+        superseded = eng.stats.changes_superseded
+    # 4@8 and 5@6 by the tombstones; a group applied by deltaflow's own file writers also
+    # counts the late changes the stored rows beat (1@3, 3's delete@4, 2@6), a MERGE cannot.
+    assert superseded == (2 if engine in ("delta-rs", "delta-rs-s3", "spark-sql") else 5)
+    assert table_of(warehouse) == {2: (6, "b"), 3: (5, "a"), 4: (10, "back"), 5: (8, "new")}
+    # A node that starts now reads the deletes from the table's commits.
+    async with table_engine(engine, warehouse, node_id="t2") as eng:
+        await apply(eng, [change(1, 15, "undead"), change(3, 1, "late"), change(6, 1, "new")])
+    assert table_of(warehouse) == {
+        2: (6, "b"), 3: (5, "a"), 4: (10, "back"), 5: (8, "new"), 6: (1, "new")
+    }  # fmt: skip
+    # What a Delta reader sees of the deletes: a record in the commit's userMetadata only.
+    records = [
+        json.loads(h["userMetadata"])["deltaflow"]
+        for h in open_table(warehouse / "cdc").history()
+        if h.get("userMetadata")
+    ]
+    deleted = [r["deleted"] for r in records if "deleted" in r]
+    recorded = {k: s for d in deleted for k, s in zip(d["keys"], d["seqs"], strict=True)}
+    assert recorded == {3: 4, 4: 9, 5: 7, 1: 20}
+
+
+async def test_sequence_by_is_a_table_setting_every_write_must_match(tmp_path: Path) -> None:
+    warehouse = tmp_path / "warehouse"
+    settings = await asyncio.to_thread(
+        deltaflow.create_table,
+        warehouse,
+        "orders",
+        schema="id:long,lsn:long,ts:timestamp,v:string,price:double",
+        key="id",
+        sequence_by="lsn",
+        tombstone_retention="36 hours",
+    )
+    assert settings == TableSettings(
+        key=("id",), buckets=64, sequence_by=("lsn",), tombstone_retention=36 * 3600
+    )
+    config = open_table(warehouse / "orders").metadata().configuration
+    assert config["deltaflow.sequenceBy"] == '["lsn"]'
+    assert config["deltaflow.tombstoneRetention"] == "interval 36 hours"
+    assert await asyncio.to_thread(read_table_settings, warehouse, "orders") == settings
+    assert "sequence by ['lsn'] (tombstones kept 36 hours)" in settings.describe()
+    for bad, text in [
+        ({"sequence_by": "price"}, "sequence column 'price' is double"),
+        ({"sequence_by": "nope"}, r"sequence column\(s\) \['nope'\] are not in the schema"),
+        ({"sequence_by": "id"}, "cannot be both key and sequence"),
+        ({"sequence_by": "lsn", "tombstone_retention": "soon"}, "is not a duration"),
+    ]:
+        with pytest.raises(UsageError, match=text):
+            await asyncio.to_thread(
+                deltaflow.create_table, warehouse, "bad", schema="id:long,lsn:long,price:double",
+                key="id", **bad,
+            )  # fmt: skip
+    async with table_engine("delta-rs", warehouse) as eng:
+        ok = {"id": 1, "lsn": 1, "v": "a"}
+        # Another sequence than the table's is refused as a usage error: the stream's
+        # arguments, not its rows, are wrong. Naming none takes the table's.
+        with pytest.raises(TableSettingsError, match=r"orders changes by \['lsn'\].*\['ts'\]"):
+            await eng.stage("orders", ["id"], [ok], frozenset(), sequence=("ts",))
+        with pytest.raises(UsageError, match="names no sequence_by"):
+            await eng.stage("orders", ["id"], [ok], frozenset(), sequence=())
+        await (await eng.stage("orders", ["id"], [ok], frozenset()))
+        # Every change carries its sequence, deletes too.
+        for rows, deletes in [
+            ([ok, {"id": 2, "v": "b"}], frozenset()),
+            ([ok, {"id": 2}], frozenset({1})),
+        ]:
+            with pytest.raises(SchemaError, match=r"item #1.*sequence column 'lsn'") as info:
+                await eng.stage("orders", ["id"], rows, deletes)
+            assert info.value.details == {"item": 1, "column": "lsn"}
+        # A table without a sequence refuses a stream that names one.
+        await (await eng.stage("plain", ["id"], [{"id": 1}], frozenset()))
+        with pytest.raises(TableSettingsError, match=r"has no sequence_by.*\['lsn'\]"):
+            await eng.stage("plain", ["id"], [ok], frozenset(), sequence=("lsn",))
+        # A sequence_by table made on first write refuses deletes before it exists: they
+        # could not be remembered.
+        with pytest.raises(SchemaError, match="does not exist yet and these batches only delete"):
+            await (await eng.stage("fresh", ["id"], [ok], frozenset({0}), sequence=("lsn",)))
+    assert {k: (r["lsn"], r["v"]) for k, r in read_delta(warehouse / "orders").items()} == {
+        1: (1, "a")
+    }
+
+
+def test_debezium_events_become_rows_and_deletes_with_their_sequence() -> None:
+    from deltaflow.client.changelog import convert_changelog
+
+    events = [
+        {"op": "c", "before": None, "after": {"id": 1, "v": "a"}, "source": {"lsn": 10},
+         "ts_ms": 5},
+        # Kafka Connect's JSON with schemas; the row's own lsn wins over the source's.
+        {"schema": {}, "payload": {"op": "u", "before": {"id": 1}, "after": {"id": 1, "lsn": 3},
+                                   "source": {"lsn": 11}, "ts_ms": 6}},
+        None,  # Kafka's tombstone after a delete
+        {"op": "d", "before": {"id": 1, "v": "a"}, "after": None, "source": {}, "ts_ms": 7},
+        {"op": "r", "before": None, "after": {"id": 2}, "source": {"lsn": 12}, "ts_ms": 8},
+    ]  # fmt: skip
+    out = list(convert_changelog(events, "debezium", ("lsn",)))
+    assert out == [
+        {"id": 1, "v": "a", "lsn": 10},
+        {"id": 1, "lsn": 3},
+        deltaflow.Delete({"id": 1, "v": "a", "lsn": 7}),  # no lsn in source: ts_ms
+        {"id": 2, "lsn": 12},
+    ]
+    for bad, text in [
+        ({"op": "t", "source": {}}, r"item #0 has op 't'.*c, r, u or d"),
+        ({"op": "d", "before": None, "after": None}, r"item #0 \(op 'd'\) has no 'before' row"),
+        ({"op": "c", "after": {"id": 1}}, r"no sequence 'lsn': not in its row, its source"),
+        ([1, 2], "item #0 is a list, not a Debezium event"),
+    ]:
+        with pytest.raises(UsageError, match=text):
+            list(convert_changelog([bad], "debezium", ("lsn",)))
+    with pytest.raises(UsageError, match=r"use 'debezium' or deltaflow\.Changelog"):
+        convert_changelog([], "maxwell", ())
+
+
+def test_a_changelog_names_its_operation_column_and_delete_values() -> None:
+    import pyarrow as pa
+
+    from deltaflow.client.changelog import convert_changelog
+    from deltaflow.columnar import DELETE_COLUMN
+
+    spec = deltaflow.Changelog(op="kind", delete_when=("DELETE", "purge"))
+    rows = [{"id": 1, "kind": "INSERT"}, {"id": 1, "kind": "purge"}, {"id": 2, "kind": "DELETE"}]
+    assert list(convert_changelog(rows, spec, ())) == [
+        {"id": 1},
+        deltaflow.Delete({"id": 1}),
+        deltaflow.Delete({"id": 2}),
+    ]
+    kept = deltaflow.Changelog(op="kind", delete_when=("DELETE",), keep_op=True)
+    assert list(convert_changelog(rows[:1], kept, ())) == [{"id": 1, "kind": "INSERT"}]
+    [page] = convert_changelog([pa.Table.from_pylist(rows)], spec, ())
+    assert page.column_names == ["id", DELETE_COLUMN]
+    assert page.column(DELETE_COLUMN).to_pylist() == [False, True, True]
+    with pytest.raises(UsageError, match="item #1 has no operation column 'kind'"):
+        list(convert_changelog([rows[0], {"id": 3}], spec, ()))
+    with pytest.raises(UsageError, match="a tuple of values"):
+        deltaflow.Changelog(delete_when="d")
