@@ -255,6 +255,7 @@ class FakeEngine:
         abandoned: Any,
         mark: Any = None,
         held: Any = None,
+        sequence: Any = None,
     ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.entries.append((mark[1][0], abandoned, fut))
@@ -1021,7 +1022,16 @@ class Engine:
         self.changed = asyncio.Event()
 
     async def stage(
-        self, table: str, key: Any, rows: Any, deletes: Any, *, abandoned: Any, mark: Any, held: Any
+        self,
+        table: str,
+        key: Any,
+        rows: Any,
+        deletes: Any,
+        *,
+        abandoned: Any,
+        mark: Any,
+        held: Any,
+        sequence: Any = None,
     ) -> asyncio.Future[None]:
         write = Engine.Write(table, mark[1][0], abandoned, held)
         self.writes.append(write)
