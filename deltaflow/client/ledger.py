@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
-from ..errors import DataStreamerError, FailedItem, ServerError, StreamUsageError, UsageError
+from ..errors import (
+    DataStreamerError,
+    FailedItem,
+    ServerError,
+    StreamUsageError,
+    TableSettingsError,
+)
 
 __all__ = ["CommitPosition", "Ledger", "Watermark", "locate"]
 
@@ -102,7 +108,8 @@ class Ledger:
             raise cause
         stopped = f"not applied: the stream stopped before it was sent ({cause})"
         failures = [FailedItem(p, item, why or stopped) for p, item, why in self._failed]
-        kind = StreamUsageError if isinstance(cause, UsageError) else DataStreamerError
+        # A table stream whose arguments do not match the table: the caller's mistake.
+        kind = StreamUsageError if isinstance(cause, TableSettingsError) else DataStreamerError
         raise kind(
             f"stream {sid} failed: {cause}; {len(failures)} item(s) not applied "
             f"({applied} applied)",
