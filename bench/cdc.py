@@ -159,18 +159,20 @@ def run_bulk_deltars(warehouse: Path, history: Any, _shares: Any, _nodes: int) -
 
 def run_deltaflow(
     warehouse: Path, history: Any, shares: list[list[Any]], nodes: int, *, engine: str,
-    sequence: bool,
+    sequence: bool, scd2: bool = False,
 ) -> Result:  # fmt: skip
     """Node processes; the producers stream their shares at once as Arrow pages with an
     operation column (``Changelog(op="op")``); without ``sequence`` the table has no
-    ``sequence_by`` (plain upserts, in arrival order: the cost of ordering)."""
+    ``sequence_by`` (plain upserts, in arrival order: the cost of ordering); with ``scd2`` it
+    keeps every version (``history="scd2"``: the cost of history)."""
     import deltaflow
     from deltaflow.testing import NodeProcess, free_port, wait_for_members
 
-    table = "cdc" if sequence else "plain"
+    table = "scd2" if scd2 else "cdc" if sequence else "plain"
     deltaflow.create_table(
-        warehouse, table, schema=SCHEMA, key="id", sequence_by="lsn" if sequence else ()
-    )
+        warehouse, table, schema=SCHEMA, key="id", sequence_by="lsn" if sequence else (),
+        history="scd2" if scd2 else "none",
+    )  # fmt: skip
     sent = [pages(share) for share in shares]
 
     async def main() -> Result:
@@ -216,7 +218,7 @@ def run_deltaflow(
             for proc in reversed(procs):
                 await proc.stop()
         n = sum(s.items_acked for s in summaries)
-        name = f"deltaflow-{engine}" + ("" if sequence else "-plain")
+        name = f"deltaflow-{engine}" + ("-scd2" if scd2 else "" if sequence else "-plain")
         return Result(
             name,
             n,
@@ -263,6 +265,9 @@ VARIANTS: Final = {
     "deltaflow-delta-rs-plain": lambda w, h, s, n: run_deltaflow(
         w, h, s, n, engine="delta-rs", sequence=False
     ),
+    "deltaflow-delta-rs-scd2": lambda w, h, s, n: run_deltaflow(
+        w, h, s, n, engine="delta-rs", sequence=True, scd2=True
+    ),
 }
 TABLES: Final = {
     "bulk-spark": "bulk_spark",
@@ -271,6 +276,7 @@ TABLES: Final = {
     "deltaflow-delta-rs": "cdc",
     "deltaflow-spark-plain": "plain",
     "deltaflow-delta-rs-plain": "plain",
+    "deltaflow-delta-rs-scd2": "scd2",
 }
 
 
@@ -281,6 +287,12 @@ def check(path: Path, history: Any) -> str:
 
     reader = QueryBuilder().register("t", DeltaTable(str(path))).execute("SELECT * FROM t")
     rows = pa.table(reader.read_all()).to_pylist()
+    if rows and "__end_at" in rows[0]:  # a history: its current versions, and one per change
+        versions = len(rows)
+        changes = sum(c.op != "d" for c in history.changes)
+        if versions != changes:
+            return f"{versions:,} versions for {changes:,} changes"
+        rows = [r for r in rows if r["__end_at"] is None]
     table = {r["id"]: tuple(r[c] for c in COLUMNS) for r in rows}
     want = {k: tuple(r[c] for c in COLUMNS) for k, r in history.final().items()}
     if len(table) != len(rows):
@@ -353,6 +365,7 @@ def main() -> int:
         ("deltaflow-delta-rs", "bulk-delta-rs", 0.5),
         ("deltaflow-spark", "deltaflow-spark-plain", None),
         ("deltaflow-delta-rs", "deltaflow-delta-rs-plain", None),
+        ("deltaflow-delta-rs-scd2", "deltaflow-delta-rs", None),
     ]:
         if ours in by and base in by:
             ratio = by[ours].changes_per_s / by[base].changes_per_s

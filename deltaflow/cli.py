@@ -26,6 +26,7 @@ from .engines.options import (
 )
 from .errors import UsageError
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
+from .tables.settings import MERGE_MODES
 
 __all__ = ["main"]
 
@@ -124,6 +125,19 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine)
 
 
+def _aggregates(text: str | None) -> dict[str, str]:
+    """``--aggregates amount=sum,qty=max`` as a dict."""
+    out = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        column, sep, function = part.partition("=")
+        if not sep or not column.strip():
+            raise UsageError(f"--aggregates entry {part!r} is not column=function")
+        out[column.strip()] = function.strip()
+    return out
+
+
 def _table_create(args: argparse.Namespace) -> int:
     from .engines import create_table
     from .engines.options import EngineOptions
@@ -148,6 +162,10 @@ def _table_create(args: argparse.Namespace) -> int:
         engine=engine,
         sequence_by=[c for c in (args.sequence_by or "").split(",") if c],
         tombstone_retention=args.tombstone_retention,
+        merge=args.merge,
+        aggregates=_aggregates(args.aggregates),
+        history=args.history,
+        track_history_on=[c for c in (args.track_history_on or "").split(",") if c],
     )
     print(f"table {name} created: {settings.describe()}")
     return 0
@@ -440,6 +458,28 @@ def main(argv: list[str] | None = None) -> int:
         "--sequence-by",
         help="column(s) ordering the changes to a key, comma-separated (docs/cdc.md): a change "
         "applies only if its sequence is greater than the table's",
+    )
+    create.add_argument(
+        "--merge",
+        choices=MERGE_MODES,
+        default="last",
+        help="how a change merges with the stored row of its key (default last: it replaces it)",
+    )
+    create.add_argument(
+        "--aggregates",
+        help="with --merge aggregate: column=sum|min|max|last_non_null, comma-separated",
+    )
+    create.add_argument(
+        "--history",
+        choices=("none", "scd2"),
+        default="none",
+        help="scd2: keep every version of a key, with __start_at and __end_at (needs "
+        "--sequence-by)",
+    )
+    create.add_argument(
+        "--track-history-on",
+        help="with --history scd2: the columns whose change opens a version, comma-separated "
+        "(default: all)",
     )
     create.add_argument(
         "--tombstone-retention",

@@ -19,7 +19,7 @@ from deltaflow.errors import SchemaError, TableSettingsError, UsageError
 from deltaflow.tables import read_table_settings
 from deltaflow.tables.settings import TableSettings
 
-from .support import open_table, read_delta, table_engine
+from .support import creating_engine, open_table, read_all, read_delta, table_engine
 
 #: Every way a group reaches a table (see the module docstring).
 CDC_ENGINES = ("delta-rs", "delta-rs-dv", "delta-rs-s3", "spark", "spark-sql", "spark-dv")
@@ -41,6 +41,19 @@ async def apply(
 ) -> None:
     """One batch (one group): ``rows``, those at ``deletes`` deleting their key."""
     await (await eng.stage("cdc", ["id"], rows, frozenset(deletes), sequence=("lsn",)))
+
+
+Rounds = list[dict[str, tuple[list[dict[str, Any]], frozenset[int]]]]
+
+
+async def apply_rounds(eng: Any, rounds: Rounds) -> None:
+    """Each round: a batch (rows, the indexes that delete) per table, staged to all of them at
+    once (a group each), committed before the next round."""
+    for writes in rounds:
+        staged = [
+            await eng.stage(name, ["id"], rows, deletes) for name, (rows, deletes) in writes.items()
+        ]
+        await asyncio.gather(*staged)
 
 
 def table_of(warehouse: Any) -> dict[int, tuple[int, str]]:
@@ -207,3 +220,120 @@ def test_a_changelog_names_its_operation_column_and_delete_values() -> None:
         list(convert_changelog([rows[0], {"id": 3}], spec, ()))
     with pytest.raises(UsageError, match="a tuple of values"):
         deltaflow.Changelog(delete_when="d")
+
+
+async def test_merge_modes_partial_first_and_aggregate(warehouse: Any, engine: str) -> None:
+    """Each mode on its own table, the same rounds of groups staged to all at once: within a
+    group a key's changes fold, against the table they merge with the stored row, and a delete
+    followed by changes in one group replaces it."""
+    dv = engine.endswith("-dv")
+    tables = {
+        "partial": ("id:long,name:string,email:string,n:long", {"merge": "partial"}),
+        "first": ("id:long,v:string", {"merge": "first"}),
+        "agg": (
+            "id:long,total:long,low:double,high:double,label:string",
+            {"merge": "aggregate", "aggregates": {"total": "sum", "low": "min", "high": "max"}},
+        ),
+        "seqpart": ("id:long,lsn:long,name:string,email:string",
+                    {"merge": "partial", "sequence_by": "lsn"}),
+    }  # fmt: skip
+    for name, (schema, extra) in tables.items():
+        await asyncio.to_thread(
+            deltaflow.create_table, warehouse, name, schema=schema, key="id",
+            deletion_vectors=dv, engine=creating_engine(engine), **extra,
+        )  # fmt: skip
+    rounds: Rounds = [
+        {
+            "partial": ([{"id": 1, "name": "a", "email": "a@", "n": 1},
+                         {"id": 2, "name": "b", "email": "b@", "n": 2}], frozenset()),
+            "first": ([{"id": 1, "v": "a"}, {"id": 1, "v": "b"}, {"id": 2, "v": "x"}],
+                      frozenset()),
+            "agg": ([{"id": 1, "total": 5, "low": 5.0, "high": 5.0, "label": "x"},
+                     {"id": 1, "total": 3, "low": 3.0, "high": 3.0, "label": None}], frozenset()),
+            "seqpart": ([{"id": 1, "lsn": 3, "name": "a", "email": "a@"},
+                         {"id": 2, "lsn": 6, "name": "b", "email": "b@"}], frozenset()),
+        },
+        {
+            # Absent columns and nulls keep the stored values.
+            "partial": ([{"id": 1, "name": "A"}, {"id": 2, "email": None, "n": 20}], frozenset()),
+            "first": ([{"id": 1, "v": "c"}], frozenset()),  # the first one stays
+            "agg": ([{"id": 1, "total": 2, "low": 9.0, "high": 9.0},
+                     {"id": 2, "total": None, "label": "new"}], frozenset()),
+            # A delete and a change in one group: key 1's delete (4) is newer than its row (3),
+            # so the change replaces the row; key 2's (4) is older than its row (6): it merges.
+            "seqpart": ([{"id": 1, "lsn": 4}, {"id": 1, "lsn": 5, "name": "N"},
+                         {"id": 2, "lsn": 4}, {"id": 2, "lsn": 7, "name": "M"},
+                         {"id": 2, "lsn": 5, "name": "late"}], frozenset({0, 2})),
+        },
+        {
+            # Folded within the group, then merged.
+            "partial": ([{"id": 1, "email": "x@"}, {"id": 1, "n": 5},
+                         {"id": 2}, {"id": 2, "name": "B"}, {"id": 3, "name": "c"}],
+                        frozenset({2})),
+            "first": ([{"id": 1}, {"id": 1, "v": "d"}, {"id": 2}], frozenset({0, 2})),
+            "agg": ([{"id": 1, "total": 1}, {"id": 1, "total": 1, "high": 10.0}], frozenset()),
+            "seqpart": ([{"id": 1, "lsn": 2, "email": "old@"}], frozenset()),  # late: dropped
+        },
+        {"first": ([{"id": 2, "v": "y"}], frozenset())},  # after its delete: first again
+    ]  # fmt: skip
+    async with table_engine(engine, warehouse) as eng:
+        await apply_rounds(eng, rounds)
+
+    def table(name: str, *columns: str) -> dict[int, tuple[Any, ...]]:
+        return {k: tuple(r[c] for c in columns) for k, r in read_delta(warehouse / name).items()}
+
+    assert table("partial", "name", "email", "n") == {
+        1: ("A", "x@", 5),
+        2: ("B", None, None),  # deleted, then written anew in the same group
+        3: ("c", None, None),
+    }
+    assert table("first", "v") == {1: ("d",), 2: ("y",)}
+    assert table("agg", "total", "low", "high", "label") == {
+        1: (12, 3.0, 10.0, "x"),
+        2: (None, None, None, "new"),
+    }
+    assert table("seqpart", "lsn", "name", "email") == {1: (5, "N", None), 2: (7, "M", "b@")}
+
+
+async def test_a_history_table_keeps_every_version_and_slots_late_changes_in(
+    warehouse: Any, engine: str
+) -> None:
+    dv = engine.endswith("-dv")
+    schema = "id:long,lsn:long,name:string,tier:string"
+    for name, tracked in (("scd", ()), ("scd_tier", ("tier",))):
+        await asyncio.to_thread(
+            deltaflow.create_table, warehouse, name, schema=schema,
+            key="id", sequence_by="lsn", history="scd2", track_history_on=tracked,
+            deletion_vectors=dv, engine=creating_engine(engine),
+        )  # fmt: skip
+
+    def row(key: int, lsn: int, name: str = "", tier: str = "gold") -> dict[str, Any]:
+        return {"id": key, "lsn": lsn, "name": name, "tier": tier}
+
+    rounds: Rounds = [
+        {"scd": ([row(1, 1, "a"), row(1, 3, "b"), row(2, 1, "x")], frozenset()),
+         "scd_tier": ([row(1, 1, "a"), row(1, 2, "b")], frozenset())},
+        # A late change of key 1 (2, between 1 and 3); key 2 deleted at 5.
+        {"scd": ([row(1, 2, "late"), row(2, 5)], frozenset({1})),
+         "scd_tier": ([row(1, 3, "c", "platinum")], frozenset())},
+        # Key 2 changed at 4, before its delete; key 1's change at 3 again (a replay).
+        {"scd": ([row(2, 4, "y"), row(1, 3, "b"), row(3, 7, "new")], frozenset())},
+    ]  # fmt: skip
+    async with table_engine(engine, warehouse) as eng:
+        if engine == "spark-sql":  # a MERGE cannot rebuild a history
+            with pytest.raises(TableSettingsError, match="keeps its history"):
+                await apply_rounds(eng, rounds[:1])
+            return
+        await apply_rounds(eng, rounds)
+
+    def versions(name: str) -> list[tuple[Any, ...]]:
+        rows = read_all(warehouse / name)
+        return sorted((r["id"], r["__start_at"], r["__end_at"], r["name"]) for r in rows)
+
+    assert versions("scd") == [
+        (1, 1, 2, "a"), (1, 2, 3, "late"), (1, 3, None, "b"),
+        (2, 1, 4, "x"), (2, 4, 5, "y"),  # closed by the delete at 5
+        (3, 7, None, "new"),
+    ]  # fmt: skip
+    # Only a change of tier opens a version; the name changed in place.
+    assert versions("scd_tier") == [(1, 1, 3, "b"), (1, 3, None, "c")]

@@ -156,3 +156,111 @@ async def test_a_table_stream_without_a_key_appends_once_under_resends_and_a_rep
     assert sorted(arrow.column("n").to_pylist()) == list(range(1_000))
     settings = open_table(events).metadata().configuration
     assert (settings["deltaflow.key"], settings["deltaflow.buckets"]) == ("[]", "0")
+
+
+async def test_quarantined_rows_go_to_the_dead_letters_and_their_batches_apply(
+    cluster: Cluster,
+) -> None:
+    import msgpack
+
+    await asyncio.to_thread(
+        deltaflow.create_table, cluster.warehouse, "orders",
+        schema="id:long,amount:double,note:string", key="id",
+    )  # fmt: skip
+    rows: list[Any] = [{"id": i, "amount": i / 2, "note": f"n{i}"} for i in range(500)]
+    rows[7] = {"id": 7, "amount": "lots"}  # a value that does not convert
+    rows[100] = {"id": None, "amount": 1.0}  # no key
+    rows[333] = {"id": 333, "colour": "red"}  # a column the table lacks
+    rows[334] = {"id": 334, "amount": float("nan"), "note": None}  # fits
+    options = StreamerOptions(page_size=50, on_bad_row="quarantine")
+    client = await cluster.wait_members(3)
+    async with client:
+        summary = await client.stream_data(rows, table="orders", key="id", options=options)
+        with pytest.raises(deltaflow.errors.UsageError, match=r"on_bad_row=.* is for table="):
+            await client.stream_data(
+                rows, key="id", receiver="deltaflow.testing.Echo", options=options
+            )
+    assert (summary.items_acked, summary.items_quarantined) == (497, 3)
+    assert (summary.items_dead_lettered, summary.items_failed) == (3, 0)
+    table = read_delta(Path(cluster.warehouse) / "orders")
+    assert sorted(table) == sorted(set(range(500)) - {7, 100, 333})
+    assert table[8]["note"] == "n8"  # the rest of item 7's batch applied
+    dead = open_table(Path(cluster.warehouse) / "deltaflow_dead_letters").to_pyarrow_table()
+    letters = {r["position"]: r for r in dead.to_pylist()}
+    assert sorted(letters) == [7, 100, 333]
+    assert {r["error_code"] for r in letters.values()} == {"SCHEMA_MISMATCH"}
+    assert "(key 7)" in letters[7]["error"] and "'amount'" in letters[7]["error"]
+    assert "key column 'id'" in letters[100]["error"]
+    assert "colour" in letters[333]["error"]
+    assert msgpack.unpackb(letters[333]["payload"]) == {"id": 333, "colour": "red"}
+
+
+def partial_reference(changes: list[Change]) -> dict[int, dict[str, Any]]:
+    """Each key's row as partial updates applied in order: a change's non-null columns over
+    the stored ones; a delete ends the row."""
+    rows: dict[int, dict[str, Any]] = {}
+    for change in sorted(changes, key=lambda c: c.lsn):
+        key = change.row["id"]
+        if change.op == "d":
+            rows.pop(key, None)
+            continue
+        stored = rows.get(key, {})
+        rows[key] = {**stored, **{c: v for c, v in change.row.items() if v is not None}}
+    return rows
+
+
+def history_reference(changes: list[Change]) -> list[tuple[Any, ...]]:
+    """Every version: (id, start, end, name), a version per upsert, ended by the next change."""
+    out = []
+    by_key: dict[int, list[Change]] = {}
+    for change in changes:
+        by_key.setdefault(change.row["id"], []).append(change)
+    for key, mine in by_key.items():
+        ordered = sorted(mine, key=lambda c: c.lsn)
+        for change, after in zip(ordered, [*ordered[1:], None], strict=True):
+            if change.op != "d":
+                end = None if after is None else after.lsn
+                out.append((key, change.lsn, end, change.row["name"]))
+    return sorted(out)
+
+
+async def test_partial_updates_and_a_history_from_producers_out_of_order(
+    cluster: Cluster,
+) -> None:
+    import random
+
+    feed = change_feed(keys=150, changes=1_500, deletes=0.05, seed=5)
+    rng = random.Random(6)
+    # An update carries some of its columns only (the others absent): a partial update.
+    partial = [
+        c if c.op != "u" else Change("u", {k: v for k, v in c.row.items()
+                                           if k in ("id", "lsn") or rng.random() < 0.5}, c.before)
+        for c in feed.changes
+    ]  # fmt: skip
+    schema = "id:long,lsn:long,name:string,amount:long"
+    await asyncio.to_thread(
+        deltaflow.create_table, cluster.warehouse, "patched", schema=schema, key="id",
+        merge="partial",
+    )  # fmt: skip
+    await asyncio.to_thread(
+        deltaflow.create_table, cluster.warehouse, "versions", schema=schema, key="id",
+        sequence_by="lsn", history="scd2",
+    )  # fmt: skip
+    # Partial updates in each key's order (two producers, each with its own keys); the
+    # history's changes out of order (two producers, late ones).
+    streams = [("patched", [c for c in partial if c.row["id"] % 2 == p]) for p in (0, 1)]
+    streams += [("versions", share) for share in feed.arrivals(producers=2, late=0.1, seed=7)]
+    client = await cluster.wait_members(3)
+    async with client:
+        await asyncio.gather(
+            *(
+                client.stream_data(
+                    [c.as_item() for c in changes], table=table, key="id", options=OPTIONS
+                )
+                for table, changes in streams
+            )
+        )
+    assert rows_of(cluster, "patched") == partial_reference(partial)
+    versions = open_table(Path(cluster.warehouse) / "versions").to_pyarrow_table().to_pylist()
+    got = sorted((r["id"], r["__start_at"], r["__end_at"], r["name"]) for r in versions)
+    assert got == history_reference(feed.changes)

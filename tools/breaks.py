@@ -452,15 +452,15 @@ BREAKS: dict[str, Break] = {
     ),
     # ... and in a MERGE (delta-rs's and Spark SQL's).
     "sequence_merge_ignored": Break(
-        "deltaflow/engines/delta_rs.py",
-        "            newer = merge_condition(group.sequence, _quote) if group.sequence else None\n",
-        "            newer = None\n",
+        "deltaflow/tables/merging.py",
+        "    newer = merge_condition(sequence, quote) if sequence else None\n",
+        "    newer = None\n",
         ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
     ),
     "sequence_sql_merge_ignored": Break(
-        "deltaflow/engines/spark.py",
-        '    newer = f" AND {merge_condition(sequence, _quote)}" if sequence else ""\n',
-        '    newer = ""\n',
+        "deltaflow/tables/merging.py",
+        "    newer = merge_condition(sequence, quote) if sequence else None\n",
+        "    newer = None\n",
         ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[spark-sql]",),
     ),
     # A delete's tombstone keeps an older change arriving later from bringing the key back...
@@ -502,6 +502,36 @@ BREAKS: dict[str, Break] = {
         "                parts = [hash(object()) % partitions for data in packed]\n",
         (
             "tests/test_cdc_cluster.py::test_a_table_stream_without_a_key_appends_once_under_resends_and_a_replay",
+        ),
+    ),
+    # Merge modes: a change merges with the stored row of its key (deltaflow's writers)...
+    "merge_mode_ignored_against_the_table": Break(
+        "deltaflow/tables/rewrite.py",
+        "            if rule.folds and replaced.any():  # the stored rows the group merges with\n",
+        "            if False:\n",
+        ("tests/test_cdc.py::test_merge_modes_partial_first_and_aggregate[spark]",),
+    ),
+    # ... and within a group a key's changes fold.
+    "merge_mode_not_folded": Break(
+        "deltaflow/tables/table_state.py",
+        "        if rule.folds:\n            return fold(data, self.key, self.sequence_by, rule)\n",
+        "        if False:\n            return fold(data, self.key, self.sequence_by, rule)\n",
+        ("tests/test_cdc.py::test_merge_modes_partial_first_and_aggregate[delta-rs]",),
+    ),
+    # A history table rebuilds a key's versions from the stored ones and the group's changes.
+    "history_forgets_stored_versions": Break(
+        "deltaflow/tables/history.py",
+        "    for row in stored.to_pylist():\n        k = row[key]\n",
+        "    for row in stored.to_pylist()[:0]:\n        k = row[key]\n",
+        ("tests/test_cdc.py::test_a_history_table_keeps_every_version_and_slots_late_changes_in[delta-rs-dv]",),
+    ),
+    # A quarantined row is left out alone: the rest of its batch applies.
+    "quarantine_fails_the_batch": Break(
+        "deltaflow/receivers/table.py",
+        '        bad_rows = ctx.fail if args.get("on_bad_row") == "quarantine" else None\n',
+        "        bad_rows = None\n",
+        (
+            "tests/test_cdc_cluster.py::test_quarantined_rows_go_to_the_dead_letters_and_their_batches_apply",
         ),
     ),
 }

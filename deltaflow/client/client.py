@@ -230,10 +230,17 @@ class Client:
             key_columns = [] if key is None else [key] if isinstance(key, str) else list(key)
             receiver = TABLE_RECEIVER
             receiver_args = {"table": table, "key": key_columns}
+            if options is not None and options.on_bad_row == "quarantine":
+                receiver_args["on_bad_row"] = "quarantine"
             if sequence_by is not None:
                 if not key_columns:
                     raise UsageError("sequence_by orders the changes to a key: pass key= too")
                 receiver_args["sequence_by"] = _sequence_columns(sequence_by, key_columns)
+        elif options is not None and options.on_bad_row != "fail":
+            raise UsageError(
+                "StreamerOptions(on_bad_row=...) is for table= streams; a receiver rejects an "
+                "item alone with ctx.fail(index, reason)"
+            )
         elif sequence_by is not None:
             raise UsageError(
                 "sequence_by= orders the changes a table= stream writes; a "

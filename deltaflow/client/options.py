@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_RESULT_BUFFER",
     "DEFAULT_RETRY_LIMIT",
     "DEFAULT_SOURCE_BUFFER",
+    "BadRowPolicy",
     "FailurePolicy",
     "StreamerOptions",
 ]
@@ -37,6 +38,7 @@ DEFAULT_RESULT_BUFFER: Final = 1024
 DEFAULT_SOURCE_BUFFER: Final = 1024
 
 FailurePolicy = Literal["fail", "fallback", "drop"]
+BadRowPolicy = Literal["fail", "quarantine"]
 DEFAULT_DEAD_LETTER_TABLE: Final = "deltaflow_dead_letters"
 
 
@@ -71,8 +73,14 @@ class StreamerOptions:
             applied; ``"fallback"`` writes its items, with the error, to ``dead_letter_table``
             and carries on; ``"drop"`` counts its items as failed in the summary, logs a
             warning and carries on.
-        dead_letter_table: the Delta table failed items go to under ``"fallback"``. Default
-            ``"deltaflow_dead_letters"``.
+        dead_letter_table: the Delta table failed items go to under ``"fallback"`` (and
+            quarantined rows). Default ``"deltaflow_dead_letters"``.
+        on_bad_row: for a ``table=`` stream, what becomes of a row that does not fit the table
+            (a wrong type, a missing key or sequence, a column the table lacks): ``"fail"``
+            (default) fails its whole batch, which then follows ``on_failure``;
+            ``"quarantine"`` writes the row alone to ``dead_letter_table`` with its source
+            position, key and reason, and the rest of its batch applies
+            (``StreamSummary.items_quarantined`` counts them).
         stagger_pages: the first page of partition ``p`` (of the cluster's ``n``) is cut at
             ``page_size * (p + 1) // n`` items, later pages at ``page_size``. Keys hashed
             evenly fill every partition's buffer at one pace, so pages of one size all fall
@@ -104,6 +112,7 @@ class StreamerOptions:
     ack_timeout: float = DEFAULT_ACK_TIMEOUT
     on_failure: FailurePolicy = "fail"
     dead_letter_table: str = DEFAULT_DEAD_LETTER_TABLE
+    on_bad_row: BadRowPolicy = "fail"
     stagger_pages: bool = False
     batch_creator: BatchCreator | None = None
     result_buffer: int = DEFAULT_RESULT_BUFFER
@@ -144,6 +153,11 @@ class StreamerOptions:
             )
         if self.ack_timeout <= 0:
             raise UsageError("StreamerOptions.ack_timeout must be > 0 seconds")
+        if self.on_bad_row not in ("fail", "quarantine"):
+            raise UsageError(
+                "StreamerOptions.on_bad_row must be 'fail' or 'quarantine', got "
+                f"{self.on_bad_row!r}"
+            )
         if self.on_failure not in ("fail", "fallback", "drop"):
             raise UsageError(
                 "StreamerOptions.on_failure must be 'fail', 'fallback' or 'drop', got "

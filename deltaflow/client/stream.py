@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import DataStreamerError, ItemFailedError
+from ..errors import DataStreamerError, ItemFailedError, SchemaError
 from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .admission import Admission
 from .dead_letters import DeadLetters
@@ -112,6 +112,7 @@ class StreamRun:
             settle=self._settle,
             stop=self._stop,
         )
+        self.quarantined = 0  # rows sent to the dead-letter table by on_bad_row="quarantine"
         self._task: asyncio.Task[Any] | None = None
         self._awaiting_source = False
         self._interrupted = False
@@ -178,9 +179,25 @@ class StreamRun:
             self._items_rejected(batch, rejected)
 
     def _items_rejected(self, batch: Batch, rejected: dict[int, str]) -> None:
-        """Items the receiver marked failed (``ctx.fail``) follow ``on_failure`` on their own."""
+        """Items the receiver marked failed (``ctx.fail``) follow ``on_failure`` on their own;
+        a table stream's rows quarantined (``on_bad_row="quarantine"``) go to the dead-letter
+        table."""
         indexes = sorted(rejected)
         first = indexes[0]
+        if self.options.on_bad_row == "quarantine":  # rows that did not fit the table
+            self.quarantined += len(indexes)
+            quarantined = SchemaError(
+                f"quarantined {len(indexes)} row(s) of partition {batch.partition} batch "
+                f"{batch.seq}",
+                node=batch.node,
+            )
+            reasons = [
+                f"source item #{batch.positions[i]} (key {self._key_of(batch.items[i])!r}): "
+                f"{rejected[i]}"
+                for i in indexes
+            ]
+            self.dead_letters.send(batch.subset(indexes), quarantined, reasons)
+            return
         err = ItemFailedError(
             f"receiver rejected {len(indexes)} item(s) of partition {batch.partition} batch "
             f"{batch.seq}; first: source item #{batch.positions[first]} "
@@ -360,6 +377,7 @@ class StreamRun:
             items_acked=counters.acked_items,
             items_failed=counters.failed_items - self.dead_letters.count,
             items_dead_lettered=self.dead_letters.count,
+            items_quarantined=self.quarantined,
             batches_retried=counters.retried_batches,
             results=self.results.delivered if self.results is not None else 0,
             duration=duration,

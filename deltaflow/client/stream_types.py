@@ -49,7 +49,11 @@ class StreamSummary:
         items_sent: items pulled from the source and sent at least once.
         items_acked: items acknowledged as applied.
         items_failed: items not applied (dropped under ``on_failure="drop"``).
-        items_dead_lettered: items written to the dead-letter table (``on_failure="fallback"``).
+        items_dead_lettered: items written to the dead-letter table (``on_failure="fallback"``,
+            and quarantined rows).
+        items_quarantined: rows of a table stream that did not fit the table, written alone to
+            the dead-letter table while the rest of their batches applied
+            (``on_bad_row="quarantine"``); among ``items_dead_lettered``.
         batches_retried: batch resends after retriable errors.
         results: per-item results delivered to ``on_result``.
         duration: seconds from start to the last acknowledgement.
@@ -68,6 +72,7 @@ class StreamSummary:
     duration: float
     per_node: dict[str, NodeStatistics]
     ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
+    items_quarantined: int = 0
 
     @property
     def rows_per_second(self) -> float:

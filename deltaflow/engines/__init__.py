@@ -12,7 +12,7 @@ Spark nor delta-rs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,9 @@ from ..errors import UsageError
 from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
 from ..tables.atomicity import atomicity_for
+from ..tables.history import END, START, with_history_columns
 from ..tables.log import is_table
+from ..tables.merging import check_aggregate_type
 from ..tables.sequence import DEFAULT_TOMBSTONE_RETENTION, check_sequence_type, parse_interval
 from ..tables.settings import DEFAULT_BUCKETS, TableSettings, parse_schema
 from .options import (
@@ -78,6 +80,10 @@ def create_table(
     engine: str | EngineOptions = DELTA_RS,
     sequence_by: str | Sequence[str] = (),
     tombstone_retention: int | str | timedelta = DEFAULT_TOMBSTONE_RETENTION,
+    merge: str = "last",
+    aggregates: Mapping[str, str] | None = None,
+    history: str = "none",
+    track_history_on: Sequence[str] = (),
 ) -> TableSettings:
     """Create an empty deltaflow table under ``warehouse`` (blocking; run it in a thread from
     async code).
@@ -107,6 +113,19 @@ def create_table(
         tombstone_retention: with ``sequence_by``, how long a deleted key's sequence is kept
             (seconds, a ``timedelta`` or text like ``"7 days"``; default 7 days): within it,
             an older change arriving late does not bring the key back.
+        merge: how a change merges with the row the table holds for its key (``docs/cdc.md``):
+            ``"last"`` (default: it replaces the row), ``"partial"`` (its non-null columns
+            replace the row's, the others keep the stored values), ``"first"`` (the first
+            change of a key wins), ``"aggregate"`` (per column, as ``aggregates`` says).
+        aggregates: with ``merge="aggregate"``, column -> ``"sum"``, ``"min"``, ``"max"`` or
+            ``"last_non_null"`` (the default for a column not named).
+        history: ``"scd2"`` keeps every version of a key (needs a one-column ``key`` and
+            ``sequence_by``): the table gets the columns ``__start_at`` and ``__end_at`` (of
+            the sequence's type; ``__end_at`` null on the current version), each change closes
+            the current version and opens a new one, a delete closes it, and late changes
+            are slotted in by sequence (``docs/cdc.md``).
+        track_history_on: with ``history="scd2"``, the columns whose change opens a version;
+            a change of the others updates the current version in place. Default: all.
 
     Returns the settings stored in the table's properties.
 
@@ -126,6 +145,12 @@ def create_table(
         raise UsageError(f"sequence column(s) {missing} are not in the schema {data_schema.names}")
     for column in sequence:
         check_sequence_type(column, data_schema.field(column).type)
+    aggregated = dict(aggregates or {})
+    missing = [c for c in aggregated if c not in data_schema.names]
+    if missing:
+        raise UsageError(f"aggregated column(s) {missing} are not in the schema")
+    for column, function in aggregated.items():
+        check_aggregate_type(column, function, data_schema.field(column).type)
     settings = TableSettings(
         key=keys,
         buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
@@ -133,7 +158,19 @@ def create_table(
         deletion_vectors=deletion_vectors,
         sequence_by=sequence,
         tombstone_retention=parse_interval(tombstone_retention),
+        merge=merge,
+        aggregates=tuple(sorted(aggregated.items())),
+        history=history,
+        track_history_on=tuple(track_history_on),
     )
+    missing = [c for c in settings.track_history_on if c not in data_schema.names]
+    if missing:
+        raise UsageError(f"track_history_on column(s) {missing} are not in the schema")
+    if settings.history == "scd2":
+        taken = [c for c in (START, END) if c in data_schema.names]
+        if taken:
+            raise UsageError(f"column(s) {taken} are the history's own: name yours otherwise")
+        data_schema = with_history_columns(data_schema, sequence[0])
     warehouse = location(warehouse)
     path = warehouse / name
     with atomicity_for(warehouse).hold(name):

@@ -35,8 +35,8 @@ from ..tables.footprint import Footprint
 from ..tables.log import commit_log_entry, delta_table
 from ..tables.log import log_dir as delta_log_dir
 from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
+from ..tables.merging import REPLACE_COLUMN, internal, matched_clauses
 from ..tables.rewrite import RewriteUnsupported, rewrite
-from ..tables.sequence import merge_condition
 from ..tables.settings import (
     BUCKET_COLUMN,
     TableSettings,
@@ -229,7 +229,7 @@ class DeltaRsTableEngine(TableEngine):
         )
         # The checkpoint is written after the lock is released (see TableEngine.checkpoint).
         hooks = PostCommitHookProperties(create_checkpoint=False)
-        columns = [c for c in data.column_names if c != DELETE_COLUMN]
+        columns = [c for c in data.column_names if not internal(c)]
         with map_deltars_errors(group.table, self.node_id):
             listed = footprint is not None and footprint.files is not None
             merge_on_read = group.written is not None or listed
@@ -244,6 +244,13 @@ class DeltaRsTableEngine(TableEngine):
                         log.debug("table %s: merging this group (%s)", group.table, exc)
             target = self.log.latest(path)
             self._check_read_version(group, int(target.version()))
+            if group.rule.history:  # versions are rebuilt by deltaflow's writer, never a MERGE
+                rebuilt = rewrite(
+                    target, path, data, footprint, props, hooks, group.sequence, group.rule,
+                    key=key[0],
+                )  # fmt: skip
+                self.landed(path, rebuilt)
+                return None
             if footprint is None:
                 rows = data.filter(pc.invert(data.column(DELETE_COLUMN))).select(columns)
                 write_deltalake(
@@ -257,31 +264,41 @@ class DeltaRsTableEngine(TableEngine):
             if _copies_much(footprint, data.num_rows):
                 try:
                     self.landed(
-                        path, rewrite(target, path, data, footprint, props, hooks, group.sequence)
+                        path,
+                        rewrite(
+                            target, path, data, footprint, props, hooks, group.sequence, group.rule
+                        ),
                     )
                     return None
                 except RewriteUnsupported as exc:
                     log.debug("table %s: merging this group (%s)", group.table, exc)
             flag = f"s.{_quote(DELETE_COLUMN)}"
             values = {_quote(c): f"s.{_quote(c)}" for c in columns}
-            updates = {k: v for k, v in values.items() if k != _quote(BUCKET_COLUMN)}
-            # A stored row of a sequence not lower stays (sequence_by tables).
-            newer = merge_condition(group.sequence, _quote) if group.sequence else None
-            (
-                target.merge(
-                    data,
-                    predicate=footprint.merge_condition(key, _quote, _literal),
-                    source_alias="s",
-                    target_alias="t",
-                    streamed_exec=False,
-                    commit_properties=props,
-                    post_commithook_properties=hooks,
-                )
-                .when_matched_delete(predicate=flag if newer is None else f"{flag} AND {newer}")
-                .when_matched_update(updates=updates, predicate=newer)
-                .when_not_matched_insert(updates=values, predicate=f"NOT {flag}")
-                .execute()
+            # A stored row of a sequence not lower stays (sequence_by tables); the merge mode
+            # says what the others become.
+            clauses = matched_clauses(
+                [c for c in columns if c not in key and c != BUCKET_COLUMN],
+                group.rule,
+                group.sequence,
+                _quote,
+                replacing=REPLACE_COLUMN in data.column_names,
             )
+            merger = target.merge(
+                data,
+                predicate=footprint.merge_condition(key, _quote, _literal),
+                source_alias="s",
+                target_alias="t",
+                streamed_exec=False,
+                commit_properties=props,
+                post_commithook_properties=hooks,
+            )
+            for condition, sets in clauses:
+                if sets is None:
+                    merger = merger.when_matched_delete(predicate=condition)
+                else:
+                    updates = {_quote(c): v for c, v in sets.items()}
+                    merger = merger.when_matched_update(updates=updates, predicate=condition)
+            merger.when_not_matched_insert(updates=values, predicate=f"NOT {flag}").execute()
             return None
 
     def _check_read_version(self, group: GroupWrite, version: int) -> None:

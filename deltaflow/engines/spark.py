@@ -41,7 +41,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from .._faults import fault_point
-from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError, UsageError
+from ..errors import (
+    CommitConflictError,
+    DeltaflowError,
+    SchemaError,
+    ServerError,
+    TableSettingsError,
+    UsageError,
+)
 from ..spark_integration.session import (
     DIRECT_WRITER_JAVA_OPTIONS,
     SparkConfig,
@@ -51,8 +58,8 @@ from ..spark_integration.session import (
 from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
+from ..tables.merging import LAST, REPLACE_COLUMN, MergeRule, internal, matched_clauses
 from ..tables.rewrite import RewriteUnsupported
-from ..tables.sequence import merge_condition
 from ..tables.settings import (
     BUCKET_COLUMN,
     PROP_CHECKPOINT_INTERVAL,
@@ -419,13 +426,21 @@ class SparkTableEngine(TableEngine):
 
     def _write_sql(self, group: GroupWrite) -> None:
         table, path, data = group.table, group.path, group.data
+        if group.rule.history:
+            raise TableSettingsError(
+                f"table {table!r} keeps its history (history='scd2'): its versions are rebuilt "
+                "by deltaflow's own writer, which this node cannot use for it (a Spark Connect "
+                "server, the sql writer, or a table feature it does not implement); write it "
+                "from nodes with the delta-rs engine or the Spark engine's direct writer",
+                node=self.node_id,
+            )
         import pyarrow.parquet as pq
 
         staging = self.staging_dir / f"{uuid.uuid4().hex}.parquet"
         staging.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(data, staging)
         session = self._session(table)
-        columns = [c for c in data.column_names if c != DELETE_COLUMN]
+        columns = [c for c in data.column_names if not internal(c)]
         try:
             with map_spark_errors(table, self.node_id):
                 session.conf.set(_USER_METADATA_CONF, group.metadata)
@@ -440,6 +455,7 @@ class SparkTableEngine(TableEngine):
                                 data.column_names,
                                 group.footprint,
                                 group.sequence,
+                                group.rule,
                             )
                         )
                     else:
@@ -470,20 +486,33 @@ def _merge_sql(
     columns: Sequence[str],
     footprint: Footprint,
     sequence: Sequence[str] = (),
+    rule: MergeRule = LAST,
 ) -> str:
-    data = [c for c in columns if c != DELETE_COLUMN]
+    data = [c for c in columns if not internal(c)]
     # Delta prunes a MERGE's target files by the literal predicates on target columns in its
     # ON clause, not by the join: the footprint names the group's buckets and key ranges.
     on = footprint.merge_condition(key, _quote, _literal)
-    sets = ", ".join(f"t.{_quote(c)} = s.{_quote(c)}" for c in data if c != BUCKET_COLUMN)
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)
     flag = f"s.{_quote(DELETE_COLUMN)}"
-    # A stored row of a sequence not lower stays (sequence_by tables).
-    newer = f" AND {merge_condition(sequence, _quote)}" if sequence else ""
+    # A stored row of a sequence not lower stays (sequence_by tables); the merge mode says
+    # what the others become.
+    matched = []
+    for condition, sets in matched_clauses(
+        [c for c in data if c != BUCKET_COLUMN and c not in key],
+        rule,
+        sequence,
+        _quote,
+        replacing=REPLACE_COLUMN in columns,
+    ):
+        when = "WHEN MATCHED" + (f" AND {condition}" if condition else "")
+        if sets is None:
+            matched.append(f"{when} THEN DELETE")
+        else:
+            assignments = ", ".join(f"t.{_quote(c)} = {v}" for c, v in sets.items())
+            matched.append(f"{when} THEN UPDATE SET {assignments}")
     return (
         f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {on} "
-        f"WHEN MATCHED AND {flag}{newer} THEN DELETE "
-        f"WHEN MATCHED{newer} THEN UPDATE SET {sets} "
-        f"WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
+        + " ".join(matched)
+        + f" WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
     )

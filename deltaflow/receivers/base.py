@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from ..errors import SchemaError
+from ..columnar import ArrowRows
+from ..errors import SchemaError, TableSettingsError
 
 __all__ = [
     "Receiver",
@@ -194,35 +195,78 @@ class TableHandle:
     key: list[str]
     sequence_by: tuple[str, ...] | None = None
 
-    async def upsert(self, rows: Sequence[Any], *, deletes: Iterable[int] = ()) -> None:
+    async def upsert(
+        self,
+        rows: Sequence[Any],
+        *,
+        deletes: Iterable[int] = (),
+        bad_rows: Callable[[int, str], None] | None = None,
+    ) -> None:
         """Upsert ``rows`` (dicts) by key; rows at the indexes in ``deletes`` delete their key.
+
+        Args:
+            bad_rows: called with the index (in ``rows``) and the reason of each row that does
+                not fit the table, which is then left out and the rest written (the built-in
+                table receiver passes ``ctx.fail`` under ``on_bad_row="quarantine"``). None:
+                a row that does not fit fails the write.
 
         Raises:
             SchemaError: a row does not fit the table (names the row and the column).
         """
         if not self.key:
             raise SchemaError(f"table {self.name!r} was opened without a key: use append()")
-        await self._stage(rows, frozenset(deletes))
+        await self._stage(rows, frozenset(deletes), bad_rows)
 
-    async def append(self, rows: Sequence[Any]) -> None:
-        """Insert ``rows`` as they are (no key, no merge); for tables opened without ``key``."""
+    async def append(
+        self, rows: Sequence[Any], *, bad_rows: Callable[[int, str], None] | None = None
+    ) -> None:
+        """Insert ``rows`` as they are (no key, no merge); for tables opened without ``key``.
+        ``bad_rows``: as for :meth:`upsert`."""
         if self.key:
             raise SchemaError(f"table {self.name!r} was opened with key {self.key}: use upsert()")
-        await self._stage(rows, frozenset())
+        await self._stage(rows, frozenset(), bad_rows)
 
-    async def _stage(self, rows: Sequence[Any], deletes: frozenset[int]) -> None:
+    async def _stage(
+        self,
+        rows: Sequence[Any],
+        deletes: frozenset[int],
+        bad_rows: Callable[[int, str], None] | None = None,
+    ) -> None:
         writer = self.ctx._writer
         assert writer is not None
-        fut = await writer.stage(
-            self.name,
-            self.key,
-            rows,
-            deletes,
-            abandoned=self.ctx._abandoned,
-            mark=self.ctx._next_mark(self.name),
-            held=self.ctx._is_running,
-            sequence=self.sequence_by,
-        )
+        mark = self.ctx._next_mark(self.name)  # one per write, whatever rows it keeps
+        left = list(range(len(rows)))  # where each row still in ``rows`` came from
+        while True:
+            try:
+                fut = await writer.stage(
+                    self.name,
+                    self.key,
+                    rows,
+                    deletes,
+                    abandoned=self.ctx._abandoned,
+                    mark=mark,
+                    held=self.ctx._is_running,
+                    sequence=self.sequence_by,
+                )
+                break
+            except SchemaError as exc:
+                item = exc.details.get("item")
+                if (
+                    bad_rows is None
+                    or isinstance(exc, TableSettingsError)
+                    or not isinstance(item, int)
+                    or not 0 <= item < len(rows)
+                ):
+                    raise
+                # That row alone is bad: reported, left out, the rest checked again.
+                reason = str(exc.args[0]).replace(f"item #{item} ", f"item #{left[item]} ", 1)
+                bad_rows(left[item], reason)
+                keep = [j for j in range(len(rows)) if j != item]
+                deletes = frozenset(n for n, j in enumerate(keep) if j in deletes)
+                rows = rows.take(keep) if isinstance(rows, ArrowRows) else [rows[j] for j in keep]
+                left = [left[j] for j in keep]
+                if not left:
+                    return
         self.ctx._durable.append(fut)
 
     async def delete(self, rows: Sequence[Any]) -> None:

@@ -16,9 +16,10 @@ class TableUpsert(Receiver):
     """Used when a client calls ``stream_data(rows, table=..., key=...)``.
 
     ``ctx.args`` is ``{"table": name, "key": [column, ...]}`` (an empty key appends the rows),
-    and ``"sequence_by": [column, ...]`` when the stream names one. Rows are dicts; items marked
-    :class:`deltaflow.Delete` delete their key. The table is created from the rows' schema on
-    first write. Produces no per-item results.
+    ``"sequence_by": [column, ...]`` when the stream names one, and ``"on_bad_row":
+    "quarantine"`` to fail the rows that do not fit alone (``ctx.fail``) and write the rest.
+    Rows are dicts; items marked :class:`deltaflow.Delete` delete their key. The table is
+    created from the rows' schema on first write. Produces no per-item results.
     """
 
     # Its only effects are table writes, which are exactly-once: re-running is safe.
@@ -41,8 +42,10 @@ class TableUpsert(Receiver):
                 "the table receiver's sequence_by is a list of column names", node=ctx.node_id
             )
         handle = ctx.table(table, key=args["key"], sequence_by=sequence)
+        # Rows that do not fit go to the dead-letter table alone (the client's side of it).
+        bad_rows = ctx.fail if args.get("on_bad_row") == "quarantine" else None
         if handle.key:
-            await handle.upsert(items, deletes=ctx.deletes)
+            await handle.upsert(items, deletes=ctx.deletes, bad_rows=bad_rows)
             return
         if ctx.deletes:
             raise SchemaError(
@@ -51,4 +54,4 @@ class TableUpsert(Receiver):
                 node=ctx.node_id,
                 details={"item": min(ctx.deletes)},
             )
-        await handle.append(items)
+        await handle.append(items, bad_rows=bad_rows)

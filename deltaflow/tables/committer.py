@@ -370,7 +370,10 @@ class TableCommitter(TableWriter):
             len(self.key) == 1
             and set(self.partition_columns) <= {BUCKET_COLUMN}
             and self.engine.merges_on_read(settings)
-            and not settings.sequence_by  # its rows are known once the stored ones are read
+            # Its rows are known once the stored ones are read (sequences, merge modes).
+            and not settings.sequence_by
+            and settings.merge == "last"
+            and settings.history == "none"
         ):
             written = write_group(self.path, data, schema, self.key[0])
         footprint = Footprint.of(data, self.key, bucketed=bool(settings.buckets))

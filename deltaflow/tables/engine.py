@@ -275,6 +275,7 @@ class TableEngine:
             memory,
             group.written,
             group.sequence,
+            group.rule,
         )
 
     def _landed(self, path: Location, done: MergeOnRead) -> None:
@@ -332,7 +333,9 @@ class TableEngine:
         merge_on_read = group.written is not None or candidates is not None
         if merge_on_read and column is not None and has_deletion_vectors(target):
             return self._merge_on_read(group, target, group.read_version, column=column)
-        return write_files(target, group.path, group.data, column, candidates, group.sequence)
+        return write_files(
+            target, group.path, group.data, column, candidates, group.sequence, group.rule
+        )
 
     def commit_actions(
         self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..storage.paths import Location
 from .footprint import Footprint
+from .merging import LAST, MergeRule
 from .rewrite import DataFile
 from .settings import TableSettings
 
@@ -44,6 +45,8 @@ class GroupWrite:
         sequence: the table's sequence columns (``sequence_by``; :mod:`.sequence`): a row of
             ``data`` replaces or deletes a stored row only if its sequence is greater. Empty:
             every row does.
+        rule: the table's merge mode (:mod:`.merging`): how a row of ``data`` merges with the
+            stored row of its key.
     """
 
     table: str
@@ -55,6 +58,7 @@ class GroupWrite:
     written: list[tuple[DataFile, Any]] | None = None
     read_version: int | None = None
     sequence: tuple[str, ...] = ()
+    rule: MergeRule = LAST
 
 
 @dataclass(frozen=True, slots=True)

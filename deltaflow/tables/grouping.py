@@ -14,6 +14,7 @@ from typing import Any
 from ..columnar import DELETE_COLUMN
 from ..partitioning import partition_table
 from .conversion import convert_column
+from .merging import internal
 from .settings import BUCKET_COLUMN, TableSettings
 
 __all__ = ["conform", "last_per_key"]
@@ -50,7 +51,11 @@ def conform(
         else:
             buckets = data.column(BUCKET_COLUMN)
         out = out.append_column(pa.field(BUCKET_COLUMN, pa.int32()), buckets)
-    return out.append_column(DELETE_COLUMN, data.column(DELETE_COLUMN))
+    out = out.append_column(DELETE_COLUMN, data.column(DELETE_COLUMN))
+    for name in data.column_names:  # a fold's own columns (merge modes)
+        if internal(name) and name != DELETE_COLUMN:
+            out = out.append_column(data.schema.field(name), data.column(name))
+    return out
 
 
 def last_per_key(table: Any, key: Sequence[str]) -> Any:

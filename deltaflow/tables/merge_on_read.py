@@ -42,6 +42,8 @@ from ..errors import CommitConflictError
 from ..storage.paths import Location, open_input
 from .deletion_vectors import DvWriter, descriptor_id, read
 from .footprint import Footprint
+from .history import as_group_rows, rebuild
+from .merging import LAST, MergeRule, merge_stored
 from .rewrite import (
     FILE_POOL,
     VECTOR_FEATURES,
@@ -197,6 +199,7 @@ def write_merge_on_read(
     memory: KeyColumns,
     written: list[tuple[DataFile, Any]] | None = None,
     sequence: Sequence[str] = (),
+    rule: MergeRule = LAST,
 ) -> MergeOnRead:
     """Blocking, under the table's lock: write the new files and the deletion vector file
     that apply the group ``data`` to ``table`` (delta-rs, at its latest version); nothing is
@@ -216,6 +219,8 @@ def write_merge_on_read(
         sequence: the table's sequence columns: a live stored row whose sequence is not
             lower than the group's row of its key stays, and the group's row is dropped
             (:func:`.sequence.resolve`).
+        rule: the table's merge mode: a group row meeting its key's stored row merges with it
+            (:func:`.merging.merge_stored`; the rows met are read from their files).
 
     Raises:
         RewriteUnsupported: the table has a feature this writer does not honour (nothing was
@@ -241,39 +246,54 @@ def write_merge_on_read(
     kept: dict[str | None, list[Any]] = {}  # bucket -> live rows of the files merged away
     superseded = 0
     holding = [] if candidates is None else files_holding(candidates, keys, key)
+    stored_versions = file_schema.empty_table()  # history="scd2": the versions met
+    # A history's changes are slotted in, never compared against one stored row.
+    compared = () if rule.history else tuple(sequence)
     if holding:
         assert written is None or not sequence
         # Held here too: the memory may drop some of them again when over its budget.
         known = {f["path"]: memory.get(f["path"]) for f in holding}
-        unseen = [f for f in holding if _unknown(known[f["path"]], bool(sequence))]
+        unseen = [f for f in holding if _unknown(known[f["path"]], bool(compared))]
         columns_read = FILE_POOL.map(
-            lambda f: _read_keys(path / unquote(f["path"]), [key, *sequence]), unseen
+            lambda f: _read_keys(path / unquote(f["path"]), [key, *compared]), unseen
         )
         for f, read_columns in zip(unseen, columns_read, strict=True):
             read_now = known[f["path"]] = _Known(read_columns[0].cast(keys.type))
-            if sequence:
+            if compared:
                 read_now.sequence = [
                     c.cast(data.schema.field(name).type)
-                    for c, name in zip(read_columns[1:], sequence, strict=True)
+                    for c, name in zip(read_columns[1:], compared, strict=True)
                 ]
             memory.put(f["path"], read_now)
         files = [(f, k) for f in holding if (k := known[f["path"]]) is not None]
         stored = [k for _, k in files]
         live = stored_sequence = None
-        if sequence:
+        if compared:
             # Rows a vector deleted already hold no sequence against the group.
             live = np.concatenate([_live(path, k, vectors.get(f["path"])) for f, k in files])
             stored_sequence = [
                 pa.chunked_array([k.sequence[i] for k in stored if k.sequence is not None])
-                for i in range(len(sequence))
+                for i in range(len(compared))
             ]
-        hits, losers = resolve(
+        if (rule.folds or rule.history) and live is None:  # (deleted rows hold no value)
+            live = np.concatenate([_live(path, k, vectors.get(f["path"])) for f, k in files])
+        hits, losers, group_of = resolve(
             keys,
-            [data.column(c) for c in sequence] if sequence else None,
+            [data.column(c) for c in compared] if compared else None,
             pa.chunked_array([k.keys for k in stored], type=keys.type),
             stored_sequence,
             live,
         )
+        if rule.history:  # every stored version of the group's keys
+            at = np.flatnonzero(hits)
+            if len(at):
+                stored_versions = _stored_rows(path, files, at, file_schema)
+        elif rule.folds and hits.any():  # the stored rows the group merges with
+            at = np.flatnonzero(hits)
+            found = _stored_rows(path, files, at, file_schema)
+            data, still, dropped = merge_stored(data, found, group_of[at], rule, [key], sequence)
+            hits[at[~still]] = False
+            losers |= dropped
         if losers.any():  # the table holds a newer change of these keys: not applied
             superseded = int(losers.sum())
             data = data.filter(pa.array(~losers))
@@ -311,6 +331,9 @@ def write_merge_on_read(
             if live.any():
                 kept.setdefault(bucket_of(f), []).append(rows.filter(pa.array(live)))
 
+    if rule.history:  # the group's changes and the stored versions make the versions anew
+        versions = rebuild(data, stored_versions, key, sequence[0], rule.tracked or None)
+        data = as_group_rows(versions, data, key)
     # A bucket's merged rows make one file (with the group's rows when they are few and not
     # written yet).
     gathered = {b: [pa.concat_tables(rows).sort_by(key)] for b, rows in kept.items()}
@@ -387,6 +410,29 @@ def _read_keys(file: Location, columns: list[str]) -> list[Any]:
     with open_input(file) as source:
         rows = pq.ParquetFile(source).read(columns=columns, use_threads=False)
     return [rows.column(c).combine_chunks() for c in columns]
+
+
+def _stored_rows(
+    table: Location, files: list[tuple[dict[str, Any], _Known]], at: Any, schema: Any
+) -> Any:
+    """The rows at positions ``at`` (ascending) of the files' rows, in that order, read from
+    the files that hold them."""
+    import numpy as np
+    import pyarrow as pa
+
+    wanted: list[tuple[dict[str, Any], Any]] = []
+    start = 0
+    for f, k in files:
+        end = start + len(k.keys)
+        mine = at[(at >= start) & (at < end)] - start
+        if len(mine):
+            wanted.append((f, mine))
+        start = end
+    read = FILE_POOL.map(lambda w: read_file(table / unquote(w[0]["path"]), schema), wanted)
+    parts = [
+        rows.take(pa.array(np.asarray(mine))) for (_, mine), rows in zip(wanted, read, strict=True)
+    ]
+    return pa.concat_tables(parts)
 
 
 def _unknown(known: _Known | None, sequence: bool) -> bool:

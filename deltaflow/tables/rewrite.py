@@ -46,6 +46,8 @@ from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
 from ..storage.paths import Location, open_input, open_output
 from .footprint import Footprint
+from .history import as_group_rows, rebuild
+from .merging import LAST, MergeRule, merge_stored
 from .sequence import resolve
 from .settings import BUCKET_COLUMN
 
@@ -197,6 +199,7 @@ def write_files(
     key: str | None,
     candidates: Any | None,
     sequence: Sequence[str] = (),
+    rule: MergeRule = LAST,
 ) -> Rewrite:
     """Blocking, under the table's lock: write the files that apply the group ``data`` to
     ``table`` (delta-rs, at its latest version), nothing committed yet.
@@ -211,10 +214,13 @@ def write_files(
         sequence: the table's sequence columns: a stored row whose sequence is not lower
             than the group's row of its key is kept, and the group's row dropped
             (:func:`.sequence.resolve`).
+        rule: the table's merge mode: a group row meeting its key's stored row merges with it
+            (:func:`.merging.merge_stored`).
 
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
     """
+    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -230,6 +236,11 @@ def write_files(
     if set(partition_by) - {BUCKET_COLUMN}:  # the files written carry the bucket value only
         raise RewriteUnsupported(f"partitioned by {partition_by}")
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
+    if rule.history:
+        assert key is not None and len(sequence) == 1
+        return _write_history(
+            path, data, key, sequence[0], candidates, file_schema, partition_by, rule
+        )
     touched: list[DataFile] = []  # the candidate files that hold a key of the group
     kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
     superseded = 0
@@ -242,12 +253,19 @@ def write_files(
         if read:
             rows = pa.concat_tables(read)
             # One hash set for every file: the stored rows the group replaces (or deletes).
-            replaced, losers = resolve(
+            replaced, losers, group_of = resolve(
                 keys,
                 [data.column(c) for c in sequence] if sequence else None,
                 rows.column(key),
                 [rows.column(c) for c in sequence] if sequence else None,
             )
+            if rule.folds and replaced.any():  # the stored rows the group merges with
+                hits = np.flatnonzero(replaced)
+                data, still, dropped = merge_stored(
+                    data, rows.take(pa.array(hits)), group_of[hits], rule, [key], sequence
+                )
+                replaced[hits[~still]] = False
+                losers |= dropped
             if losers.any():  # the table holds a newer change of these keys
                 superseded = int(losers.sum())
                 data = data.filter(pa.array(~losers))
@@ -266,6 +284,44 @@ def write_files(
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
     adds = [added for added, _ in write_buckets(path, upserts, kept, file_schema, key)]
     return Rewrite(adds, touched, partition_by, int(time.time() * 1000), superseded)
+
+
+def _write_history(
+    path: Location,
+    data: Any,
+    key: str,
+    sequence: str,
+    candidates: Any | None,
+    file_schema: Any,
+    partition_by: list[str],
+    rule: MergeRule,
+) -> Rewrite:
+    """:func:`write_files` for a ``history="scd2"`` table: the files holding the group's keys
+    are read, every stored version of those keys replaced by the versions the group's changes
+    and they make (:func:`.history.rebuild`)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = data.column(key)
+    touched: list[DataFile] = []
+    kept: dict[str | None, list[Any]] = {}
+    stored_parts = []
+    holding = [] if candidates is None else files_holding(candidates, keys, key)
+    read = FILE_POOL.map(lambda f: read_file(path / unquote(f["path"]), file_schema), holding)
+    for file, rows in zip(holding, read, strict=True):
+        hits = pc.is_in(rows.column(key), value_set=keys)
+        if not pc.any(hits).as_py():
+            continue
+        bucket = bucket_of(file)
+        touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
+        stored_parts.append(rows.filter(hits))
+        rest = rows.filter(pc.invert(hits))
+        if rest.num_rows:
+            kept.setdefault(bucket, []).append(rest)
+    stored = pa.concat_tables(stored_parts) if stored_parts else file_schema.empty_table()
+    versions = as_group_rows(rebuild(data, stored, key, sequence, rule.tracked or None), data, key)
+    adds = [added for added, _ in write_buckets(path, versions, kept, file_schema, key)]
+    return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
 
 
 def write_buckets(
@@ -287,10 +343,12 @@ def rewrite(
     table: Any,
     path: Location,
     data: Any,
-    footprint: Footprint,
+    footprint: Footprint | None,
     commit_properties: Any,
     post_commithook_properties: Any = None,
     sequence: Sequence[str] = (),
+    rule: MergeRule = LAST,
+    key: str | None = None,
 ) -> Rewrite:
     """Blocking, under the table's lock: apply the group ``data`` to ``table`` (delta-rs, at
     its latest version) in one delta-rs commit, by copy-on-write of the files holding its keys
@@ -302,7 +360,10 @@ def rewrite(
         commit_properties: the commit's properties (its ``userMetadata`` carries the marks).
         post_commithook_properties: delta-rs's hooks after the commit (checkpoint, log
             cleanup); None for its defaults.
-        sequence: the table's sequence columns (see :func:`write_files`).
+        sequence, rule: the table's sequence columns and merge mode (see
+            :func:`write_files`).
+        key: with ``footprint`` None (no live file can hold a key of the group), the key
+            column: the group's files are only added.
 
     Returns what was written and removed.
 
@@ -311,9 +372,13 @@ def rewrite(
     """
     from deltalake.transaction import AddAction, RemoveAction
 
-    if footprint.column is None or footprint.files is None:
+    if footprint is None:
+        column, files = key, None
+    elif footprint.column is None or footprint.files is None:
         raise RewriteUnsupported("no key range to rewrite by")
-    done = write_files(table, path, data, footprint.column, footprint.files, sequence)
+    else:
+        column, files = footprint.column, footprint.files
+    done = write_files(table, path, data, column, files, sequence, rule)
     actions: list[Any] = [
         AddAction(
             path=f.path,

@@ -170,7 +170,7 @@ def resolve(
     stored_keys: Any,
     stored_sequence: Sequence[Any] | None,
     live: Any = None,
-) -> tuple[Any, Any]:
+) -> tuple[Any, Any, Any]:
     """Which stored rows a group replaces, and which of the group's rows lose to a stored row.
 
     Args:
@@ -182,9 +182,10 @@ def resolve(
         live: numpy bool per stored row, False for rows a deletion vector removed already
             (None: all live).
 
-    Returns ``(replaced, losers)``: numpy bool arrays over the stored rows (the group replaces
-    or deletes them) and over the group's rows (a stored row of a sequence not lower holds
-    their key: they are dropped).
+    Returns ``(replaced, losers, group_of)``: numpy bool arrays over the stored rows (the group
+    replaces or deletes them) and over the group's rows (a stored row of a sequence not lower
+    holds their key: they are dropped), and per stored row the group row that replaces it (-1
+    for none).
     """
     import numpy as np
     import pyarrow.compute as pc
@@ -194,16 +195,23 @@ def resolve(
     losers = np.zeros(len(group_keys), dtype=bool)
     if live is not None:
         hit &= live
-    if group_sequence is None or not hit.any():
-        return hit, losers
+    group_of = np.full(len(hit), -1, dtype=np.int64)
+    if not hit.any():
+        return hit, losers, group_of
+    at = np.asarray(pc.fill_null(position, 0).to_numpy(zero_copy_only=False)).astype(np.int64)
+    group_of[hit] = at[hit]
+    if group_sequence is None:
+        return hit, losers, group_of
     assert stored_sequence is not None
-    at = np.asarray(position.to_numpy(zero_copy_only=False))[hit].astype(np.int64)
     mask = _bool_array(hit)
-    wins = newer([c.take(at) for c in group_sequence], [c.filter(mask) for c in stored_sequence])
+    wins = newer(
+        [c.take(at[hit]) for c in group_sequence], [c.filter(mask) for c in stored_sequence]
+    )
     replaced = hit.copy()
     replaced[hit] = wins
-    losers[at[~wins]] = True
-    return replaced, losers
+    losers[at[hit][~wins]] = True
+    group_of[~replaced] = -1
+    return replaced, losers, group_of
 
 
 def _bool_array(values: Any) -> Any:
@@ -213,13 +221,19 @@ def _bool_array(values: Any) -> Any:
 
 
 def merge_condition(
-    sequence: Sequence[str], quote: Any, source: str = "s", target: str = "t"
+    sequence: Sequence[str],
+    quote: Any,
+    source: str = "s",
+    target: str = "t",
+    source_columns: Mapping[str, str] | None = None,
 ) -> str:
     """A MERGE's ``WHEN MATCHED`` condition that the source row's sequence is greater than the
-    target's (columns compared in order; a target without one is older)."""
+    target's (columns compared in order; a target without one is older). ``source_columns``:
+    the source's columns to compare instead of the sequence's own names."""
     cond = ""
     for column in reversed(sequence):
-        s, t = f"{source}.{quote(column)}", f"{target}.{quote(column)}"
+        mine = (source_columns or {}).get(column, column)
+        s, t = f"{source}.{quote(mine)}", f"{target}.{quote(column)}"
         here = f"{s} > {t} OR {t} IS NULL"
         cond = f"({here})" if not cond else f"({here} OR ({s} = {t} AND {cond}))"
     return cond
@@ -258,6 +272,8 @@ class Tombstones:
 
     def __init__(self) -> None:
         self._held: dict[Any, tuple[tuple[Any, ...], int]] = {}
+        # Every delete of a key, not only the newest (a history's deletes, :meth:`events`).
+        self._every: dict[Any, dict[tuple[Any, ...], int]] = {}
         self._expired_at = 0.0
 
     def __len__(self) -> int:
@@ -275,6 +291,7 @@ class Tombstones:
             held = self._held.get(k)
             if held is None or s > held[0]:
                 self._held[k] = (s, at_ms)
+            self._every.setdefault(k, {})[s] = at_ms
 
     def expire(self, retention_seconds: int, now: float | None = None) -> None:
         """Forget the deletes older than the retention (at most once a minute)."""
@@ -284,6 +301,35 @@ class Tombstones:
         self._expired_at = now
         oldest = int((now - retention_seconds) * 1000)
         self._held = {k: v for k, v in self._held.items() if v[1] >= oldest}
+        every = {k: {s: t for s, t in v.items() if t >= oldest} for k, v in self._every.items()}
+        self._every = {k: v for k, v in every.items() if v}
+
+    def events(self, data: Any, key: Sequence[str], sequence: Sequence[str]) -> Any:
+        """``data`` (a group of changes) with the recorded deletes of its keys added as rows
+        (the key, the sequence, the delete flag): a history rebuilt from stored versions alone
+        would not know a delete of a key that had no version then."""
+        if not self._every or not data.num_rows:
+            return data
+        import pyarrow as pa
+
+        keys = _rows([encode(data.column(k)) for k in key])
+        first: dict[Any, int] = {}
+        for i, k in enumerate(keys):
+            if k in self._every:
+                first.setdefault(k, i)
+        if not first:
+            return data
+        at = [i for k, i in first.items() for _ in self._every[k]]
+        seqs = [s for k in first for s in self._every[k]]
+        deletes = data.take(pa.array(at, type=pa.int64()))
+        for n, column in enumerate(sequence):
+            where = deletes.schema.get_field_index(column)
+            field = deletes.schema.field(where)
+            decoded = pa.array([s[n] for s in seqs]).cast(field.type)
+            deletes = deletes.set_column(where, field, decoded)
+        where = deletes.schema.get_field_index(DELETE_COLUMN)
+        deletes = deletes.set_column(where, deletes.schema.field(where), pa.array([True] * len(at)))
+        return pa.concat_tables([data, deletes])
 
     def bury(self, data: Any, key: Sequence[str], sequence: Sequence[str]) -> tuple[Any, int]:
         """``data`` (a group, one row per key) without the changes a recorded delete of their

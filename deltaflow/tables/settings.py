@@ -9,6 +9,9 @@ every engine) reads the same ones from the table itself:
 - ``deltaflow.sequenceBy``: the sequence columns, a JSON list (absent: changes apply in
   arrival order); ``deltaflow.tombstoneRetention``: how long a deleted key's sequence is kept
   (:mod:`.sequence`);
+- ``deltaflow.merge``: how a change merges with the stored row of its key (``last``, the
+  default; ``partial``, ``first``, ``aggregate`` with ``deltaflow.aggregates``, a JSON object
+  of column to function; :mod:`.merging`);
 - ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors;
 - ``delta.checkpointInterval``: 100 (:data:`CHECKPOINT_INTERVAL`), not Spark's 10: deltaflow
   commits several times a second under load, and a checkpoint costs many commits' time.
@@ -62,6 +65,15 @@ PROP_BUCKETS: Final = "deltaflow.buckets"
 PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
 PROP_SEQUENCE_BY: Final = "deltaflow.sequenceBy"
 PROP_TOMBSTONE_RETENTION: Final = "deltaflow.tombstoneRetention"
+PROP_MERGE: Final = "deltaflow.merge"
+PROP_HISTORY: Final = "deltaflow.history"
+PROP_TRACK_HISTORY_ON: Final = "deltaflow.trackHistoryOn"
+PROP_AGGREGATES: Final = "deltaflow.aggregates"
+#: How a change merges with the row the table holds for its key (``deltaflow.merge``).
+MERGE_MODES: Final = ("last", "partial", "first", "aggregate")
+#: What an ``aggregate`` table's columns may do (``deltaflow.aggregates``); a column not named
+#: keeps its last non-null value.
+AGGREGATES: Final = ("sum", "min", "max", "last_non_null")
 PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
 PROP_CHECKPOINT_INTERVAL: Final = "delta.checkpointInterval"
 PROP_EXPIRED_LOG_CLEANUP: Final = "delta.enableExpiredLogCleanup"
@@ -97,6 +109,10 @@ class TableSettings:
     managed: bool = True
     sequence_by: tuple[str, ...] = ()
     tombstone_retention: int = DEFAULT_TOMBSTONE_RETENTION
+    merge: str = "last"
+    aggregates: tuple[tuple[str, str], ...] = ()
+    history: str = "none"
+    track_history_on: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.buckets <= MAX_BUCKETS:
@@ -115,6 +131,36 @@ class TableSettings:
                 raise UsageError(f"column(s) {both} cannot be both key and sequence")
         if self.tombstone_retention <= 0:
             raise UsageError("tombstone_retention must be longer than zero")
+        if self.merge not in MERGE_MODES:
+            raise UsageError(f"merge={self.merge!r}: use one of {', '.join(MERGE_MODES)}")
+        if self.merge != "last" and not self.key:
+            raise UsageError(f"merge={self.merge!r} merges changes of a key: it needs a key")
+        if self.merge == "first" and self.sequence_by:
+            raise UsageError(
+                "merge='first' keeps the first change of a key to arrive; a sequence_by table "
+                "keeps the newest (use merge='last', 'partial' or 'aggregate' with it)"
+            )
+        if self.history not in ("none", "scd2"):
+            raise UsageError(f"history={self.history!r}: use 'scd2' (or 'none')")
+        if self.history == "scd2" and (len(self.key) != 1 or len(self.sequence_by) != 1):
+            raise UsageError(
+                "history='scd2' keeps a key's versions in the order of its sequence: it needs "
+                "a one-column key and a one-column sequence_by"
+            )
+        if self.history == "scd2" and self.merge != "last":
+            raise UsageError("history='scd2' keeps every version: its merge mode is 'last'")
+        if self.track_history_on and self.history != "scd2":
+            raise UsageError("track_history_on= names the columns of a history='scd2' table")
+        if self.aggregates and self.merge != "aggregate":
+            raise UsageError("aggregates= are the columns of a merge='aggregate' table")
+        for column, function in self.aggregates:
+            if function not in AGGREGATES:
+                raise UsageError(
+                    f"aggregate {function!r} of column {column!r}: use one of "
+                    f"{', '.join(AGGREGATES)}"
+                )
+            if column in self.key or column in self.sequence_by:
+                raise UsageError(f"column {column!r} is a key or sequence column: not aggregated")
 
     def properties(self) -> dict[str, str]:
         """The Delta table properties that record these settings."""
@@ -129,6 +175,14 @@ class TableSettings:
         if self.sequence_by:
             props[PROP_SEQUENCE_BY] = json.dumps(list(self.sequence_by))
             props[PROP_TOMBSTONE_RETENTION] = format_interval(self.tombstone_retention)
+        if self.merge != "last":
+            props[PROP_MERGE] = self.merge
+        if self.aggregates:
+            props[PROP_AGGREGATES] = json.dumps(dict(self.aggregates))
+        if self.history != "none":
+            props[PROP_HISTORY] = self.history
+        if self.track_history_on:
+            props[PROP_TRACK_HISTORY_ON] = json.dumps(list(self.track_history_on))
         return props
 
     @classmethod
@@ -145,16 +199,20 @@ class TableSettings:
             raise UsageError(f"unreadable deltaflow table properties {dict(properties)}") from exc
         if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
             raise UsageError(f"table property {PROP_KEY} must be a JSON list, got {raw_key!r}")
-        raw_sequence = properties.get(PROP_SEQUENCE_BY, "[]")
-        try:
-            sequence = json.loads(raw_sequence)
-        except ValueError:
-            sequence = None
-        if not isinstance(sequence, list) or not all(isinstance(c, str) for c in sequence):
-            raise UsageError(
-                f"table property {PROP_SEQUENCE_BY} must be a JSON list, got {raw_sequence!r}"
-            )
+        sequence = _names(properties, PROP_SEQUENCE_BY)
         retention = properties.get(PROP_TOMBSTONE_RETENTION)
+        raw_aggregates = properties.get(PROP_AGGREGATES, "{}")
+        try:
+            aggregates = json.loads(raw_aggregates)
+        except ValueError:
+            aggregates = None
+        if not isinstance(aggregates, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in aggregates.items()
+        ):
+            raise UsageError(
+                f"table property {PROP_AGGREGATES} must be a JSON object of column to "
+                f"function, got {raw_aggregates!r}"
+            )
         return cls(
             key=tuple(key),
             buckets=buckets if BUCKET_COLUMN in columns else 0,
@@ -164,6 +222,10 @@ class TableSettings:
             tombstone_retention=(
                 DEFAULT_TOMBSTONE_RETENTION if retention is None else parse_interval(retention)
             ),
+            merge=str(properties.get(PROP_MERGE, "last")),
+            aggregates=tuple(sorted(aggregates.items())),
+            history=str(properties.get(PROP_HISTORY, "none")),
+            track_history_on=tuple(_names(properties, PROP_TRACK_HISTORY_ON)),
         )
 
     def describe(self) -> str:
@@ -179,7 +241,26 @@ class TableSettings:
                 f"sequence by {list(self.sequence_by)} (tombstones kept "
                 f"{format_interval(self.tombstone_retention).removeprefix('interval ')})"
             )
+        if self.merge != "last":
+            parts.append(f"merge {self.merge}")
+        if self.aggregates:
+            parts.append(", ".join(f"{c} {f}" for c, f in self.aggregates))
+        if self.history != "none":
+            on = f" on {list(self.track_history_on)}" if self.track_history_on else ""
+            parts.append(f"history {self.history}{on}")
         return ", ".join(parts)
+
+
+def _names(properties: Mapping[str, str], name: str) -> list[str]:
+    """A table property holding a JSON list of column names (empty when absent)."""
+    raw = properties.get(name, "[]")
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(c, str) for c in names):
+        raise UsageError(f"table property {name} must be a JSON list, got {raw!r}")
+    return names
 
 
 def default_buckets(partitions: int) -> int:

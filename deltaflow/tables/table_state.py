@@ -16,6 +16,7 @@ from ..errors import SchemaError, TableSettingsError
 from .grouping import conform, last_per_key
 from .log import latest_version
 from .marks import LaneMarks
+from .merging import MergeRule, fold, internal
 from .rows import INTERNAL_COLUMNS, no_evolution_text
 from .sequence import Tombstones, newest_per_key, recorded
 from .settings import BUCKET_COLUMN, TableSettings
@@ -176,6 +177,11 @@ class TableState:
         return self.engine.settings.new_table(tuple(key), self.sequence or ())
 
     @property
+    def rule(self) -> MergeRule:
+        """The table's merge mode (``last`` until it exists)."""
+        return MergeRule.of(self.settings)
+
+    @property
     def sequence_by(self) -> tuple[str, ...]:
         """The sequence columns of the table (or of the table this node will create)."""
         if self.settings is not None:
@@ -184,12 +190,18 @@ class TableState:
 
     def _group_rows(self, group: list[Staged]) -> Any:
         """The group's rows in staging order, one per key: the last, or on a ``sequence_by``
-        table the one of the highest sequence."""
+        table the one of the highest sequence; a key's changes folded on a table with another
+        merge mode (:func:`.merging.fold`)."""
         import pyarrow as pa
 
         data = pa.concat_tables([s.table for s in group], promote_options="permissive")
         if not self.key:
             return data
+        rule = self.rule
+        if rule.history:  # every change is a version (:mod:`.history`)
+            return data
+        if rule.folds:
+            return fold(data, self.key, self.sequence_by, rule)
         if self.sequence_by:
             return newest_per_key(data, self.key, self.sequence_by)
         return last_per_key(data, self.key)
@@ -200,6 +212,10 @@ class TableState:
         settings = self.settings
         if settings is None or not settings.sequence_by or not self.key:
             return data
+        if settings.history != "none":  # late changes are slotted into the history,
+            # with the recorded deletes of its keys (a delete may have found no version).
+            self.tombstones.expire(settings.tombstone_retention)
+            return self.tombstones.events(data, self.key, settings.sequence_by)
         self.tombstones.expire(settings.tombstone_retention)
         data, dropped = self.tombstones.bury(data, self.key, settings.sequence_by)
         self.engine.stats.changes_superseded += dropped
@@ -227,7 +243,11 @@ class TableState:
         assert settings is not None and schema is not None
         node = self.engine.node_id
         new = [
-            f for f in data.schema if f.name not in schema.names and f.name not in INTERNAL_COLUMNS
+            f
+            for f in data.schema
+            if f.name not in schema.names
+            and f.name not in INTERNAL_COLUMNS
+            and not internal(f.name)
         ]
         if new:
             names = [f.name for f in new]

@@ -137,8 +137,9 @@ class TableWriter(TableState):
             )
             written = None
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets)) if key else None
+        deleted = self._deleted(data)  # the group's own deletes, before tombstones act
         buried = self._bury(data)
-        if buried is not data:  # fewer rows: their files and footprint are made again
+        if buried is not data:  # other rows: their files and footprint are made again
             data, written = buried, None
             footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
         if footprint is not None:
@@ -154,7 +155,16 @@ class TableWriter(TableState):
             if footprint.fresh:
                 footprint = None  # no key of the group can be in the table: appended
         write = GroupWrite(
-            self.name, self.path, key, data, "", footprint, written, version, settings.sequence_by
+            self.name,
+            self.path,
+            key,
+            data,
+            "",
+            footprint,
+            written,
+            version,
+            settings.sequence_by,
+            self.rule,
         )
         try:
             done = self.engine.write_group_files(write, target)
@@ -170,7 +180,7 @@ class TableWriter(TableState):
             LaneMarks.lowest(marks),
             rows=int(data.num_rows),
             batches=len(todo),
-            deleted=self._deleted(data),
+            deleted=deleted,
         )
         fault_point("commit_prepared")
         return ReadyCommit(commit, done, todo)
@@ -243,10 +253,11 @@ class TableWriter(TableState):
         """Blocking, while held: apply the conformed group ``data`` in one commit that
         records ``lanes`` (``footprint``: its :meth:`.Footprint.of`, if prepared beforehand)."""
         assert self.settings is not None
-        buried = self._bury(data)
-        if buried is not data:  # fewer rows: their files and footprint are made again
-            data, written, footprint = buried, None, None
+        # The group's own deletes are recorded, before tombstones act.
         metadata = LaneMarks.user_metadata(self.engine.node_id, lanes, deleted=self._deleted(data))
+        buried = self._bury(data)
+        if buried is not data:  # other rows: their files and footprint are made again
+            data, written, footprint = buried, None, None
         if key:
             if footprint is None:
                 footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
@@ -275,6 +286,7 @@ class TableWriter(TableState):
                 written,
                 read_version,
                 self.settings.sequence_by,
+                self.rule,
             )
         )
         return int(data.num_rows)
