@@ -523,7 +523,9 @@ BREAKS: dict[str, Break] = {
         "deltaflow/tables/history.py",
         "    for row in stored.to_pylist():\n        k = row[key]\n",
         "    for row in stored.to_pylist()[:0]:\n        k = row[key]\n",
-        ("tests/test_cdc.py::test_a_history_table_keeps_every_version_and_slots_late_changes_in[delta-rs-dv]",),
+        (
+            "tests/test_cdc.py::test_a_history_table_keeps_every_version_and_slots_late_changes_in[delta-rs-dv]",
+        ),
     ),
     # A quarantined row is left out alone: the rest of its batch applies.
     "quarantine_fails_the_batch": Break(
