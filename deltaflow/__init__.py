@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         StreamerOptions,
         StreamSummary,
         connect,
+        set_null,
         stream_data,
     )
     from .columnar import DELETE_COLUMN, ArrowRows
@@ -38,6 +39,7 @@ _HOMES = {
     "StreamerOptions": "client",
     "StreamSummary": "client",
     "connect": "client",
+    "set_null": "client",
     "stream_data": "client",
     "DELETE_COLUMN": "columnar",
     "ArrowRows": "columnar",
@@ -63,6 +65,7 @@ __all__ = [
     "StreamerOptions",
     "connect",
     "create_table",
+    "set_null",
     "stream_data",
 ]
 

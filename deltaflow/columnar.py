@@ -43,6 +43,9 @@ __all__ = [
 
 #: The optional boolean column of an Arrow source whose true rows delete their key.
 DELETE_COLUMN: Final = "__deltaflow_delete"
+#: A row's columns set to null on purpose (``deltaflow.set_null``): on a ``partial`` table a
+#: null otherwise keeps the stored value.
+NULLS_COLUMN: Final = "__deltaflow_nulls"
 
 
 def is_arrow(kind: type) -> bool:

@@ -274,7 +274,13 @@ async def test_merge_modes_partial_first_and_aggregate(warehouse: Any, engine: s
             "agg": ([{"id": 1, "total": 1}, {"id": 1, "total": 1, "high": 10.0}], frozenset()),
             "seqpart": ([{"id": 1, "lsn": 2, "email": "old@"}], frozenset()),  # late: dropped
         },
-        {"first": ([{"id": 2, "v": "y"}], frozenset())},  # after its delete: first again
+        {
+            "first": ([{"id": 2, "v": "y"}], frozenset()),  # after its delete: first again
+            # A null set on purpose replaces the stored value; in a group, the last setting
+            # of a column wins, a value or such a null.
+            "partial": ([deltaflow.set_null({"id": 1}, "email"), {"id": 2, "email": "e@"},
+                         deltaflow.set_null({"id": 2, "n": 7}, "email")], frozenset()),
+        },
     ]  # fmt: skip
     async with table_engine(engine, warehouse) as eng:
         await apply_rounds(eng, rounds)
@@ -283,8 +289,8 @@ async def test_merge_modes_partial_first_and_aggregate(warehouse: Any, engine: s
         return {k: tuple(r[c] for c in columns) for k, r in read_delta(warehouse / name).items()}
 
     assert table("partial", "name", "email", "n") == {
-        1: ("A", "x@", 5),
-        2: ("B", None, None),  # deleted, then written anew in the same group
+        1: ("A", None, 5),
+        2: ("B", None, 7),  # deleted, then written anew in the same group; then patched
         3: ("c", None, None),
     }
     assert table("first", "v") == {1: ("d",), 2: ("y",)}
@@ -337,3 +343,40 @@ async def test_a_history_table_keeps_every_version_and_slots_late_changes_in(
     ]  # fmt: skip
     # Only a change of tier opens a version; the name changed in place.
     assert versions("scd_tier") == [(1, 1, 3, "b"), (1, 3, None, "c")]
+
+
+async def test_a_sequence_of_two_columns_and_the_cli_settings(tmp_path: Path) -> None:
+    """A binlog position (file, offset) compared in order; the settings by the CLI."""
+    import subprocess
+    import sys
+
+    warehouse = tmp_path / "warehouse"
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "deltaflow.cli", "table", "create", "binlog",
+         "--warehouse", str(warehouse), "--schema", "id:long,file:string,pos:long,v:long",
+         "--key", "id", "--sequence-by", "file,pos", "--merge", "aggregate",
+         "--aggregates", "v=sum", "--tombstone-retention", "2 days"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    settings = await asyncio.to_thread(read_table_settings, warehouse, "binlog")
+    assert (settings.sequence_by, settings.merge, settings.aggregates) == (
+        ("file", "pos"),
+        "aggregate",
+        (("v", "sum"),),
+    )
+    assert settings.tombstone_retention == 2 * 86400
+    assert "merge aggregate, v sum" in done.stdout
+
+    def at(file: str, pos: int, v: int) -> dict[str, Any]:
+        return {"id": 1, "file": file, "pos": pos, "v": v}
+
+    async with table_engine("delta-rs", warehouse) as eng:
+        await (await eng.stage("binlog", ["id"], [at("b.001", 900, 1)], frozenset()))
+        # A later file beats a larger offset of an earlier one; an earlier position is late.
+        await (await eng.stage("binlog", ["id"], [at("b.002", 10, 2), at("b.001", 950, 100)],
+                               frozenset()))  # fmt: skip
+        await (await eng.stage("binlog", ["id"], [at("b.001", 990, 1000)], frozenset()))
+    [row] = read_delta(warehouse / "binlog").values()
+    assert (row["file"], row["pos"], row["v"]) == ("b.002", 10, 103)

@@ -17,7 +17,7 @@ from .latency import AckLatency
 from .ledger import CommitPosition
 from .options import StreamerOptions
 from .sender import NodeStatistics
-from .stream_types import TABLE_RECEIVER, Delete, StreamStatistics, StreamSummary
+from .stream_types import TABLE_RECEIVER, Delete, StreamStatistics, StreamSummary, set_null
 from .sync import stream_data
 
 __all__ = [
@@ -37,5 +37,6 @@ __all__ = [
     "StreamSummary",
     "StreamerOptions",
     "connect",
+    "set_null",
     "stream_data",
 ]

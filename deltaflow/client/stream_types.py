@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..columnar import NULLS_COLUMN
 from ..errors import UsageError
 from .latency import AckLatency
 from .sender import NodeStatistics
@@ -20,6 +21,7 @@ __all__ = [
     "StreamStatistics",
     "StreamSummary",
     "key_function",
+    "set_null",
     "spread",
 ]
 
@@ -112,6 +114,20 @@ class StreamStatistics:
     commit_position: int
     per_node: dict[str, NodeStatistics]
     ack_latency: AckLatency = dataclasses.field(default_factory=AckLatency)
+
+
+def set_null(row: Mapping[str, Any], *columns: str) -> dict[str, Any]:
+    """``row`` with ``columns`` set to null on purpose: on a table with ``merge="partial"`` a
+    null (or an absent column) keeps the stored value, these replace it with null. On other
+    tables the same as a null value.
+
+    Raises:
+        UsageError: a column is not a name.
+    """
+    if not all(isinstance(c, str) and c for c in columns):
+        raise UsageError(f"set_null: name the columns to set to null, got {columns!r}")
+    named = list(dict.fromkeys([*row.get(NULLS_COLUMN, ()), *columns]))
+    return {**{k: v for k, v in row.items() if k not in columns}, NULLS_COLUMN: named}
 
 
 def spread(item: Any) -> None:

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from .._faults import fault_point
+from ..columnar import NULLS_COLUMN
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
 from ..storage.paths import Location, storage_options
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
@@ -282,6 +283,7 @@ class DeltaRsTableEngine(TableEngine):
                 group.sequence,
                 _quote,
                 replacing=REPLACE_COLUMN in data.column_names,
+                nulls=NULLS_COLUMN in data.column_names,
             )
             merger = target.merge(
                 data,

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from .._faults import fault_point
+from ..columnar import NULLS_COLUMN
 from ..errors import (
     CommitConflictError,
     DeltaflowError,
@@ -504,6 +505,7 @@ def _merge_sql(
         sequence,
         _quote,
         replacing=REPLACE_COLUMN in columns,
+        nulls=NULLS_COLUMN in columns,
     ):
         when = "WHEN MATCHED" + (f" AND {condition}" if condition else "")
         if sets is None:

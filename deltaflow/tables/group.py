@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..storage.paths import Location
+from .data_files import DataFile
 from .footprint import Footprint
 from .merging import LAST, MergeRule
-from .rewrite import DataFile
 from .settings import TableSettings
 
 __all__ = ["GroupWrite", "PreparedGroup"]

@@ -40,13 +40,8 @@ from urllib.parse import unquote
 from ..columnar import DELETE_COLUMN
 from ..errors import CommitConflictError
 from ..storage.paths import Location, open_input
-from .deletion_vectors import DvWriter, descriptor_id, read
-from .footprint import Footprint
-from .history import as_group_rows, rebuild
-from .merging import LAST, MergeRule, merge_stored
-from .rewrite import (
+from .data_files import (
     FILE_POOL,
-    VECTOR_FEATURES,
     DataFile,
     RewriteUnsupported,
     add_action,
@@ -54,9 +49,13 @@ from .rewrite import (
     files_holding,
     read_file,
     remove_action,
-    unsupported_by,
     write_buckets,
 )
+from .deletion_vectors import DvWriter, descriptor_id, read
+from .footprint import Footprint
+from .history import as_group_rows, rebuild
+from .merging import LAST, MergeRule, merge_stored
+from .rewrite import VECTOR_FEATURES, unsupported_by
 from .sequence import resolve
 from .settings import BUCKET_COLUMN, PROP_DELETION_VECTORS
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ..columnar import DELETE_COLUMN
+from ..columnar import DELETE_COLUMN, NULLS_COLUMN
 
 __all__ = [
     "LAST",
@@ -205,7 +205,7 @@ def _fold_tail(
     skip_nulls = pc.ScalarAggregateOptions(skip_nulls=True)
     aggregations: list[tuple[str, str, Any]] = []
     for name in data.column_names:
-        if name in key or name == DELETE_COLUMN:
+        if name in key or name in (DELETE_COLUMN, NULLS_COLUMN):
             continue
         function = "first" if rule.mode == "first" else rule.function(name)
         if name in sequence or function == "last":
@@ -224,7 +224,53 @@ def _fold_tail(
     }
     columns.update({k: grouped.column(k) for k in key})
     columns[DELETE_COLUMN] = pa.array([False] * grouped.num_rows)
+    if NULLS_COLUMN in data.column_names:
+        last_set = [n for n, how, opts in aggregations if how == "last" and opts is skip_nulls]
+        columns.update(_explicit_nulls(tail, key, last_set, grouped.num_rows))
     return pa.table([columns[c] for c in data.column_names], schema=data.schema)
+
+
+def _explicit_nulls(tail: Any, key: Sequence[str], names: list[str], keys: int) -> dict[str, Any]:
+    """For the columns ``names`` (the last non-null value wins), the last value a key's
+    changes set, counting a null set on purpose (:data:`NULLS_COLUMN`), and the folded rows'
+    own :data:`NULLS_COLUMN`. ``tail`` is sorted by key, ``keys`` of them."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    # A key's changes are contiguous: each row's key, numbered in order.
+    counts = tail.group_by(list(key), use_threads=False).aggregate([([], "count_all")])
+    run = np.repeat(np.arange(keys), counts.column("count_all").to_numpy())
+    explicit_out: list[list[str]] = [[] for _ in range(keys)]
+    out: dict[str, Any] = {}
+    for name in names:
+        named = contains(tail.column(NULLS_COLUMN), name)
+        if not named.any():
+            continue
+        setting = np.asarray(tail.column(name).is_valid().to_numpy(zero_copy_only=False)) | named
+        last = np.full(keys, -1, dtype=np.int64)
+        np.maximum.at(last, run[setting], np.flatnonzero(setting))
+        value = tail.column(name).take(pa.array(np.maximum(last, 0)))
+        value = pc.if_else(pa.array(last >= 0), value, pa.nulls(keys, value.type))
+        out[name] = value
+        for k in np.flatnonzero((last >= 0) & named[np.maximum(last, 0)]):
+            explicit_out[k].append(name)
+    out[NULLS_COLUMN] = pa.array([n or None for n in explicit_out], pa.list_(pa.string()))
+    return out
+
+
+def contains(lists: Any, value: str) -> Any:
+    """Per row of a list column, whether its list holds ``value`` (numpy bools)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    lists = lists.combine_chunks() if hasattr(lists, "combine_chunks") else lists
+    out = np.zeros(len(lists), dtype=bool)
+    flat = pc.list_flatten(lists)
+    if len(flat):
+        parents = pc.list_parent_indices(lists).to_numpy()
+        out[parents[np.asarray(pc.equal(flat, value).to_numpy(zero_copy_only=False), bool)]] = True
+    return out
 
 
 def _padded(rows: Any, schema: Any) -> Any:
@@ -289,12 +335,13 @@ def merge_stored(
         rule,
         key,
     )
-    mask = np.zeros(data.num_rows, dtype=bool)
-    mask[at] = True
-    where = pa.array(mask)
+    # Each row from the group, or from the merged rows where it met a stored one.
+    source = np.arange(data.num_rows, dtype=np.int64)
+    source[at] = data.num_rows + np.arange(len(at))
+    picked = pa.array(source)
     columns = [
-        pc.replace_with_mask(
-            data.column(i).combine_chunks(), where, merged.column(i).combine_chunks()
+        pa.concat_arrays([data.column(i).combine_chunks(), merged.column(i).combine_chunks()]).take(
+            picked
         )
         for i in range(data.num_columns)
     ]
@@ -309,6 +356,7 @@ def combine(group: Any, stored: Any, replace: Any, rule: MergeRule, key: Sequenc
     import pyarrow.compute as pc
 
     replacing = pa.array(replace, type=pa.bool_())
+    explicit = NULLS_COLUMN in group.column_names
     columns = []
     for f in group.schema:
         mine = group.column(f.name)
@@ -323,6 +371,9 @@ def combine(group: Any, stored: Any, replace: Any, rule: MergeRule, key: Sequenc
             merged = mine
         elif function == "last_non_null":
             merged = pc.coalesce(mine, theirs)
+            if explicit:  # set to null on purpose: null
+                named = pa.array(contains(group.column(NULLS_COLUMN), f.name))
+                merged = pc.if_else(named, pa.nulls(len(mine), mine.type), merged)
         elif function == "sum":
             merged = pc.coalesce(pc.add(theirs, mine), mine, theirs)
         elif function == "min":
@@ -340,10 +391,12 @@ def matched_clauses(
     quote: Any,
     *,
     replacing: bool,
+    nulls: bool = False,
 ) -> list[tuple[str | None, dict[str, str] | None]]:
     """A MERGE's ``WHEN MATCHED`` clauses, in order: (condition or None, the ``UPDATE SET``
     assignments, or None to ``DELETE``). ``columns``: the ones an update sets (no key, no
-    layout column); ``replacing``: the source has :data:`REPLACE_COLUMN`."""
+    layout column); ``replacing``, ``nulls``: the source has :data:`REPLACE_COLUMN`,
+    :data:`NULLS_COLUMN`."""
     from .sequence import merge_condition
 
     flag = f"s.{quote(DELETE_COLUMN)}"
@@ -361,12 +414,18 @@ def matched_clauses(
             )
         clauses.append((replace, plain))
     if rule.mode != "first":
-        clauses.append((newer, update_clauses(columns, rule, quote)))
+        clauses.append((newer, update_clauses(columns, rule, quote, nulls=nulls)))
     return clauses
 
 
 def update_clauses(
-    columns: Sequence[str], rule: MergeRule, quote: Any, s: str = "s", t: str = "t"
+    columns: Sequence[str],
+    rule: MergeRule,
+    quote: Any,
+    s: str = "s",
+    t: str = "t",
+    *,
+    nulls: bool = False,
 ) -> dict[str, str]:
     """A MERGE's ``UPDATE SET`` expressions (target column -> SQL) that merge the source row
     into the target one under ``rule`` (the mode's; a replacing row's clause is the caller's:
@@ -379,6 +438,12 @@ def update_clauses(
             out[column] = mine
         elif function == "last_non_null":
             out[column] = f"COALESCE({mine}, {theirs})"
+            if nulls:  # set to null on purpose (deltaflow.set_null)
+                name = "'" + column.replace("'", "''") + "'"
+                listed = f"{s}.{quote(NULLS_COLUMN)}"
+                out[column] = (
+                    f"CASE WHEN array_contains({listed}, {name}) THEN NULL ELSE {out[column]} END"
+                )
         elif function == "sum":
             out[column] = (
                 f"CASE WHEN {mine} IS NULL THEN {theirs} WHEN {theirs} IS NULL THEN {mine} "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._faults import fault_point
-from ..columnar import DELETE_COLUMN, ArrowRows
+from ..columnar import DELETE_COLUMN, NULLS_COLUMN, ArrowRows
 from ..errors import SchemaError
 from ..partitioning import partition_table
 from .conversion import column_of, convert_column, infer_column, table_type, transpose
@@ -133,6 +133,7 @@ def _row_columns(
     import pyarrow as pa
 
     new: dict[str, None] = {}
+    nulls: list[Any] | None = None
     # The common case costs no Python pass per row: plain dicts whose columns the table has
     # (so none is reserved or unknown); keys are checked on the built columns. Anything else,
     # and a null key, takes the row-by-row check, which names the offending item.
@@ -143,6 +144,8 @@ def _row_columns(
         and all(map(frozenset(schema.names).issuperset, rows))
     )
     if not fast:
+        if any(isinstance(r, Mapping) and NULLS_COLUMN in r for r in rows):
+            rows, nulls = _split_nulls(rows, required, table=table, node=node)
         new = _check_rows(rows, deletes, required, schema, table=table, node=node, evolve=evolve)
     if schema is None:
         # Inferred per column over every row (from_pylist would take the first row's keys).
@@ -175,7 +178,48 @@ def _row_columns(
     for c in new:
         column = [None if i in deletes else row.get(c) for i, row in enumerate(rows)]
         data = data.append_column(c, infer_column(column, c, table=table, node=node))
+    if nulls is not None:
+        data = data.append_column(NULLS_COLUMN, pa.array(nulls, pa.list_(pa.string())))
     return data, new
+
+
+def _split_nulls(
+    rows: Sequence[Any], required: _Required, *, table: str, node: str
+) -> tuple[list[Any], list[Any]]:
+    """Rows without their ``NULLS_COLUMN`` (the columns they name set to None), and per row
+    the columns it sets to null on purpose (``deltaflow.set_null``), or None.
+
+    Raises:
+        SchemaError: a row names something other than columns, or its key or sequence.
+    """
+    out: list[Any] = []
+    nulls: list[Any] = []
+    for i, row in enumerate(rows):
+        named = row.get(NULLS_COLUMN) if isinstance(row, Mapping) else None
+        if named is None:
+            out.append(row)
+            nulls.append(None)
+            continue
+        if not (isinstance(named, list) and all(isinstance(c, str) for c in named)):
+            raise SchemaError(
+                f"item #{i} of the batch: {NULLS_COLUMN} lists the columns to set to null "
+                f"(deltaflow.set_null), not {named!r}",
+                node=node,
+                details={"item": i, "column": NULLS_COLUMN},
+            )
+        kept = [c for c in named if c in required.columns]
+        if kept:
+            raise SchemaError(
+                f"item #{i} of the batch sets {kept} of table {table!r} to null: a key or "
+                "sequence column always has a value",
+                node=node,
+                details={"item": i, "column": kept[0]},
+            )
+        fixed = {k: v for k, v in row.items() if k != NULLS_COLUMN}
+        fixed.update(dict.fromkeys(named))
+        out.append(fixed)
+        nulls.append(named)
+    return out, nulls
 
 
 def _page_columns(

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, cast
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
 from ..errors import CommitConflictError, SchemaError, TableSettingsError, UsageError
+from .data_files import DataFile, RewriteUnsupported
 from .footprint import Footprint
 from .group import GroupWrite, PreparedGroup
 from .log import is_table, log_dir
 from .marks import LaneMarks, Mark
-from .rewrite import DataFile, RewriteUnsupported
+from .merging import internal
 from .rows import INTERNAL_COLUMNS
 from .sequence import check_sequence_type
 from .table_state import Engine, TableState
@@ -326,7 +327,9 @@ class TableWriter(TableState):
         import pyarrow as pa
 
         settings = self.engine.settings.new_table(tuple(self.key or ()), self.sequence or ())
-        schema = pa.schema([f for f in data.schema if f.name not in INTERNAL_COLUMNS])
+        schema = pa.schema(
+            [f for f in data.schema if f.name not in INTERNAL_COLUMNS and not internal(f.name)]
+        )
         for column in settings.sequence_by:
             try:
                 check_sequence_type(column, schema.field(column).type)
