@@ -316,7 +316,7 @@ def main() -> int:
     parser.add_argument("--changes", type=int, default=1_000_000)
     parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--producers", type=int, default=3)
-    parser.add_argument("--nodes", type=int, default=1, help="node processes of deltaflow")
+    parser.add_argument("--nodes", type=int, default=2, help="node processes of deltaflow")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--warehouse", help=argparse.SUPPRESS)

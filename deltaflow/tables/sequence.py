@@ -255,6 +255,25 @@ def encode(column: Any) -> list[Any]:
     return column.to_pylist()  # type: ignore[no-any-return]
 
 
+def _comparable(column: Any) -> Any:
+    """A column as :func:`encode` writes it, kept in Arrow (integers as int64, dates and
+    timestamps as their counts, text as text); None for another type."""
+    import pyarrow as pa
+
+    t = column.type
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        width = pa.int64() if pa.types.is_timestamp(t) or pa.types.is_date64(t) else pa.int32()
+        return column.cast(width).cast(pa.int64())
+    if pa.types.is_integer(t):
+        try:
+            return column.cast(pa.int64())
+        except pa.ArrowInvalid:  # an unsigned value past int64
+            return None
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return column.cast(pa.string())
+    return None
+
+
 def _rows(columns: Sequence[list[Any]]) -> list[Any]:
     """One value per row: the value for one column, a tuple for several."""
     if len(columns) == 1:
@@ -274,6 +293,7 @@ class Tombstones:
         self._held: dict[Any, tuple[tuple[Any, ...], int]] = {}
         # Every delete of a key, not only the newest (a history's deletes, :meth:`events`).
         self._every: dict[Any, dict[tuple[Any, ...], int]] = {}
+        self._columns: tuple[Any, Any] | None = None  # the held keys and sequences, as Arrow
         self._expired_at = 0.0
 
     def __len__(self) -> int:
@@ -292,6 +312,7 @@ class Tombstones:
             if held is None or s > held[0]:
                 self._held[k] = (s, at_ms)
             self._every.setdefault(k, {})[s] = at_ms
+        self._columns = None
 
     def expire(self, retention_seconds: int, now: float | None = None) -> None:
         """Forget the deletes older than the retention (at most once a minute)."""
@@ -301,8 +322,44 @@ class Tombstones:
         self._expired_at = now
         oldest = int((now - retention_seconds) * 1000)
         self._held = {k: v for k, v in self._held.items() if v[1] >= oldest}
+        self._columns = None
         every = {k: {s: t for s, t in v.items() if t >= oldest} for k, v in self._every.items()}
         self._every = {k: v for k, v in every.items() if v}
+
+    def _keep_columnar(self, keys: Any, sequence: Any) -> Any:
+        """:meth:`bury`'s verdict per row (numpy bools) without a Python pass over the group's
+        rows, for a key and a sequence of one column each whose values encode as integers or
+        text; None for other types."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        mine = _comparable(keys)
+        if mine is None or _comparable(sequence) is None:
+            return None
+        if self._columns is None:  # (made again after each absorb)
+            held = list(self._held.items())
+            try:
+                self._columns = (
+                    pa.array([k for k, _ in held]),
+                    pa.array([s[0] for _, (s, _) in held]),
+                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # keys of several columns
+                return None
+        held_keys, held_seqs = self._columns
+        if held_keys.type != mine.type:
+            try:
+                held_keys = held_keys.cast(mine.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                return None
+        at = pc.index_in(mine, value_set=held_keys)
+        hit = np.asarray(at.is_valid().to_numpy(zero_copy_only=False), dtype=bool)
+        keep = np.ones(len(hit), dtype=bool)
+        if hit.any():
+            theirs = held_seqs.take(at.filter(pa.array(hit)))
+            ours = _comparable(sequence.filter(pa.array(hit)))
+            keep[hit] = newer([ours], [theirs])
+        return keep
 
     def events(self, data: Any, key: Sequence[str], sequence: Sequence[str]) -> Any:
         """``data`` (a group of changes) with the recorded deletes of its keys added as rows
@@ -337,6 +394,12 @@ class Tombstones:
         if not self._held or not data.num_rows:
             return data, 0
         import pyarrow as pa
+
+        if len(key) == 1 and len(sequence) == 1:
+            keep = self._keep_columnar(data.column(key[0]), data.column(sequence[0]))
+            if keep is not None:
+                dropped = int(len(keep) - keep.sum())
+                return (data.filter(pa.array(keep)), dropped) if dropped else (data, 0)
 
         keys = _rows([encode(data.column(k)) for k in key])
         seqs = list(zip(*(encode(data.column(s)) for s in sequence), strict=True))
