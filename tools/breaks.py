@@ -435,7 +435,7 @@ BREAKS: dict[str, Break] = {
     ),
     # sequence_by: within a group the highest sequence of a key wins, not the last arrival.
     "sequence_last_arrival_wins": Break(
-        "deltaflow/tables/table_writer.py",
+        "deltaflow/tables/table_state.py",
         "            return newest_per_key(data, self.key, self.sequence_by)\n",
         "            return last_per_key(data, self.key)\n",
         ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
@@ -443,8 +443,8 @@ BREAKS: dict[str, Break] = {
     # ... against the table, a stored row of a sequence not lower stays (deltaflow's writers).
     "sequence_stored_row_ignored": Break(
         "deltaflow/tables/sequence.py",
-        "    if group_sequence is None or not hit.any():\n",
-        "    if True:\n",
+        "    if group_sequence is None:\n        return hit, losers, group_of\n",
+        "    if True:\n        return hit, losers, group_of\n",
         (
             "tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs-dv]",
             "tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[spark]",
@@ -480,8 +480,8 @@ BREAKS: dict[str, Break] = {
     # The same on a cluster: producers out of order, nodes of both engines, a committer.
     "sequence_ignored_on_a_cluster": Break(
         "deltaflow/tables/sequence.py",
-        "    if group_sequence is None or not hit.any():\n",
-        "    if True:\n",
+        "    if group_sequence is None:\n        return hit, losers, group_of\n",
+        "    if True:\n        return hit, losers, group_of\n",
         (
             "tests/test_cdc_cluster.py::test_three_producers_out_of_order_end_at_the_highest_sequence",
         ),
