@@ -380,3 +380,23 @@ async def test_a_sequence_of_two_columns_and_the_cli_settings(tmp_path: Path) ->
         await (await eng.stage("binlog", ["id"], [at("b.001", 990, 1000)], frozenset()))
     [row] = read_delta(warehouse / "binlog").values()
     assert (row["file"], row["pos"], row["v"]) == ("b.002", 10, 103)
+
+
+@pytest.mark.parametrize("engine", ["delta-rs", "spark"], indirect=True)
+async def test_a_row_breaking_a_check_constraint_is_named_when_staged(
+    warehouse: Any, engine: str
+) -> None:
+    await asyncio.to_thread(
+        deltaflow.create_table, warehouse, "checked", schema="id:long,amount:double", key="id",
+        engine=creating_engine(engine),
+    )  # fmt: skip
+    open_table(warehouse / "checked").alter.add_constraint({"positive": "amount >= 0"})
+    async with table_engine(engine, warehouse) as eng:
+        rows = [{"id": 1, "amount": 1.0}, {"id": 2, "amount": -5.0}, {"id": 3, "amount": None}]
+        with pytest.raises(SchemaError, match=r"item #1 .*violated CHECK constraint 'positive'"):
+            await eng.stage("checked", ["id"], rows, frozenset())
+        # A null is not true either (Delta's rule); a delete needs no value.
+        with pytest.raises(SchemaError, match="item #0 "):
+            await eng.stage("checked", ["id"], rows[2:], frozenset())
+        await (await eng.stage("checked", ["id"], [*rows[:1], rows[1]], frozenset({1})))
+    assert {k: r["amount"] for k, r in read_delta(warehouse / "checked").items()} == {1: 1.0}

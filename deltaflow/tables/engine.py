@@ -31,6 +31,7 @@ from ..errors import SchemaError, UsageError
 from ..storage.paths import Location, StorePath, location
 from .atomicity import CommitAtomicity, atomicity_for
 from .committer import TableCommitter
+from .constraints import check_constraints
 from .coordinator import TableCoordinator
 from .engine_settings import EngineSettings
 from .group import GroupWrite
@@ -455,6 +456,13 @@ class TableEngine:
                         raise
                     if not await self.in_thread(committer.describe_if_newer):
                         raise
+        constraints = committer.constraints
+        if constraints and settings.merge == "last" and settings.history == "none":
+            # Named here, a row breaking a CHECK constraint fails its batch alone (a partial
+            # or folded row is only whole in the commit, which enforces them all).
+            await asyncio.to_thread(
+                check_constraints, converted, constraints, table=table, node=self.node_id
+            )
         await committer.queue.wait_for_room()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         committer.put(Staged(converted, fut, abandoned, mark, settings.buckets, held))

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import SchemaError, TableSettingsError
+from .constraints import CONSTRAINT_PREFIX
 from .grouping import conform, last_per_key
 from .log import latest_version
 from .marks import LaneMarks
@@ -91,6 +92,8 @@ class TableState:
         self.settings: TableSettings | None = None  # None until the table exists
         self.schema: Any = None  # the data columns (no bucket), None until the table exists
         self.partition_columns: tuple[str, ...] = ()
+        #: The table's CHECK constraints (name -> SQL), as last read.
+        self.constraints: dict[str, str] = {}
         self.described_version = -1
         #: The deletes the table's commits record (``sequence_by`` tables), read with the marks.
         self.tombstones = Tombstones()
@@ -118,6 +121,11 @@ class TableState:
         self.settings = TableSettings.from_table(desc.properties, full.names)
         self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
         self.partition_columns = tuple(desc.partition_columns)
+        self.constraints = {
+            name.removeprefix(CONSTRAINT_PREFIX): str(expression)
+            for name, expression in desc.properties.items()
+            if name.startswith(CONSTRAINT_PREFIX)
+        }
         if self.settings.buckets and BUCKET_COLUMN not in desc.partition_columns:
             log.warning("table %s: %s is not a partition column", self.name, BUCKET_COLUMN)
 
