@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import ssl
@@ -17,8 +18,38 @@ from ..storage.paths import Location
 __all__ = ["NodeProcess", "free_port", "wait_for_members"]
 
 
+#: Ports this process handed out (never twice).
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range: a node binds it only
+    once its engine started, and the JVMs starting meanwhile take their own ports (Spark's
+    driver, block manager, py4j) from the ephemeral range, so one of them could take a port
+    the OS had just handed out here."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(20000, max(20001, low))
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # every try taken: the OS's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
