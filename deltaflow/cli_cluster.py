@@ -246,12 +246,20 @@ def _node_drain(args: argparse.Namespace) -> int:
                 print(f"node {args.node} still runs after {args.timeout:g}s", file=sys.stderr)
                 return 1
         print(f"node {body['node']} stopped {time.monotonic() - started:.1f}s later")
-        for other in others:
-            with contextlib.suppress(NodeUnavailableError, ConnectionLostError):
-                owners = (await read_cluster(other, token, peer_token, tls))["map"]["owners"]
-                counts = {n: owners.count(n) for n in sorted(set(owners))}
-                print("partitions now: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
+        # The survivors learn of the departure by the node's leave call or their own polls;
+        # report their map once it no longer names the drained node (or the time is up).
+        owners: list[str] = []
+        while others:
+            for other in others:
+                with contextlib.suppress(NodeUnavailableError, ConnectionLostError):
+                    owners = (await read_cluster(other, token, peer_token, tls))["map"]["owners"]
+                    break
+            if body["node"] not in owners or time.monotonic() - started >= args.timeout:
                 break
+            await asyncio.sleep(0.1)
+        if owners:
+            counts = {n: owners.count(n) for n in sorted(set(owners))}
+            print("partitions now: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
         return 0
 
     return asyncio.run(run())

@@ -14,6 +14,7 @@ with a conditional PUT instead of a hard link.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
+
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from ..errors import UsageError
 from ..storage.paths import Location, StorePath, location
@@ -87,7 +90,21 @@ class FileIdentityStore:
     def load_or_create(self, node_id: str) -> ClusterRecord:
         if not self.path.exists():
             self._create(node_id)
+            # On an object store a racing creator's PUT can be refused ("exists", or a
+            # conflicting conditional write) before the winner's object is readable.
+            with contextlib.suppress(FileNotFoundError):  # then _read says what is wrong
+                self._await_record()
         return self._read()
+
+    def _await_record(self) -> None:
+        for attempt in Retrying(
+            retry=retry_if_exception_type(FileNotFoundError),
+            stop=stop_after_delay(10),
+            wait=wait_fixed(0.1),
+            reraise=True,
+        ):
+            with attempt:
+                self.path.read_bytes()
 
     def _create(self, node_id: str) -> None:
         record = ClusterRecord(
