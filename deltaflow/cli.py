@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -13,18 +14,18 @@ import signal
 import sys
 from typing import Any
 
-from .cli_cluster import add_cluster_commands, peer_token_of, token_of
+from .cli_cluster import add_cluster_commands
+from .cli_config import add_config_commands, settings_of
 from .cli_infrastructure import add_infrastructure_commands, add_warehouse, warehouse_of
 from .engines.options import (
     DEFAULT_ENGINE,
     DELTA_RS,
     ENGINE_NAMES,
     SPARK,
-    SPARK_WRITERS,
     SparkOptions,
-    engine_options,
 )
 from .errors import UsageError
+from .server.config_layers import add_flags
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
 from .tables.settings import MERGE_MODES
 
@@ -34,61 +35,10 @@ log = logging.getLogger("deltaflow.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .security import NodeTls
-    from .server import Node, NodeConfig
-    from .spark_integration import SparkConfig
+    from .server import Node
+    from .server.config_layers import node_config
 
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key):
-            raise UsageError("--tls-cert and --tls-key go together")
-        tls = NodeTls(args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth)
-    elif args.tls_ca or args.tls_client_auth:
-        raise UsageError("--tls-ca and --tls-client-auth need --tls-cert and --tls-key")
-    # Checked whatever the engine, as the Spark flags always were.
-    spark = SparkOptions(
-        config=SparkConfig(
-            master=args.spark_master,
-            app_name=f"deltaflow-{args.node_id}",  # one application per node, by its name
-            driver_memory=args.driver_memory,
-            java_options=args.driver_java_options,
-            max_cores=args.spark_max_cores,
-            executor_memory=args.spark_executor_memory,
-            executor_wait=args.spark_executor_wait,
-        ),
-        writer=args.spark_writer,
-    )
-    config = NodeConfig(
-        node_id=args.node_id,
-        host=args.host,
-        port=args.port,
-        advertise=args.advertise,
-        warehouse=args.warehouse,
-        storage_options=dict(args.storage_option),
-        peers=[p for p in (args.peers or "").split(",") if p],
-        receivers=args.receiver or [],
-        receiver_concurrency=dict(args.receiver_concurrency or []),
-        token=token_of(args),
-        peer_token=peer_token_of(args),
-        tls=tls,
-        insecure=args.insecure,
-        partitions=args.partitions,
-        max_frame_bytes=args.max_frame_bytes,
-        heartbeat_interval=args.heartbeat_interval,
-        failure_timeout=args.failure_timeout,
-        peer_expiry=args.peer_expiry,
-        max_group_rows=args.max_group_rows,
-        max_group_bytes=args.max_group_bytes,
-        min_commit_interval=args.min_commit_interval,
-        table_buckets=args.table_buckets,
-        schema_evolution=args.schema_evolution,
-        deletion_vectors=args.deletion_vectors,
-        side_inputs=args.side_input or [],
-        side_input_timeout=args.side_input_timeout,
-        side_input_lease=args.side_input_lease,
-        side_input_poll_interval=args.side_input_poll_interval,
-        engine=spark if args.engine == SPARK else engine_options(args.engine),
-    )
+    config = node_config(settings_of(args))
 
     async def run() -> None:
         node = Node(config)
@@ -96,16 +46,25 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, signalled.set)
-        await node.start()
+        # A signal during the start (Spark starting, side inputs awaited) abandons it.
+        starting = asyncio.create_task(node.start())
+        first = asyncio.create_task(signalled.wait())
+        await asyncio.wait([starting, first], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            log.info("node %s: signalled while starting; stopped", node.node_id)
+            return
+        starting.result()  # the start's error, if any
         print(f"deltaflow node {node.node_id} ready on {node.address}", flush=True)
         # The first SIGTERM or SIGINT drains (hands the partitions over, finishes, stops); a
         # second one stops at once. `deltaflow node drain` drains through the node's API.
         stopped = asyncio.create_task(node.wait_stopped())
-        first = asyncio.create_task(signalled.wait())
         await asyncio.wait([stopped, first], return_when=asyncio.FIRST_COMPLETED)
         if first.done():
             signalled.clear()
-            drain = asyncio.create_task(node.drain())
+            drain = asyncio.create_task(node.drain(asked_by="signal"))
             again = asyncio.create_task(signalled.wait())
             await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)
             if not drain.done():
@@ -240,162 +199,34 @@ def _field_default(cls: Any, name: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deltaflow", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="deltaflow",
+        description="Stream records into Delta Lake tables through a cluster of nodes.",
+        epilog="Exit codes: 0 success; 1 the operation failed; 2 refused or bad usage; "
+        "69 a service could not be reached; 78 the configuration is not valid; 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"deltaflow {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default=None,
+        help="text for people (default), json: one object a line",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run a node")
-    serve.add_argument("--node-id", required=True)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=_node_default("port"))
-    serve.add_argument("--advertise", help="host:port clients and peers reach this node at")
-    add_warehouse(serve)
-    serve.add_argument("--peers", help="other nodes as host:port,host:port")
-    serve.add_argument("--receiver", action="append", help="allow a receiver class (repeatable)")
-    serve.add_argument(
-        "--receiver-concurrency",
-        action="append",
-        type=_name_and_bound,
-        metavar="NAME=N",
-        help="at most N receive() calls of receiver NAME at once on this node (repeatable)",
+    serve = sub.add_parser(
+        "serve",
+        help="run a node",
+        description="Run a node. Every setting is a flag, a key of the --config file and a "
+        "DELTAFLOW_* environment variable; flags win over the environment, which wins over the "
+        "file (docs/configuration.md).",
     )
-    serve.add_argument("--token-file", help="file holding the client token (clients present it)")
-    serve.add_argument(
-        "--peer-token-file",
-        help="file holding the peer token: nodes and operators prove it to change membership "
-        "or drain; clients never hold it",
-    )
-    serve.add_argument("--tls-cert", help="serve TLS with this certificate (PEM)")
-    serve.add_argument("--tls-key", help="the key of --tls-cert (PEM)")
-    serve.add_argument("--tls-ca", help="the CA peers' (and clients') certificates must chain to")
-    serve.add_argument(
-        "--tls-client-auth",
-        action="store_true",
-        help="require a certificate signed by --tls-ca from every client and peer (mutual TLS)",
-    )
-    serve.add_argument(
-        "--insecure",
-        action="store_true",
-        help="UNSAFE: listen beyond loopback without a credential, TLS or a peer credential",
-    )
-    serve.add_argument("--partitions", type=int, default=_node_default("partitions"))
-    serve.add_argument(
-        "--spark-master",
-        default="local[*]",
-        help="local[*] (default), a Spark master URL or an sc:// Connect URL",
-    )
-    serve.add_argument(
-        "--engine",
-        choices=ENGINE_NAMES,
-        default=DEFAULT_ENGINE,
-        help=f"table engine (default: {DEFAULT_ENGINE})",
-    )
-    serve.add_argument(
-        "--spark-writer",
-        choices=SPARK_WRITERS,
-        default=_field_default(SparkOptions, "writer"),
-        help="spark engine: the node writes the files and commits them through Spark's Delta "
-        "(direct, default), or Spark MERGEs every group (sql); see docs/tables.md",
-    )
-    serve.add_argument(
-        "--driver-memory",
-        default=_spark_default("driver_memory"),
-        help="embedded Spark driver heap (default %(default)s)",
-    )
-    serve.add_argument(
-        "--spark-max-cores",
-        type=int,
-        default=_spark_default("max_cores"),
-        help="spark:// masters: the cores this node's application takes at most "
-        "(default %(default)s)",
-    )
-    serve.add_argument(
-        "--spark-executor-memory",
-        default=_spark_default("executor_memory"),
-        help="spark:// masters: each executor's heap (default %(default)s)",
-    )
-    serve.add_argument(
-        "--spark-executor-wait",
-        type=float,
-        default=_spark_default("executor_wait"),
-        help="spark:// masters: seconds to wait at start for an executor (default %(default)s)",
-    )
-    serve.add_argument(
-        "--driver-java-options",
-        default=None,
-        metavar="OPTS",
-        help="embedded Spark driver JVM options (default: C1 compiler and serial GC with the "
-        "direct writer, the JVM's own defaults with the sql writer); see docs/configuration.md",
-    )
-    serve.add_argument("--max-frame-bytes", type=int, default=_node_default("max_frame_bytes"))
-    for name in ("heartbeat_interval", "failure_timeout"):
-        flag = "--" + name.replace("_", "-")
-        serve.add_argument(flag, type=float, default=_node_default(name), help="seconds")
-    serve.add_argument(
-        "--peer-expiry",
-        type=float,
-        default=_node_default("peer_expiry"),
-        help="seconds without an answer after which a peer has left the cluster (default "
-        "%(default)s; more than --failure-timeout)",
-    )
-    serve.add_argument("--max-group-rows", type=int, default=_node_default("max_group_rows"))
-    serve.add_argument(
-        "--max-group-bytes",
-        type=int,
-        default=_node_default("max_group_bytes"),
-        help="largest group commit in bytes of Arrow data (default %(default)s)",
-    )
-    serve.add_argument(
-        "--min-commit-interval",
-        type=float,
-        default=_node_default("min_commit_interval"),
-        help="seconds between taking two groups of a table for commit on this node, at "
-        "least, unless a whole group is queued (default 0: as soon as the previous commit ends)",
-    )
-    serve.add_argument(
-        "--table-buckets",
-        type=int,
-        default=None,
-        help="buckets of keyed tables created on first write (default: the partition count if "
-        "at most 64, else its largest divisor up to 64; 0: no bucket layout)",
-    )
-    serve.add_argument(
-        "--schema-evolution",
-        action="store_true",
-        help="tables created on first write accept new columns",
-    )
-    serve.add_argument(
-        "--deletion-vectors",
-        action="store_true",
-        help="tables created on first write get Delta deletion vectors (delta-rs: merge-on-read)",
-    )
-    serve.add_argument(
-        "--side-input",
-        action="append",
-        metavar="module.Class",
-        help="serve a side input class to the receivers (repeatable)",
-    )
-    serve.add_argument(
-        "--side-input-timeout",
-        type=float,
-        default=_node_default("side_input_timeout"),
-        help="seconds to wait at start for every side input's value (default %(default)s)",
-    )
-    serve.add_argument(
-        "--side-input-lease",
-        type=float,
-        default=_node_default("side_input_lease"),
-        help="seconds a side input's leader lease lasts unrenewed (default %(default)s)",
-    )
-    serve.add_argument(
-        "--side-input-poll-interval",
-        type=float,
-        default=_node_default("side_input_poll_interval"),
-        help="seconds between checks for new side-input versions (default %(default)s)",
-    )
+    add_flags(serve)
     serve.set_defaults(func=_serve)
 
     add_cluster_commands(sub)
+    add_config_commands(sub)
 
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
     demo.add_argument("--rows", type=int, default=200_000)
@@ -499,19 +330,37 @@ def main(argv: list[str] | None = None) -> int:
     add_infrastructure_commands(sub, _spark_default("driver_memory"))
 
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
     from .errors import DeltaflowError
+    from .logs import configure
+    from .server.config_layers import EX_CONFIG, ConfigError
 
     try:
+        if args.func is _serve:
+            settings = settings_of(args)
+            if args.log_format and not hasattr(args, "setting_log__format"):
+                args.setting_log__format = args.log_format
+                settings = settings_of(args)
+            configure(settings["log.level"], settings["log.format"])
+        else:
+            configure("info" if args.verbose else "warning", args.log_format or "text")
         return int(args.func(args))
     except KeyboardInterrupt:
         return 130
+    except ConfigError as exc:
+        print(f"deltaflow: {exc}", file=sys.stderr)
+        return EX_CONFIG
     except DeltaflowError as exc:  # a clear message, not a traceback
         print(f"deltaflow: {exc}", file=sys.stderr)
         return 2
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltaflow")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -9,19 +9,26 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["add_infrastructure_commands", "add_storage_option", "add_warehouse", "warehouse_of"]
+__all__ = [
+    "add_infrastructure_commands",
+    "add_storage_option",
+    "add_warehouse",
+    "storage_options_of",
+    "warehouse_of",
+]
 
 
 def add_storage_option(parser: argparse.ArgumentParser) -> None:
     """``--storage-option KEY=VALUE`` (repeatable): an object store's settings."""
     parser.add_argument(
         "--storage-option",
-        type=_setting,
+        type=_storage_option,
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="an object store setting (repeatable), by delta-rs's names, e.g. "
-        "AWS_ENDPOINT_URL=http://127.0.0.1:7070; the AWS_* environment variables are read too",
+        "AWS_ENDPOINT_URL=http://127.0.0.1:7070; secrets only from the environment: the AWS_* "
+        "variables, or DELTAFLOW_STORAGE_OPTIONS_<NAME>",
     )
 
 
@@ -40,7 +47,14 @@ def warehouse_of(args: argparse.Namespace) -> Any:
     """The warehouse the command names, as a location (a path, or a place on a store)."""
     from .storage.paths import location
 
-    return location(args.warehouse, dict(args.storage_option))
+    return location(args.warehouse, storage_options_of(args))
+
+
+def storage_options_of(args: argparse.Namespace) -> dict[str, str]:
+    """``DELTAFLOW_STORAGE_OPTIONS_*`` from the environment, then ``--storage-option``."""
+    from .server.config_layers import storage_options_from_env
+
+    return {**storage_options_from_env(), **dict(args.storage_option)}
 
 
 def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
@@ -105,7 +119,7 @@ def _store_check(args: argparse.Namespace) -> int:
     from .storage.conditional import check_conditional_writes, first_line
 
     try:
-        check = check_conditional_writes(args.uri, dict(args.storage_option))
+        check = check_conditional_writes(args.uri, storage_options_of(args))
     except BaseError as exc:
         print(f"deltaflow: cannot check the store {args.uri}: {first_line(exc)}", file=sys.stderr)
         return 2
@@ -137,6 +151,16 @@ def _spark_connect(args: argparse.Namespace) -> int:
     )
     sys.stdout.flush()
     os.execve(command[0], command, spark_env(args.host))
+
+
+def _storage_option(text: str) -> tuple[str, str]:
+    from .server.config_layers import secret_on_command_line
+    from .storage.stores import is_secret_option
+
+    name, value = _setting(text)
+    if is_secret_option(name):
+        raise argparse.ArgumentTypeError(secret_on_command_line("--storage-option", name))
+    return name, value
 
 
 def _setting(text: str) -> tuple[str, str]:

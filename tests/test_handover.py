@@ -27,7 +27,8 @@ from .support import FAILOVER_OPTIONS, Cluster, FailoverWatch, read_delta
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-FLAGS = ("--engine", "delta-rs", "--heartbeat-interval", "0.5", "--failure-timeout", "3.0")
+FLAGS = ("--engine", "delta-rs", "--heartbeat-interval", "0.5", "--failure-timeout", "3.0",
+         "--log-level", "info")  # fmt: skip
 KEYS = 5_000
 DOWN = "is down: connections refused"
 

@@ -75,11 +75,7 @@ def test_the_s3_server_honours_conditional_writes(s3_server: S3Server, bucket: s
 def test_store_check_passes_on_the_server_and_shows_no_secret(
     s3_server: S3Server, bucket: str
 ) -> None:
-    options = [f"--storage-option={k}={v}" for k, v in s3_server.storage_options.items()]
-    done = subprocess.run(
-        [sys.executable, "-m", "deltaflow.cli", "store", "check", f"{bucket}/warehouse", *options],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = _deltaflow("store", "check", f"{bucket}/warehouse", env=s3_server.storage_options)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "racing creates of one key:           1 of 16 won" in done.stdout
     assert "conditional writes: OK" in done.stdout
@@ -163,12 +159,10 @@ def test_store_check_names_the_store_it_cannot_reach(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     options = [f"--storage-option=AWS_ENDPOINT_URL=http://127.0.0.1:{port}",
                "--storage-option=AWS_ALLOW_HTTP=true", "--storage-option=AWS_REGION=us-east-1",
-               "--storage-option=AWS_ACCESS_KEY_ID=k", "--storage-option=AWS_SECRET_ACCESS_KEY=s",
                "--storage-option=AWS_MAX_RETRIES=0"]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "deltaflow.cli", "store", "check", "s3://nowhere/w", *options],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    secrets = {"DELTAFLOW_STORAGE_OPTIONS_AWS_ACCESS_KEY_ID": "k",
+               "DELTAFLOW_STORAGE_OPTIONS_AWS_SECRET_ACCESS_KEY": "s"}  # fmt: skip
+    done = _deltaflow("store", "check", "s3://nowhere/w", *options, env=secrets)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("deltaflow: cannot check the store s3://nowhere/w: ")
     assert "Traceback" not in done.stderr

@@ -359,7 +359,7 @@ def test_an_empty_token_file_is_refused(tmp_path: Path) -> None:
              "--warehouse", str(tmp_path / "w"), "--engine", "delta-rs", flag, str(empty)],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert served.returncode == 2, served.stderr
+        assert served.returncode == 78, served.stderr  # EX_CONFIG
         assert f"{flag} {str(empty)!r} is empty" in served.stderr
         assert "Traceback" not in served.stderr
 

@@ -188,7 +188,7 @@ def test_a_node_reachable_beyond_loopback_needs_a_credential(
          "--advertise", "h:7700", "--warehouse", str(tmp_path), "--engine", "delta-rs"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert served.returncode == 2
+    assert served.returncode == 78  # EX_CONFIG
     assert "with neither a token nor mutual TLS" in served.stderr
 
 

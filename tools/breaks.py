@@ -552,6 +552,54 @@ BREAKS: dict[str, Break] = {
             "tests/test_cdc.py::test_a_row_breaking_a_check_constraint_is_named_when_staged[delta-rs]",
         ),
     ),
+    "config_precedence": Break(
+        "deltaflow/server/config_layers.py",
+        '    layers.append(("env", _from_env(env, problems)))\n    if flags is not None:\n        layers.append(("flag", _from_flags(flags, problems)))\n',
+        '    if flags is not None:\n        layers.append(("flag", _from_flags(flags, problems)))\n    layers.append(("env", _from_env(env, problems)))\n',
+        ("tests/test_config.py::test_flags_win_over_the_environment_which_wins_over_the_file",),
+    ),
+    "config_secret_shown": Break(
+        "deltaflow/server/config_layers.py",
+        "        return {k: MASK if is_secret_option(k) else v for k, v in value.items()}\n",
+        "        return dict(value)\n",
+        ("tests/test_config.py::test_secrets_are_masked_and_never_taken_from_the_command_line",),
+    ),
+    "config_secret_flag": Break(
+        "deltaflow/server/config_layers.py",
+        '                if s.kind == "map" and any(is_secret_option(k) for k in parsed):\n',
+        '                if False:\n',
+        ("tests/test_config.py::test_secrets_are_masked_and_never_taken_from_the_command_line",),
+    ),
+    "config_unknown_key": Break(
+        "deltaflow/server/config_layers.py",
+        '        problems.append(f"{where}: unknown key{_suggest(key, _BY_KEY)}")\n',
+        "        pass\n",
+        ("tests/test_config.py::test_config_check_lists_every_problem_with_exit_78",),
+    ),
+    "ready_before_side_inputs": Break(
+        "deltaflow/server/node.py",
+        '            ready.mark("engine")\n',
+        '            ready.mark("engine")\n            ready.mark("side_inputs")\n',
+        ("tests/test_probes.py::test_a_starting_node_is_alive_but_not_ready_until_it_can_serve",),
+    ),
+    "ready_while_draining": Break(
+        "deltaflow/server/probes.py",
+        '        return self.state == "running" and all(self.passed.values()) and self.serving()\n',
+        "        return all(self.passed.values())\n",
+        ("tests/test_probes.py::test_a_draining_node_is_not_ready_and_its_peer_is",),
+    ),
+    "table_metrics_unlabelled": Break(
+        "deltaflow/tables/committer.py",
+        "        for counted in (stats, table):\n",
+        "        for counted in (stats,):\n",
+        ("tests/test_observability.py::test_metrics_say_what_each_table_and_receiver_did",),
+    ),
+    "drain_logged_as_warning": Break(
+        "deltaflow/server/node.py",
+        "level=logging.WARNING if owned else logging.INFO",
+        "level=logging.WARNING",
+        ("tests/test_observability.py::test_a_node_logs_its_life_as_json_events",),
+    ),
 }
 
 

@@ -5,7 +5,8 @@ WebSocket), :mod:`.dispatcher` (receivers, acks) over :mod:`.streams` (who owns 
 partition map), :mod:`.statistics` and :mod:`.metrics`. Table commits live in
 :mod:`deltaflow.tables` and the engine that makes them, in :mod:`deltaflow.engines`."""
 
-from .node import Node, NodeConfig, NodeState, start_local_nodes
+from .local_cluster import start_local_nodes
+from .node import Node, NodeConfig, NodeState
 from .statistics import NodeStatistics
 
 __all__ = ["Node", "NodeConfig", "NodeState", "NodeStatistics", "start_local_nodes"]

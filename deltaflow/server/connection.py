@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Iterable
-from typing import Final, NoReturn, Protocol
+from typing import Any, Final, NoReturn, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -29,6 +29,7 @@ from ..errors import (
     UnknownReceiverError,
     UnsupportedVersionError,
 )
+from ..logs import event
 from ..outbox import Outbox
 from ..partitioning import PartitionMap
 from ..protocol import (
@@ -209,8 +210,15 @@ class ClientConnection:
             raise ProtocolError(f"WebSocket error: {truncated_repr(str(exc))}")
         raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
 
+    def _refused(self, err: ServerError, **where: Any) -> None:
+        errors = self._node.dispatcher.stats.errors
+        errors[err.code] = errors.get(err.code, 0) + 1
+        event(log, "refusal", f"refused client {self.client_id} at {self._remote}: {err}",
+              level=logging.WARNING, code=err.code, reason=str(err)[:500],
+              client=self.client_id, remote=self._remote, **where)  # fmt: skip
+
     async def _abort(self, err: ServerError, code: int) -> None:
-        log.warning("closing connection from %s (client %s): %s", self._remote, self.client_id, err)
+        self._refused(err, closed=True)
         await self.send(error_frame(err))
         await self._outbox.drain()
         await self._ws.close(code=code, message=err.code.encode())
@@ -276,8 +284,15 @@ class ClientConnection:
             try:
                 owner = dispatcher.open(sid, frame["receiver"], frame.get("args"), frame["key"])
             except (UnknownReceiverError, ServerError) as err:
+                self._refused(err, stream=sid[:160])
                 await self.send(error_frame(err, sid=sid[:160]))  # a refused id may be long
             else:
+                args = frame.get("args")
+                table = args.get("table") if isinstance(args, dict) else None
+                event(log, "stream.opened", f"stream {sid} opened by client {self.client_id}",
+                      client=self.client_id, remote=self._remote, stream=sid,
+                      receiver=str(frame["receiver"])[:200],
+                      table=str(table)[:200] if table is not None else None)  # fmt: skip
                 before = self._opened.get(sid)
                 if before != owner:
                     if before is not None:
@@ -292,6 +307,9 @@ class ClientConnection:
                 await self.send(error_frame(dispatcher.not_open(sid), sid=sid))
             else:
                 dispatcher.close(frame["sid"], opener)
+                event(log, "stream.closed", f"stream {frame['sid']} closed by client "
+                      f"{self.client_id}", client=self.client_id, remote=self._remote,
+                      stream=frame["sid"])  # fmt: skip
         else:
             raise ProtocolError(f"a client may not send {ftype!r} frames")
 

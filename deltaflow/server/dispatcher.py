@@ -56,7 +56,7 @@ from ..receivers.registry import ReceiverRegistry
 from .frames import ack_frame, batch_items, error_frame, result_frames
 from .lanes import LANE_WINDOW, RESULT_REPLAY_BATCHES, Lane, Peer, in_window
 from .receiving import call_receiver
-from .statistics import DispatcherStatistics
+from .statistics import DispatcherStatistics, ReceiverStatistics
 from .streams import Stream, StreamTable
 
 # Also imported from here: error_frame (tests), the lane bounds (tests) and the statistics.
@@ -245,7 +245,7 @@ class Dispatcher:
                 ),
                 frame,
             )
-        lane = stream.lanes.setdefault(p, Lane())
+        lane = stream.lanes.setdefault(p, Lane(receiver_name=stream.receiver_name))
         lane.reopen_past(base)
         refusal = lane.refusal(seq, self.node_id, p)
         if refusal is not None:
@@ -269,6 +269,8 @@ class Dispatcher:
                 peer, frame = lane.pending.pop(seq)
                 durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
                 lane.committing[seq] = durable
+                counted = self.stats.receiver(stream.receiver_name)
+                counted.running += 1
                 try:
                     ctx = await self._apply(stream, p, seq, peer, frame, lane)
                 except ServerError as err:
@@ -280,6 +282,8 @@ class Dispatcher:
                         return
                     self._fail_lane(p, lane, seq, err, peer, frame)
                     return
+                finally:
+                    counted.running -= 1
                 if lane.failed_at is None:  # else the lane restarts from its failed batch
                     lane.next_seq = max(lane.next_seq, seq + 1)
                 if ctx._durable:
@@ -455,9 +459,13 @@ class Dispatcher:
         """The batch is applied and durable: count it and queue its ack."""
         durable.set_result(None)
         lane.committing.pop(frame["seq"], None)
-        self.stats.batches_acked += 1
-        self.stats.items_applied += frame["n"] - len(ctx._failed)
-        self.stats.items_failed += len(ctx._failed)
+        counters: list[DispatcherStatistics | ReceiverStatistics] = [self.stats]
+        if lane.receiver_name is not None:
+            counters.append(self.stats.receiver(lane.receiver_name))
+        for counted in counters:
+            counted.batches_acked += 1
+            counted.items_applied += frame["n"] - len(ctx._failed)
+            counted.items_failed += len(ctx._failed)
         self._send_soon(peer, ack_frame(frame, failed=ctx._failed))
 
     async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: Lane) -> None:
@@ -488,11 +496,14 @@ class Dispatcher:
         # commit, and those waiting are refused.
         lane.fail(seq, err)
         self.stats.batches_failed += 1
+        if lane.receiver_name is not None:
+            self.stats.receiver(lane.receiver_name).batches_failed += 1
         self._reply_error(peer, err, frame)
         for _, later_peer, later_frame in lane.take_pending():
             self._reply_error(later_peer, lane.failed_error(self.node_id, p), later_frame)
 
     def _reply_error(self, peer: Peer, err: ServerError, frame: Frame) -> None:
+        self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
         self._send_soon(peer, error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"]))
 
     def _send_soon(self, peer: Peer, frame: Frame) -> None:

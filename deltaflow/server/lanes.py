@@ -59,6 +59,7 @@ class Lane:
     failure: ServerError | None = None
     task: asyncio.Task[None] | None = None
     watcher: asyncio.TimerHandle | None = None  # see watch()
+    receiver_name: str | None = None  # the stream's receiver, for its counters
 
     def waits(self) -> bool:
         """Batches wait here for ``next_seq``, which has not arrived: nothing runs."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from typing import Any, Final
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -216,6 +217,9 @@ class NodeCollector:
         yield leader
         yield retrievals
 
+        yield from _per_table(node, stats)
+        yield from _per_receiver(node, stats)
+
         yield _histogram(
             "deltaflow_commit_seconds",
             "Duration of each commit, seconds.",
@@ -237,7 +241,116 @@ class NodeCollector:
 def _histogram(name: str, doc: str, node: str, histogram: Histogram) -> HistogramMetricFamily:
     """``histogram`` (counts per bucket) as a metric family (cumulative counts per bound)."""
     family = HistogramMetricFamily(name, doc, labels=["node"])
+    _observe(family, [node], histogram)
+    return family
+
+
+def _observe(family: HistogramMetricFamily, labels: list[str], histogram: Histogram) -> None:
     bounds = [*map(floatToGoString, histogram.bounds), "+Inf"]
     cumulative = itertools.accumulate(histogram.counts)
-    family.add_metric([node], list(zip(bounds, cumulative, strict=True)), histogram.sum)
-    return family
+    family.add_metric(labels, list(zip(bounds, cumulative, strict=True)), histogram.sum)
+
+
+#: Per-table counters: (metric name, help, TableStatistics attribute).
+TABLE_COUNTERS: Final = (
+    ("deltaflow_table_commits", "Groups of this node's batches that landed in the table.",
+     "commits"),
+    ("deltaflow_table_rows_committed", "Rows of this node's batches committed to the table.",
+     "rows_committed"),
+    ("deltaflow_table_batches_committed", "Batches made durable in the table.",
+     "batches_committed"),
+    ("deltaflow_table_batches_failed", "Batches whose commit to the table failed for good.",
+     "batches_failed"),
+    ("deltaflow_table_batches_deduplicated",
+     "Batches the table held already (a resend or a replay): not written again.",
+     "batches_deduplicated"),
+    ("deltaflow_table_commit_conflicts",
+     "Commits that lost the race for their version and were tried again.", "commit_conflicts"),
+    ("deltaflow_table_combined_commits",
+     "Versions this node committed as the table's committer.", "combined_commits"),
+)  # fmt: skip
+TABLE_GAUGES: Final = (
+    ("deltaflow_table_queued_rows", "Rows staged for the table, not yet taken for a commit.",
+     "queued_rows"),
+    ("deltaflow_table_in_flight_batches", "Batches staged for the table and not yet settled.",
+     "in_flight_batches"),
+    ("deltaflow_table_last_commit_timestamp_seconds",
+     "When this node's rows last landed in the table (Unix time; 0: never).", "last_commit_at"),
+)  # fmt: skip
+TABLE_HISTOGRAMS: Final = (
+    ("deltaflow_table_commit_seconds", "Seconds each commit of this node's rows took.",
+     "commit_seconds_histogram"),
+    ("deltaflow_table_rows_per_commit", "Rows of each commit of this node's rows.",
+     "group_rows_histogram"),
+    ("deltaflow_table_time_to_table_seconds",
+     "Seconds from a batch staged on this node to the commit holding it landing.",
+     "batch_durable_seconds_histogram"),
+)  # fmt: skip
+RECEIVER_COUNTERS: Final = (
+    ("deltaflow_receiver_batches_acked", "Batches the receiver applied, acknowledged.",
+     "batches_acked"),
+    ("deltaflow_receiver_batches_failed", "Batches that failed for good in the receiver or "
+     "their commit.", "batches_failed"),
+    ("deltaflow_receiver_items_applied", "Items of acknowledged batches applied.",
+     "items_applied"),
+    ("deltaflow_receiver_items_failed", "Items the receiver marked failed (dead-lettered or "
+     "quarantined by the client).", "items_failed"),
+)  # fmt: skip
+
+
+def _labelled(
+    node: str,
+    label: str,
+    items: list[tuple[str, Any]],
+    specs: tuple[tuple[str, str, str], ...],
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily],
+) -> Iterator[Metric]:
+    """One family per (name, help, attribute) of ``specs``, a sample per item of ``items``."""
+    for name, doc, attribute in specs:
+        family = kind(name, doc, labels=["node", label])
+        for value, counted in items:
+            family.add_metric([node, value], getattr(counted, attribute))
+        yield family
+
+
+def _per_table(node: str, stats: NodeStatistics) -> Iterator[Metric]:
+    """The ``deltaflow_table_*`` families: one sample per table this node wrote."""
+    tables = sorted(stats.engine.tables.items())
+    yield from _labelled(node, "table", tables, TABLE_COUNTERS, CounterMetricFamily)
+    yield from _labelled(node, "table", tables, TABLE_GAUGES, GaugeMetricFamily)
+    labels = ["node", "table"]
+    version = GaugeMetricFamily(
+        "deltaflow_table_version",
+        "The latest version known to hold this node's rows.",
+        labels=labels,
+    )
+    for table, counted in tables:
+        if counted.last_version is not None:
+            version.add_metric([node, table], counted.last_version)
+    yield version
+    for name, doc, attribute in TABLE_HISTOGRAMS:
+        histogram = HistogramMetricFamily(name, doc, labels=labels)
+        for table, counted in tables:
+            _observe(histogram, [node, table], getattr(counted, attribute))
+        yield histogram
+
+
+def _per_receiver(node: str, stats: NodeStatistics) -> Iterator[Metric]:
+    """The ``deltaflow_receiver_*`` families, and the error frames sent by code."""
+    receivers = sorted(stats.dispatcher.receivers.items())
+    labels = ["node", "receiver"]
+    yield from _labelled(node, "receiver", receivers, RECEIVER_COUNTERS, CounterMetricFamily)
+    running = GaugeMetricFamily(
+        "deltaflow_receiver_running_batches", "Batches in the receiver now.", labels=labels
+    )
+    for receiver, counted in receivers:
+        running.add_metric([node, receiver], counted.running)
+    yield running
+    errors = CounterMetricFamily(
+        "deltaflow_errors",
+        "Error frames this node sent to clients, by code (docs/protocol.md).",
+        labels=["node", "code"],
+    )
+    for code, count in sorted(stats.dispatcher.errors.items()):
+        errors.add_metric([node, code], count)
+    yield errors

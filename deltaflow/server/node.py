@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import enum
 import json
 import logging
+import ssl
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from ..engines import engine_options, new_engine
 from ..errors import UsageError
+from ..logs import event
 from ..partitioning import PartitionMap
 from ..protocol import PROTOCOL_VERSION, WS_PATH, truncated_repr
 from ..receivers.base import check_table_name
@@ -31,10 +32,12 @@ from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter
 from .connection import ClientConnection, token_matches, unauthenticated
 from .dispatcher import Dispatcher
 from .identity import NodeIdentity, load_identity
+from .listening import Route, listen
 from .metrics import NodeCollector
 from .node_config import DEFAULT_PORT, NodeConfig
 from .peer_gate import PeerGate
 from .peers import PeerClient
+from .probes import Readiness
 from .side_inputs import (
     SideInputStore,
     load_side_inputs,
@@ -54,6 +57,7 @@ DEAD_LETTER_RECEIVER_NAME: Final = "deltaflow.receivers.DeadLetter"
 
 class NodeState(enum.Enum):
     CREATED = "created"
+    STARTING = "starting"  # listening (probes answer), not yet serving
     RUNNING = "running"
     DRAINING = "draining"  # handed its partitions over, finishing what it accepted
     STOPPED = "stopped"
@@ -129,6 +133,15 @@ class Node:
         )
         self.state = NodeState.CREATED
         self.address = f"{config.host}:{config.port}"
+        self.readiness = Readiness(
+            config.node_id,
+            state=lambda: self.state.value,
+            serving=lambda: (
+                self._membership is not None
+                and self._membership.admitted
+                and not self._membership.leaving
+            ),
+        )
         # The node's own registry: several nodes may run in one process.
         self.metrics = CollectorRegistry()
         self.metrics.register(NodeCollector(self.statistics))
@@ -177,20 +190,29 @@ class Node:
             connections=len(self._connections),
             map_version=pmap.version,
             owned_partitions=sum(1 for p in range(pmap.partitions) if self._owns(p)),
-            dispatcher=dataclasses.replace(self.dispatcher.stats),
-            engine=dataclasses.replace(self.engine.stats),
+            dispatcher=self.dispatcher.stats.snapshot(),
+            engine=self.engine.statistics(),
             side_inputs=self.side_inputs.statistics() if self.side_inputs is not None else (),
         )
 
     async def start(self) -> None:
         if self.state is not NodeState.CREATED:
             raise UsageError(f"node {self.node_id} was already started")
+        self.state = NodeState.STARTING
+        ready = self.readiness
+        started = time.monotonic()
         try:
+            # Listening first: probes answer while the engine starts (everything else 503).
+            peer_tls = await self._listen()
+            event(log, "node.start", f"node {self.node_id} starting on {self.address}",
+                  node=self.node_id, address=self.address, engine=self.engine.name,
+                  partitions=self.config.partitions, peers=len(self.config.peers))  # fmt: skip
             if isinstance(self.warehouse, StorePath):
                 # No lock guards commits on a store: its conditional writes must hold.
                 await asyncio.to_thread(
                     require_conditional_writes, str(self.warehouse), self.warehouse.storage_options
                 )
+            ready.mark("store")
             identity = await asyncio.to_thread(
                 load_identity,
                 self.warehouse,
@@ -198,19 +220,25 @@ class Node:
                 partitions=self.config.partitions,
             )
             self.identity = identity
+            ready.mark("identity")
             log.info("node %s: %s", self.node_id, identity.describe())
-            # Side inputs are retrieved while the engine starts; the node listens only once
+            # Side inputs are retrieved while the engine starts; the node serves only once
             # every side input has a value.
             if self.side_inputs is not None:
                 await self.side_inputs.start()
             await self.engine.start()
+            ready.mark("engine")
             if self.side_inputs is not None:
                 await self.side_inputs.wait_ready(self.config.side_input_timeout)
+            ready.mark("side_inputs")
         except BaseException:
             self.state = NodeState.STOPPED
             if self.side_inputs is not None:
                 await self.side_inputs.stop()
             await self.engine.stop()
+            if self._runner is not None:
+                await self._runner.cleanup()
+            self._stopped.set()
             raise
         if self.config.token and self.config.peer_secret == self.config.token:
             log.warning(
@@ -218,28 +246,6 @@ class Node:
                 "give nodes a --peer-token-file of their own",
                 self.node_id,
             )
-        # No endpoint reads a body beyond a few KiB (peer calls read theirs within a bound).
-        app = web.Application(client_max_size=64 * 1024)
-        app.router.add_get(WS_PATH, self._ws_handler)
-        app.router.add_get("/v1/cluster", self._cluster_handler)
-        app.router.add_post("/v1/peer/poll", self._peer_poll_handler)
-        app.router.add_post("/v1/peer/leave", self._leave_handler)
-        app.router.add_post("/v1/peer/status", self._peer_status_handler)
-        app.router.add_post("/v1/drain", self._drain_handler)
-        app.router.add_post("/v1/peer/commit", self._commit_handler)
-        app.router.add_get("/healthz", self._health_handler)
-        app.router.add_get("/metrics", self._metrics_handler)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
-        await self._runner.setup()
-        tls = self.config.tls
-        server_tls = peer_tls = None
-        if tls is not None:  # reads the certificate files: off the event loop
-            server_tls = await asyncio.to_thread(tls.server_context)
-            peer_tls = await asyncio.to_thread(tls.peer_context)
-        site = web.TCPSite(self._runner, self.config.host, self.config.port, ssl_context=server_tls)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.address = self.config.advertise or f"{self.config.host}:{port}"
         self._membership = Membership(
             node_id=self.node_id,
             address=self.address,
@@ -270,15 +276,32 @@ class Node:
             partition_map=lambda: self.partition_map,
             failure_timeout=self.config.failure_timeout,
         )
+        ready.mark("membership")
         self.state = NodeState.RUNNING
-        log.info(
-            "node %s listening on %s (receivers: %s)",
-            self.node_id,
-            self.address,
-            ", ".join(self.registry.names()),
-        )
+        event(log, "node.ready", f"node {self.node_id} ready on {self.address}",
+              node=self.node_id, address=self.address,
+              seconds=round(time.monotonic() - started, 3),
+              receivers=list(self.registry.names()))  # fmt: skip
 
-    async def drain(self, timeout: float = DEFAULT_DRAIN_TIMEOUT) -> list[str]:
+    async def _listen(self) -> ssl.SSLContext | None:
+        """Bind the node's port and serve its endpoints (gated until it runs); the context
+        its peer calls use, if TLS."""
+        routes: list[Route] = [
+            ("GET", WS_PATH, self._ws_handler),
+            ("GET", "/v1/cluster", self._cluster_handler),
+            ("POST", "/v1/peer/poll", self._peer_poll_handler),
+            ("POST", "/v1/peer/leave", self._leave_handler),
+            ("POST", "/v1/peer/status", self._peer_status_handler),
+            ("POST", "/v1/drain", self._drain_handler),
+            ("POST", "/v1/peer/commit", self._commit_handler),
+            ("GET", "/metrics", self._metrics_handler),
+        ]
+        self._runner, self.address, peer_tls = await listen(self.config, routes, self.readiness)
+        return peer_tls
+
+    async def drain(
+        self, timeout: float = DEFAULT_DRAIN_TIMEOUT, *, asked_by: str = "embedding"
+    ) -> list[str]:
         """Leave the cluster without a pause for anyone, then stop: tell the peers (they take
         this node's partitions at once, no failure timeout), answer every new batch with
         ``NOT_OWNER`` and the map naming the new owners, apply and acknowledge every batch
@@ -296,12 +319,12 @@ class Node:
         for conn in self._connections:
             conn.push_map(moved)
         owned = sum(1 for p in range(self.config.partitions) if self._owns(p))
-        log.warning(
-            "node %s draining: its partitions went to %s%s",
-            self.node_id,
-            ", ".join(sorted(set(self.partition_map.owners))) or "no one",
-            f" ({owned} kept: no live peer)" if owned else "",
-        )
+        heirs = sorted(set(self.partition_map.owners) - {self.node_id})
+        event(log, "node.drain", f"node {self.node_id} draining (asked by {asked_by}): its "
+              f"partitions went to {', '.join(heirs) or 'no one'}"
+              + (f" ({owned} kept: no live peer)" if owned else ""),
+              level=logging.WARNING if owned else logging.INFO, node=self.node_id,
+              asked_by=asked_by, heirs=heirs, kept=owned)  # fmt: skip
         try:
             async with asyncio.timeout(timeout):
                 await self.dispatcher.settled()
@@ -313,7 +336,9 @@ class Node:
                 self.node_id,
                 timeout,
             )
-        log.warning("node %s drained in %.2fs; stopping", self.node_id, time.monotonic() - started)
+        event(log, "node.drained", f"node {self.node_id} drained in "
+              f"{time.monotonic() - started:.2f}s; stopping", node=self.node_id,
+              seconds=round(time.monotonic() - started, 3))  # fmt: skip
         await self.stop()
         return told
 
@@ -339,6 +364,7 @@ class Node:
         await self.engine.stop()
         if self._commit_peers is not None:
             await self._commit_peers.close()
+        event(log, "node.stop", f"node {self.node_id} stopped", node=self.node_id)
         self._stopped.set()
 
     async def __aenter__(self) -> Node:
@@ -441,16 +467,13 @@ class Node:
         partitions over, finish, stop."""
         caller = await self._peer_gate.admit(request, "drain")
         if self.state is NodeState.RUNNING:
-            log.warning(
-                "node %s: drain asked by %s (from %s)", self.node_id, caller, request.remote
+            asked_by = f"{caller} from {request.remote}"
+            self._drain_task = asyncio.create_task(
+                self.drain(asked_by=asked_by), name="deltaflow-drain"
             )
-            self._drain_task = asyncio.create_task(self.drain(), name="deltaflow-drain")
         response = self._peer_gate.answer(caller, {"node": self.node_id, "state": self.state.value})
         response.set_status(202)
         return response
-
-    async def _health_handler(self, request: web.Request) -> web.Response:
-        return web.json_response({"node": self.node_id, "state": self.state.value})
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         if not self._authorised(request):
@@ -481,25 +504,3 @@ class Node:
             if not ws.closed:
                 await ws.close()
         return ws
-
-
-async def start_local_nodes(count: int, config: NodeConfig) -> list[Node]:
-    """Start ``count`` nodes in this process, ``node-1`` to ``node-<count>``, each with
-    ``config`` (its ``node_id`` and ``peers`` replaced), and return once each sees all the
-    others: the embedded cluster of the demo, the benchmarks and the tests."""
-    nodes: list[Node] = []
-    try:
-        for i in range(count):
-            node = Node(
-                dataclasses.replace(
-                    config, node_id=f"node-{i + 1}", peers=[n.address for n in nodes]
-                )
-            )
-            await node.start()
-            nodes.append(node)
-        await asyncio.gather(*(n.wait_for_members(count) for n in nodes))
-    except BaseException:
-        for node in reversed(nodes):
-            await node.stop()
-        raise
-    return nodes

@@ -26,6 +26,7 @@ from .._faults import unreachable, unreachable_commits
 from ..security import NODE_ID, answer_proof, call_proof, has_peer_role, url
 from .identity import NodeIdentity
 from .peer_gate import PROOF_HEADER, read_bounded
+from .probes import STARTING_HEADER
 
 __all__ = ["MAX_PEER_ANSWER_BYTES", "Answer", "PeerClient", "PeerReply", "Silence"]
 
@@ -36,6 +37,7 @@ MAX_PEER_ANSWER_BYTES: Final = 8 * 1024 * 1024
 class Silence(enum.Enum):
     NO_ANSWER = "no answer"  # a timeout, an error status, a body that is not an answer
     REFUSED = "connection refused"  # nothing listens at the address
+    STARTING = "starting"  # a process listens there, but does not serve yet (restarted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class PeerReply:
     status: int
     body: dict[str, Any]
     proven: bool
+    starting: bool = False  # a 503 saying the node is starting (not yet serving)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,7 @@ class PeerClient:
                 certificate = _peer_certificate(resp)
                 data = await read_bounded(resp.content, MAX_PEER_ANSWER_BYTES)
                 status, proof = resp.status, resp.headers.get(PROOF_HEADER)
+                starting = status == 503 and resp.headers.get(STARTING_HEADER) == "1"
             if data is None:
                 raise ValueError(f"the answer of {address} exceeds {MAX_PEER_ANSWER_BYTES} bytes")
             try:
@@ -164,7 +168,8 @@ class PeerClient:
                 self._challenges[address] = fresh
             if status == 401 and fresh and attempt == 0 and self._secret:
                 continue  # answered with a challenge: prove it
-            return PeerReply(status, answer, self._proven(data, proof, nonce, certificate))
+            proven = self._proven(data, proof, nonce, certificate)
+            return PeerReply(status, answer, proven, starting)
         return PeerReply(status, answer, False)
 
     def _proven(self, data: bytes, proof: str | None, nonce: str, certificate: Any) -> bool:
@@ -181,6 +186,8 @@ class PeerClient:
             return Silence.NO_ANSWER
         try:
             reply = await self.call(address, "poll")
+            if reply.status == 503 and reply.starting:
+                return Silence.STARTING
             if reply.status != 200:
                 return Silence.NO_ANSWER
             body = reply.body

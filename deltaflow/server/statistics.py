@@ -6,11 +6,36 @@ reads them (metrics) depend on this module, not on each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..tables.statistics import EngineStatistics
 
-__all__ = ["DispatcherStatistics", "NodeStatistics", "SideInputStatistics"]
+__all__ = [
+    "DispatcherStatistics",
+    "NodeStatistics",
+    "ReceiverStatistics",
+    "SideInputStatistics",
+]
+
+
+@dataclass(slots=True)
+class ReceiverStatistics:
+    """One receiver's counters on a node (its name is on the node's allow-list).
+
+    Attributes:
+        batches_acked: batches it applied, acknowledged.
+        batches_failed: batches that failed for good in it or in their commit.
+        items_applied: items of acknowledged batches applied.
+        items_failed: items it marked failed (``ctx.fail``): dead-lettered or quarantined by
+            the client, as its options say.
+        running: batches in its ``receive`` now.
+    """
+
+    batches_acked: int = 0
+    batches_failed: int = 0
+    items_applied: int = 0
+    items_failed: int = 0
+    running: int = 0
 
 
 @dataclass(slots=True)
@@ -25,6 +50,19 @@ class DispatcherStatistics:
     items_applied: int = 0
     items_failed: int = 0
     node_retries: int = 0
+    #: Per receiver, by class name; and the error frames sent, by code.
+    receivers: dict[str, ReceiverStatistics] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def receiver(self, name: str) -> ReceiverStatistics:
+        return self.receivers.setdefault(name, ReceiverStatistics())
+
+    def snapshot(self) -> DispatcherStatistics:
+        """A copy that later counting does not change."""
+        copy = replace(self)
+        copy.receivers = {name: replace(r) for name, r in self.receivers.items()}
+        copy.errors = dict(self.errors)
+        return copy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from ..logs import event
 from ..partitioning import PartitionMap
 from .identity import Candidate, NodeIdentity, decide, refusal_message
 from .peers import Answer, PeerClient, Silence
@@ -256,30 +257,27 @@ class Membership:
         leaving node itself."""
         member = self._peers.get(address)
         if member is None or member.node_id != node_id:
-            log.warning(
-                "refused a leave for %s at %s: no peer of that name at that address",
-                node_id,
-                address,
-            )
+            event(log, "refusal", f"refused a leave for {node_id} at {address}: no peer of "
+                  "that name at that address", level=logging.WARNING, code="LEAVE_REFUSED",
+                  peer=node_id, address=address)  # fmt: skip
             return False
         answer = await self._peer_client.poll(address)
         now = time.monotonic()
         if not (isinstance(answer, Answer) and answer.proven and answer.node_id == node_id):
-            log.warning(
-                "refused a leave for %s at %s: its answer did not confirm it", node_id, address
-            )
+            event(log, "refusal", f"refused a leave for {node_id} at {address}: its answer "
+                  "did not confirm it", level=logging.WARNING, code="LEAVE_REFUSED",
+                  peer=node_id, address=address)  # fmt: skip
             return False
         _record(member, answer, now)
         if not answer.draining:
-            log.warning(
-                "refused a leave for %s at %s: its own answer says it does not drain",
-                node_id,
-                address,
-            )
+            event(log, "refusal", f"refused a leave for {node_id} at {address}: its own "
+                  "answer says it does not drain", level=logging.WARNING, code="LEAVE_REFUSED",
+                  peer=node_id, address=address)  # fmt: skip
             self._decide(now)
             return False
         self._decide(now)
-        log.warning("peer %s at %s left (it asked); its partitions move now", node_id, address)
+        event(log, "member.left", f"peer {node_id} at {address} left (it asked); its "
+              "partitions move now", peer=node_id, address=address, asked_by=node_id)  # fmt: skip
         return True
 
     def observe(self, node_id: str, address: str) -> None:
@@ -307,7 +305,8 @@ class Membership:
                 )
                 return
             self._peers[address] = Member(address, configured=False, since=now)
-            log.warning("learned of peer %s at %s from its poll; polling it", node_id, address)
+            event(log, "member.learned", f"learned of peer {node_id} at {address} from its "
+                  "poll; polling it", peer=node_id, address=address)  # fmt: skip
             self._wake.set()
             return
         state = self._state(member, now)
@@ -354,20 +353,20 @@ class Membership:
             return  # not live: nothing to take away
         if not member.suspected:
             member.suspected = now
-            log.info("peer %s at %s suspected: %s", member.node_id, member.address, silence.value)
-        if silence is not Silence.REFUSED:
-            return
+            event(log, "member.suspected", f"peer {member.node_id} at {member.address} "
+                  f"suspected: {silence.value}", peer=member.node_id, address=member.address,
+                  reason=silence.value)  # fmt: skip
+        if silence not in (Silence.REFUSED, Silence.STARTING):
+            return  # a starting process answers in place of the one that was there
         if not member.first_refusal:
             member.first_refusal = now
         elif now - member.first_refusal >= REFUSALS_APART:
             member.down = now
-            log.warning(
-                "peer %s at %s is down: connections refused for %.2fs, %.2fs after its last answer",
-                member.node_id,
-                member.address,
-                now - member.first_refusal,
-                now - member.last_seen,
-            )
+            event(log, "member.down", f"peer {member.node_id} at {member.address} is down: "
+                  f"{_DOWN_BECAUSE[silence]} for {now - member.first_refusal:.2f}s, "
+                  f"{now - member.last_seen:.2f}s after its last answer", level=logging.WARNING,
+                  peer=member.node_id, address=member.address,
+                  silent_seconds=round(now - member.last_seen, 3))  # fmt: skip
 
     def _polled(self, member: Member, now: float) -> bool:
         return member.configured or self._state(member, now) is not PeerState.LEFT
@@ -459,8 +458,11 @@ class Membership:
             return
         self._own_map = True
         version = max(_now_ms(), self._map.version + 1)
+        before = set(self._map.addresses)
         self._map = PartitionMap.build(version, live, self.partitions)
-        log.info("partition map v%d: members %s", version, sorted(live))
+        event(log, "membership.changed", f"partition map v{version}: members {sorted(live)}",
+              version=version, members=sorted(live), joined=sorted(set(live) - before),
+              left=sorted(before - set(live)))  # fmt: skip
 
     def _refuse(self, winner: NodeIdentity, comparable: list[Member]) -> None:
         # Winners that serve their own map first: theirs is the map to hand out.
@@ -484,6 +486,14 @@ class Membership:
         if newest is not None and (self._own_map or newest.version != self._map.version):
             self._own_map = False
             self._map = newest
+
+
+#: Why a peer counts as down, by what its polls met.
+_DOWN_BECAUSE: Final = {
+    Silence.REFUSED: "connections refused",
+    Silence.STARTING: "a restarted process answers that it is starting",
+    Silence.NO_ANSWER: "no answer",
+}
 
 
 def _record(member: Member, answer: Answer, now: float) -> None:

@@ -129,6 +129,7 @@ class SparkConfig:
         object_store: the session writes tables on S3: it gets S3A's jars and deltaflow's
             conditional-write log store (:mod:`.s3a`). Applied only by the call that starts the
             JVM. Default False.
+        log_level: the level of Spark's own (log4j) logs. Default ``"ERROR"``.
         extra: any further Spark settings.
     """
 
@@ -141,6 +142,7 @@ class SparkConfig:
     executor_memory: str = "1g"
     executor_wait: float = 60.0
     object_store: bool = False
+    log_level: str = "ERROR"
     extra: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -226,7 +228,7 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             builder = builder.config(k, v)
         log.info("starting Spark (%s)", config.master)
         session = builder.getOrCreate()
-        session.sparkContext.setLogLevel("ERROR")
+        session.sparkContext.setLogLevel(config.log_level)
         if config.standalone:
             _wait_for_an_executor(session, config)
         _session = session

@@ -9,11 +9,12 @@ refused, and of ``racers`` writers creating one key at once exactly one must win
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from ..errors import UsageError
 from .stores import open_store
@@ -82,10 +83,24 @@ def require_conditional_writes(uri: str, options: Mapping[str, str] | None = Non
 
 
 def first_line(exc: BaseException) -> str:
-    """An object-store error's first line, which names the problem (the rest is debug
-    detail)."""
+    """An object-store error, short: the store's own code and message when its answer holds
+    them (``404 Not Found: NoSuchBucket: The specified bucket does not exist``), else the
+    first line, which names the problem (the rest is debug detail)."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    code, message = _XML_CODE.search(text), _XML_MESSAGE.search(text)
+    if code and message:
+        status = _STATUS.search(text)
+        prefix = f"{status.group(1)}: " if status else ""
+        return f"{prefix}{code.group(1)}: {message.group(1).rstrip('.')}"
+    line = text.splitlines()[0] if text else type(exc).__name__
+    if "builder error" in line and "http://" in text:
+        line += " (an http:// endpoint needs AWS_ALLOW_HTTP=true among the storage options)"
+    return line
+
+
+_XML_CODE: Final = re.compile(r"<Code>([^<]{1,100})</Code>")
+_XML_MESSAGE: Final = re.compile(r"<Message>([^<]{1,300})</Message>")
+_STATUS: Final = re.compile(r"status code: (\d{3}[A-Za-z ]{0,40}?)(?::|$)", re.MULTILINE)
 
 
 def check_conditional_writes(

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-__all__ = ["OBJECT_STORE_SCHEMES", "is_object_store", "open_store", "redacted"]
+__all__ = [
+    "OBJECT_STORE_SCHEMES",
+    "is_object_store",
+    "is_secret_option",
+    "open_store",
+    "reach_store",
+    "redacted",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +73,30 @@ def open_store(uri: str, options: Mapping[str, str] | None = None) -> Any:
             del config[unknown[0]]
 
 
+_SECRET_WORDS: Final = ("SECRET", "TOKEN", "KEY", "PASSWORD", "SAS", "CREDENTIAL")
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether the storage option ``name`` holds a credential (``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SESSION_TOKEN``...): masked when shown, refused on a command
+    line."""
+    return any(word in name.upper() for word in _SECRET_WORDS)
+
+
 def redacted(options: Mapping[str, str]) -> dict[str, str]:
     """``options`` fit for a log or a status page: secrets and keys replaced."""
-    secret = ("SECRET", "TOKEN", "KEY", "PASSWORD", "SAS", "CREDENTIAL")
-    return {
-        name: ("***" if any(word in name.upper() for word in secret) else value)
-        for name, value in options.items()
-    }
+    return {name: ("***" if is_secret_option(name) else value) for name, value in options.items()}
+
+
+def reach_store(uri: str, options: Mapping[str, str] | None = None) -> None:
+    """Blocking: list one page under ``uri``, which fails if the store cannot be reached, the
+    credentials are refused or the bucket does not exist.
+
+    Raises:
+        obstore.exceptions.BaseError: what the store answered.
+    """
+    import obstore
+
+    store = open_store(uri, options)
+    for _ in obstore.list(store, chunk_size=1):
+        break

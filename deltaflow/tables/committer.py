@@ -33,6 +33,7 @@ from tenacity import (
 
 from .._faults import fault_point
 from ..errors import CommitConflictError, LaneFailedError, ServerError
+from ..logs import event
 from .atomicity import MAX_CONFLICT_WAIT
 from .footprint import Footprint
 from .group import PreparedGroup
@@ -40,6 +41,7 @@ from .merge_on_read import write_group
 from .prepared import OutcomeKind
 from .settings import BUCKET_COLUMN
 from .staging import Staged, StagingQueue, settle
+from .statistics import TableStatistics
 from .table_writer import Engine, TableCreated, TableWriter
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ COMMITTER_RETRY_SECONDS: Final = 1.0
 #: Times a table's committer may send a group back to be prepared again before it fails
 #: (each time, another commit had replaced one of its files or changed the table).
 SEND_BACK_LIMIT: Final = 20
+#: A commit that takes this long logs ``commit.slow`` at WARNING (else ``commit`` at INFO).
+SLOW_COMMIT_SECONDS: Final = 10.0
 
 
 class TableCommitter(TableWriter):
@@ -79,6 +83,15 @@ class TableCommitter(TableWriter):
     def put(self, staged: Staged) -> None:
         self.queue.put(staged)
         self.engine.stats.queued_rows += staged.rows
+        self.table_stats.queued_rows += staged.rows
+
+    @property
+    def table_stats(self) -> TableStatistics:
+        return self.engine.stats.table(self.name)
+
+    def in_flight(self) -> int:
+        """Batches staged and not yet settled: queued, or in the group being committed."""
+        return len(self.queue.items) + len(self.taken or ())
 
     async def _run(self) -> None:
         """Commit group after group for as long as the node runs. An error nothing else
@@ -111,7 +124,9 @@ class TableCommitter(TableWriter):
                 queue.ready.clear()  # only writes of receivers still running: wait for release
                 continue
             group = self.taken = queue.take()
-            self.engine.stats.queued_rows -= sum(staged.rows for staged in group)
+            taken_rows = sum(staged.rows for staged in group)
+            self.engine.stats.queued_rows -= taken_rows
+            self.table_stats.queued_rows -= taken_rows
             fault_point("taken")
             preparing = asyncio.ensure_future(self.engine.in_thread(self._prepare, group))
             try:
@@ -170,6 +185,7 @@ class TableCommitter(TableWriter):
                 continue  # settled already (a failure after part of the group was)
             if count:
                 self.engine.stats.batches_failed += 1
+                self.table_stats.batches_failed += 1
             settle(staged.future, ServerError(message, node=self.engine.node_id))
 
     def fail_queued(self, message: str) -> None:
@@ -237,12 +253,16 @@ class TableCommitter(TableWriter):
                     return True
                 self.marks.absorb(ready.commit.lanes)
             applied = outcome is not None and outcome.kind is OutcomeKind.COMMITTED
-            if applied and ready.commit is not None:
+            if outcome is not None and applied and ready.commit is not None:
                 self.engine.landed(self.path, ready.done)
                 # From this attempt's preparation to the committer's answer.
                 elapsed = time.monotonic() - started + (prepared.seconds if prepared else 0.0)
-                self._count_commit(ready.commit.rows, len(ready.todo), elapsed)
-            stats.batches_deduplicated += len(group) - (len(ready.todo) if applied else 0)
+                self._count_commit(
+                    ready.commit.rows, len(ready.todo), elapsed, outcome.version, outcome.committer
+                )
+            deduplicated = len(group) - (len(ready.todo) if applied else 0)
+            stats.batches_deduplicated += deduplicated
+            self.table_stats.batches_deduplicated += deduplicated
             if applied:
                 fault_point("after_commit")
             self._settle(group)
@@ -257,11 +277,12 @@ class TableCommitter(TableWriter):
     def _settle(self, group: list[Staged]) -> None:
         """The group's commit landed (or the table held it already)."""
         landed = time.monotonic()
-        stats = self.engine.stats
+        for stats in (self.engine.stats, self.table_stats):
+            durable = stats.batch_durable_seconds_histogram
+            for staged in group:
+                durable = durable.observe(landed - staged.staged_at)
+            stats.batch_durable_seconds_histogram = durable
         for staged in group:
-            stats.batch_durable_seconds_histogram = stats.batch_durable_seconds_histogram.observe(
-                landed - staged.staged_at
-            )
             settle(staged.future, None)
 
     async def _commit_group(
@@ -290,6 +311,7 @@ class TableCommitter(TableWriter):
     async def _commit_failed(self, group: list[Staged], exc: Exception) -> None:
         if len(group) == 1:
             self.engine.stats.batches_failed += 1
+            self.table_stats.batches_failed += 1
             settle(group[0].future, exc)
             return
         # Isolate the culprit: the others must not fail with it.
@@ -325,21 +347,49 @@ class TableCommitter(TableWriter):
                     rows = await self.engine.in_thread(self._commit, group, prepared)
                 except CommitConflictError:
                     stats.commit_conflicts += 1
+                    self.table_stats.commit_conflicts += 1
                     raise
         # The commit time counts the group's preparation too (not the wait for the table).
         elapsed = time.monotonic() - started + (prepared.seconds if prepared else 0.0)
         self._count_commit(rows, len(group), elapsed)
 
-    def _count_commit(self, rows: int, batches: int, seconds: float) -> None:
-        """A group of this node's landed: ``rows`` in ``batches``, ``seconds`` to commit."""
+    def _count_commit(
+        self,
+        rows: int,
+        batches: int,
+        seconds: float,
+        version: int | None = None,
+        committer: str | None = None,
+    ) -> None:
+        """A group of this node's landed: ``rows`` in ``batches``, ``seconds`` to commit, in
+        ``version`` (None: not known here) by ``committer`` (None: this node, holding it)."""
         stats = self.engine.stats
-        stats.commits += 1
-        stats.rows_committed += rows
-        stats.batches_committed += batches
         stats.largest_group_rows = max(stats.largest_group_rows, rows)
         stats.commit_seconds += seconds
-        stats.commit_seconds_histogram = stats.commit_seconds_histogram.observe(seconds)
-        stats.group_rows_histogram = stats.group_rows_histogram.observe(rows)
+        table = self.table_stats
+        for counted in (stats, table):
+            counted.commits += 1
+            counted.rows_committed += rows
+            counted.batches_committed += batches
+            counted.commit_seconds_histogram = counted.commit_seconds_histogram.observe(seconds)
+            counted.group_rows_histogram = counted.group_rows_histogram.observe(rows)
+        table.last_commit_at = time.time()
+        if version is not None:
+            table.last_version = max(version, table.last_version or -1)
+        slow = seconds >= SLOW_COMMIT_SECONDS
+        event(
+            log,
+            "commit.slow" if slow else "commit",
+            f"table {self.name}: {rows} rows of {batches} batches committed in {seconds:.3f}s"
+            + (f" (slow: over {SLOW_COMMIT_SECONDS:g}s)" if slow else ""),
+            level=logging.WARNING if slow else logging.INFO,
+            table=self.name,
+            version=version,
+            rows=rows,
+            batches=batches,
+            seconds=round(seconds, 4),
+            committer=committer or self.engine.node_id,
+        )
 
     def _prepare(self, group: list[Staged]) -> PreparedGroup | None:
         """Blocking, before the table is held: the group's rows as its commit will apply them,

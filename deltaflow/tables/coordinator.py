@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from .._faults import fault_point
 from ..errors import CommitConflictError
+from ..logs import event
 from .committer import CheckpointWriter, finish, hold_table
 from .marks import LaneMarks, Mark
 from .prepared import Outcome, OutcomeKind, PreparedCommit
@@ -165,6 +166,7 @@ class TableCoordinator:
                     "table %s: version %d was taken (%s); reading again", self.name, read + 1, exc
                 )
                 self.engine.stats.commit_conflicts += 1
+                self.engine.stats.table(self.name).commit_conflicts += 1
                 self._current = False
                 continue
             except Exception as exc:  # noqa: BLE001 - in doubt: it may have landed
@@ -188,7 +190,7 @@ class TableCoordinator:
             self._current = self.marks.scanned == version
             if version % (self._interval or CHECKPOINT_INTERVAL) == 0:
                 self._checkpoint_due = version
-            self._count(batch, chosen, time.monotonic() - started)
+            self._count(batch, chosen, time.monotonic() - started, version)
             fault_point("after_combined_commit")
             self.version = version
             for i in chosen:
@@ -237,8 +239,24 @@ class TableCoordinator:
             outcomes.append(Outcome(OutcomeKind.COMMITTED, committer=node))  # version set after
         return outcomes, chosen
 
-    def _count(self, batch: list[PreparedCommit], chosen: list[int], seconds: float) -> None:
+    def _count(
+        self, batch: list[PreparedCommit], chosen: list[int], seconds: float, version: int
+    ) -> None:
         stats = self.engine.stats
         stats.combined_commits += 1
         stats.combined_groups += len(chosen)
         stats.combined_seconds += seconds
+        table = stats.table(self.name)
+        table.combined_commits += 1
+        table.last_version = max(version, table.last_version or -1)
+        event(
+            log,
+            "commit.combined",
+            f"table {self.name}: version {version} combines {len(chosen)} groups of "
+            f"{len({batch[i].writer for i in chosen})} nodes ({seconds:.3f}s)",
+            table=self.name,
+            version=version,
+            groups=len(chosen),
+            writers=sorted({batch[i].writer for i in chosen}),
+            seconds=round(seconds, 4),
+        )

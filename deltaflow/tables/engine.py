@@ -362,6 +362,13 @@ class TableEngine:
         commit_log_entry(path, version + 1, [{"commitInfo": info}, *actions])
         return version + 1
 
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the counters, with each table's batches in flight."""
+        snapshot = self.stats.snapshot()
+        for name, committer in self._tables.items():
+            snapshot.table(name).in_flight_batches += committer.in_flight()
+        return snapshot
+
     def landed(self, path: Location, done: MergeOnRead | Rewrite) -> None:
         """Files written by :meth:`write_group_files` were committed."""
         self.stats.changes_superseded += done.superseded

@@ -12,8 +12,12 @@ __all__ = [
     "BATCH_DURABLE_BUCKETS",
     "COMMIT_SECONDS_BUCKETS",
     "GROUP_ROWS_BUCKETS",
+    "MAX_TABLES",
+    "OTHER_TABLES",
     "EngineStatistics",
     "Histogram",
+    "TableStatistics",
+    "table_statistics",
 ]
 
 #: Upper bounds of the buckets of ``EngineStatistics.commit_seconds_histogram``, seconds.
@@ -65,7 +69,25 @@ class Histogram:
 
 
 @dataclass(slots=True)
-class EngineStatistics:
+class CommitHistograms:
+    """Per commit: its duration in seconds (its preparation outside the table lock included,
+    the wait for the lock not) and its rows (0 when every batch was a duplicate); per
+    committed batch: seconds from its staging to its commit landing (the wait for the commit
+    in progress, for the table's lock, and its own commit)."""
+
+    commit_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
+    )
+    group_rows_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
+    )
+    batch_durable_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
+
+
+@dataclass(slots=True)
+class EngineStatistics(CommitHistograms):
     """Counters of a node's table engine (typed snapshot, see ``Node.statistics()``)."""
 
     commits: int = 0
@@ -97,16 +119,63 @@ class EngineStatistics:
     changes_superseded: int = 0
     checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
     checkpoint_seconds: float = 0.0
-    # Per commit: its duration in seconds (its preparation outside the table lock included, the
-    # wait for the lock not) and its rows (0 when every batch was a duplicate).
-    commit_seconds_histogram: Histogram = dataclasses.field(
-        default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
-    )
-    group_rows_histogram: Histogram = dataclasses.field(
-        default_factory=lambda: Histogram.empty(GROUP_ROWS_BUCKETS)
-    )
-    # Per committed batch: seconds from its staging to its commit landing (the wait for the
-    # commit in progress, for the table's lock, and its own commit).
-    batch_durable_seconds_histogram: Histogram = dataclasses.field(
-        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
-    )
+    #: Per table (live; :meth:`snapshot` copies them).
+    tables: dict[str, TableStatistics] = dataclasses.field(default_factory=dict)
+
+    def table(self, name: str) -> TableStatistics:
+        """Table ``name``'s counters, made on first use."""
+        return table_statistics(self.tables, name)
+
+    def snapshot(self) -> EngineStatistics:
+        """A copy that later counting does not change."""
+        copy = dataclasses.replace(self)
+        copy.tables = {name: dataclasses.replace(t) for name, t in self.tables.items()}
+        return copy
+
+
+#: Most tables whose metrics a node keeps apart; commits to further tables are counted under
+#: :data:`OTHER_TABLES` (a metric label per table, and a client names the tables).
+MAX_TABLES: Final = 500
+OTHER_TABLES: Final = "_other"
+
+
+@dataclass(slots=True)
+class TableStatistics(CommitHistograms):
+    """One table's counters on one node: what ``deltaflow_table_*`` metrics export.
+
+    Attributes:
+        commits: groups of this node's batches that landed (committed here or through the
+            table's committer).
+        rows_committed: rows in them; batches_committed: batches in them.
+        batches_failed: batches whose commit failed for good.
+        batches_deduplicated: batches the table held already (a resend or a replay).
+        commit_conflicts: commits that lost the race for their version and were retried.
+        combined_commits: versions this node committed as the table's committer.
+        queued_rows: rows staged and not yet taken for a commit.
+        in_flight_batches: batches staged and not yet settled.
+        last_version: the latest version known to hold this node's rows (None: not known).
+        last_commit_at: when (Unix seconds) this node's rows last landed; 0: never.
+    """
+
+    commits: int = 0
+    rows_committed: int = 0
+    batches_committed: int = 0
+    batches_failed: int = 0
+    batches_deduplicated: int = 0
+    commit_conflicts: int = 0
+    combined_commits: int = 0
+    queued_rows: int = 0
+    in_flight_batches: int = 0
+    last_version: int | None = None
+    last_commit_at: float = 0.0
+
+
+def table_statistics(tables: dict[str, TableStatistics], name: str) -> TableStatistics:
+    """The counters of table ``name`` in ``tables``, made on first use (beyond
+    :data:`MAX_TABLES` tables, the shared :data:`OTHER_TABLES` ones)."""
+    found = tables.get(name)
+    if found is None:
+        if len(tables) >= MAX_TABLES:
+            name = OTHER_TABLES
+        found = tables.setdefault(name, TableStatistics())
+    return found
