@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from .cli_output import print_json
 from .errors import ConnectionLostError, NodeUnavailableError
 from .security import ClientTls, read_secret
 
@@ -60,6 +61,11 @@ def add_cluster_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     drain.add_argument("--node", required=True, help="the node, host:port")
     drain.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to stop")
+    drain.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"node", "stopped", "seconds", "partitions"} as JSON (messages on stderr)',
+    )
     _add_client_credentials(drain)
     drain.set_defaults(func=_node_drain)
 
@@ -233,8 +239,9 @@ def _node_drain(args: argparse.Namespace) -> int:
             why = reply.body.get("error") or f"status {reply.status}"
             print(f"node {args.node} refused the drain: {why}", file=sys.stderr)
             return 2
+        say = sys.stderr if args.json else sys.stdout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as http:
-            print(f"node {body['node']} at {args.node} is draining", flush=True)
+            print(f"node {body['node']} at {args.node} is draining", flush=True, file=say)
             while time.monotonic() - started < args.timeout:
                 try:
                     async with http.get(url(args.node, "/healthz", tls), ssl=ssl_option):
@@ -244,8 +251,11 @@ def _node_drain(args: argparse.Namespace) -> int:
                 await asyncio.sleep(0.1)
             else:
                 print(f"node {args.node} still runs after {args.timeout:g}s", file=sys.stderr)
+                if args.json:
+                    print_json({"node": body["node"], "stopped": False, "seconds": None})
                 return 1
-        print(f"node {body['node']} stopped {time.monotonic() - started:.1f}s later")
+        seconds = time.monotonic() - started
+        print(f"node {body['node']} stopped {seconds:.1f}s later", file=say)
         # The survivors learn of the departure by the node's leave call or their own polls;
         # report their map once it no longer names the drained node (or the time is up).
         owners: list[str] = []
@@ -257,8 +267,13 @@ def _node_drain(args: argparse.Namespace) -> int:
             if body["node"] not in owners or time.monotonic() - started >= args.timeout:
                 break
             await asyncio.sleep(0.1)
-        if owners:
-            counts = {n: owners.count(n) for n in sorted(set(owners))}
+        counts = {n: owners.count(n) for n in sorted(set(owners))}
+        if args.json:
+            print_json({
+                "node": body["node"], "stopped": True, "seconds": round(seconds, 3),
+                "partitions": counts,
+            })  # fmt: skip
+        elif counts:
             print("partitions now: " + ", ".join(f"{n} {c}" for n, c in counts.items()))
         return 0
 

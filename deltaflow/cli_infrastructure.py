@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from .cli_output import print_json
+
 __all__ = [
     "add_infrastructure_commands",
     "add_storage_option",
@@ -66,6 +68,7 @@ def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
         help="also S3A's jars (the AWS SDK bundle: about 690 MB) and deltaflow's S3 log store, "
         "built with javac: what the spark engine needs on an s3:// warehouse",
     )
+    jars.add_argument("--json", action="store_true", help="the jars as a JSON list")
     jars.set_defaults(func=_jars)
 
     store = sub.add_parser("store", help="check an object store for deltaflow's tables")
@@ -74,6 +77,7 @@ def add_infrastructure_commands(sub: Any, driver_memory: str) -> None:
         "check", help="check that a store honours conditional writes (commits rely on them)"
     )
     check.add_argument("uri", help="a location on the store, e.g. s3://bucket/warehouse")
+    check.add_argument("--json", action="store_true", help="one JSON document")
     add_storage_option(check)
     check.set_defaults(func=_store_check)
 
@@ -107,6 +111,9 @@ def _jars(args: argparse.Namespace) -> int:
         from .spark_integration.s3a import ensure_object_store_jars
 
         jars += ensure_object_store_jars()
+    if args.json:
+        print_json([str(jar) for jar in jars])
+        return 0
     for jar in jars:
         print(jar)
     return 0
@@ -123,6 +130,15 @@ def _store_check(args: argparse.Namespace) -> int:
     except BaseError as exc:
         print(f"deltaflow: cannot check the store {args.uri}: {first_line(exc)}", file=sys.stderr)
         return 2
+    if args.json:
+        print_json({
+            "uri": check.uri, "ok": check.ok, "create_refused": check.create_refused,
+            "stale_etag_refused": check.stale_etag_refused, "racers": check.racers,
+            "winners": check.winners, "problems": check.problems(),
+        })  # fmt: skip
+        if not check.ok:
+            print(f"deltaflow: {check.refusal()}", file=sys.stderr)
+        return 0 if check.ok else 2
     print(f"store {check.uri}:")
     print(f"  create of an existing key refused:   {_yes(check.create_refused)}")
     print(f"  write on a stale ETag refused:       {_yes(check.stale_etag_refused)}")

@@ -1,19 +1,46 @@
 """How the ``deltaflow`` command prints: data on stdout (aligned tables through ``rich``, or
-one JSON document with ``--json``), messages on stderr."""
+one JSON document with ``--json``), messages on stderr; and how it leaves (:func:`leave`)."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["print_json", "print_table"]
+__all__ = ["leave", "print_json", "print_table"]
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with ``code`` once the output is flushed and the exit handlers have run, skipping
+    the interpreter's teardown.
+
+    Native thread pools can outlive that teardown: a ``deltalake`` table read as a pyarrow
+    dataset and not read to its end (``head()``, a loop left early) leaves Arrow's I/O threads
+    calling into delta-rs's file system, and the process then aborts after its work is done
+    ("terminate called without an active exception", exit 134; apache/arrow#34314,
+    delta-io/delta-rs#2184). Every ``deltaflow`` command ends here, so none can.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can be said there
+            pass
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 def print_json(document: Any) -> None:
-    """``document`` as indented JSON on stdout (datetimes and other values as strings)."""
-    print(json.dumps(document, indent=2, default=str))
+    """``document`` as indented JSON on stdout (datetimes in ISO 8601, other values as
+    strings)."""
+    print(json.dumps(document, indent=2, default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    isoformat = getattr(value, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(value)
 
 
 def print_table(

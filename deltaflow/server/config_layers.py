@@ -154,10 +154,14 @@ def resolve(
     flags: argparse.Namespace | None = None,
     env: Mapping[str, str] | None = None,
     file: str | os.PathLike[str] | None = None,
+    *,
+    require: bool = True,
 ) -> Resolved:
     """Layer defaults < file < environment < flags.
 
     ``file`` None: ``--config`` among the flags, else ``$DELTAFLOW_CONFIG``, else no file.
+    ``require`` False: settings a node cannot start without may be missing (a command that
+    reads only the warehouse).
 
     Raises:
         ConfigError: a file that cannot be read or parsed, unknown keys, values of the wrong
@@ -182,7 +186,7 @@ def resolve(
                 value = {**values[key].value, **value}
             values[key] = Value(value, source)
     for s in SETTINGS:
-        if s.required and values[s.key].value in (None, ""):
+        if require and s.required and values[s.key].value in (None, ""):
             how = f"{s.option}, " if s.option else ""
             problems.append(f"{s.key} is required: set it with {how}{s.env} or in the file")
     if problems:

@@ -381,8 +381,9 @@ class Membership:
         if self._answered(member, now):
             refused = member.conflict or member.own_refusal
             return PeerState.REFUSED if refused else PeerState.LIVE
-        if member.draining and self._recent(member, now) and not member.down:
-            return PeerState.DRAINING
+        if member.draining:  # it said it leaves: gone on purpose, not dead
+            recent = self._recent(member, now) and not member.down
+            return PeerState.DRAINING if recent else PeerState.LEFT
         silent_since = max(member.last_seen, member.since)
         return PeerState.LEFT if now - silent_since > self.peer_expiry else PeerState.DEAD
 

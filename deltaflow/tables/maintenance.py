@@ -13,14 +13,16 @@ still names.
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any, Final
 
 from ..errors import UsageError
 from ..storage.paths import Location
 from .atomicity import atomicity_for
-from .log import delta_table, table_path
+from .log import commit_text, delta_table, table_path
 from .log import log_dir as delta_log_dir
+from .marks import METADATA_KEY
 
 __all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path", "vacuum"]
 
@@ -85,26 +87,114 @@ def _vector_files(path: Location) -> set[Location]:
 
 
 def history(warehouse: Location, table: str, *, limit: int = 20) -> list[dict[str, Any]]:
-    """The latest commits, newest first: version, time, operation, writing node, rows."""
+    """The latest commits, newest first, each as a dict:
 
-    rows = []
-    for h in delta_table(table_path(warehouse, table)).history(limit):
-        meta = h.get("userMetadata")
-        node = ""
-        if isinstance(meta, str) and "deltaflow" in meta:
-            node = str(json.loads(meta).get("deltaflow", {}).get("node", ""))
+    ``version``; ``time`` (a UTC datetime); ``operation``; ``node`` (the node that committed
+    it, for deltaflow's commits, else None); ``writers`` (the nodes whose rows it holds);
+    ``rows_added`` and ``rows_removed`` (logical rows: a file's rows less those its deletion
+    vector hides; None where the commit does not say); ``files_added``, ``files_removed``;
+    ``streams`` (stream id -> lanes of it the commit marks) and ``lanes`` (lane -> its mark,
+    ``[seq, k]``: the batches the table holds, see :mod:`.marks`); ``deletes_recorded`` (keys
+    whose deletes it records, on ``sequence_by`` tables).
+    """
+    path = table_path(warehouse, table)
+    dt = delta_table(path)
+    out = []
+    for h in dt.history(limit):
+        version = int(h["version"])
+        actions = _actions(path, version)
+        meta = _deltaflow_metadata(h.get("userMetadata"))
+        adds = [a["add"] for a in actions if "add" in a]
+        removes = [a["remove"] for a in actions if "remove" in a]
+        lanes = {str(k): v for k, v in (meta.get("lanes") or {}).items()}
+        streams: dict[str, int] = {}
+        for lane in lanes:
+            sid = lane.split("/", 1)[0]
+            streams[sid] = streams.get(sid, 0) + 1
         metrics = h.get("operationMetrics") or {}
-        written = metrics.get("num_output_rows", metrics.get("numOutputRows", ""))
-        rows.append(
+        added = _rows(adds)
+        removed = _removed_rows(path, version, removes) if removes else 0
+        out.append(
             {
-                "version": h.get("version"),
-                "timestamp": h.get("timestamp"),
+                "version": version,
+                "time": datetime.datetime.fromtimestamp(int(h["timestamp"]) / 1000, datetime.UTC),
                 "operation": h.get("operation"),
-                "node": node,
-                "rows_written": written,
+                "node": meta.get("node"),
+                "writers": list(
+                    meta.get("writers") or ([meta["node"]] if meta.get("node") else [])
+                ),
+                "rows_added": added if added is not None else _metric(metrics, "added"),
+                "rows_removed": removed if removed is not None else _metric(metrics, "removed"),
+                "files_added": len(adds),
+                "files_removed": len(removes),
+                "streams": streams,
+                "lanes": lanes,
+                "deletes_recorded": len((meta.get("deleted") or {}).get("keys") or []),
             }
         )
-    return rows
+    return out
+
+
+def _deltaflow_metadata(text: Any) -> dict[str, Any]:
+    if not isinstance(text, str) or METADATA_KEY not in text:
+        return {}
+    try:
+        meta = json.loads(text).get(METADATA_KEY)
+    except (ValueError, AttributeError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _actions(path: Location, version: int) -> list[dict[str, Any]]:
+    """The actions of commit ``version`` (none if its file is gone: checkpointed and cleaned)."""
+    try:
+        text = commit_text(delta_log_dir(path) / f"{version:020d}.json")
+    except OSError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _rows(files: list[dict[str, Any]]) -> int | None:
+    """Logical rows of ``files`` (add actions): records less deleted ones; None if a file has
+    no record count."""
+    total = 0
+    for f in files:
+        try:
+            records = json.loads(f.get("stats") or "{}").get("numRecords")
+        except ValueError:
+            records = None
+        if records is None:
+            return None
+        total += int(records) - int((f.get("deletionVector") or {}).get("cardinality", 0))
+    return total
+
+
+def _removed_rows(path: Location, version: int, removes: list[dict[str, Any]]) -> int | None:
+    """Logical rows the removed files held at ``version - 1`` (their add actions then)."""
+    import pyarrow as pa
+
+    before = delta_table(path, version - 1)
+    live = pa.table(before.get_add_actions(flatten=True)).to_pydict()
+    records = dict(zip(live["path"], live.get("num_records") or [], strict=False))
+    total = 0
+    for r in removes:
+        count = records.get(r["path"])
+        if count is None:
+            return None
+        total += int(count) - int((r.get("deletionVector") or {}).get("cardinality", 0))
+    return total
+
+
+def _metric(metrics: dict[str, Any], kind: str) -> int | None:
+    """Rows added or removed as the writer's own operation metrics say (Spark, delta-rs)."""
+    names = {
+        "added": ("num_added_rows", "numOutputRows", "num_output_rows", "num_target_rows_inserted"),
+        "removed": ("num_removed_rows", "numTargetRowsDeleted", "num_target_rows_deleted"),
+    }[kind]
+    for name in names:
+        if metrics.get(name) not in (None, ""):
+            return int(metrics[name])
+    return None
 
 
 def show(
