@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup demo test fuzz bench bench-transport mutation breaks lint clean versitygw toxiproxy
+.PHONY: setup test-setup demo test fuzz bench bench-transport mutation breaks lint clean versitygw toxiproxy
 
 $(STAMP): pyproject.toml
+	@echo "==> virtualenv $(VENV) with deltaflow[dev] (pip: about 2 minutes the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --progress-bar off -e '.[dev]'
 	touch $@
 
 # A real S3-compatible server for the object-storage tests: versitygw, pinned, built by Go
@@ -24,6 +25,7 @@ VERSITYGW_VERSION := v1.8.0
 VERSITYGW := .tools/versitygw-$(VERSITYGW_VERSION)/versitygw
 
 $(VERSITYGW):
+	@echo "==> versitygw $(VERSITYGW_VERSION), the tests' S3 server (go install: about 1.5 minutes once)"
 	GOBIN=$(CURDIR)/$(dir $@) go install github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
 
 versitygw: $(VERSITYGW)
@@ -40,24 +42,44 @@ $(TOXIPROXY):
 toxiproxy: $(TOXIPROXY)
 
 $(CONNECT_STAMP): pyproject.toml
+	@echo "==> virtualenv $(CONNECT_VENV) with deltaflow[connect] alone (the Spark Connect tests' node)"
 	$(PYTHON) -m venv $(CONNECT_VENV)
 	$(CONNECT_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(CONNECT_VENV)/bin/python -m pip install --quiet -e '.[connect]'
 	touch $@
 
-setup: $(STAMP) $(CONNECT_STAMP) $(VERSITYGW)
+# Debian's chromium, for the status page's browser tests (Playwright drives it; no download).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+$(CHROMIUM):
+	@echo "==> Debian's chromium, for the status page tests (apt: about a minute once)"
+	$(SUDO) apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y --no-install-recommends chromium)
+
+# What the demo needs: the virtualenv and Delta's jars.
+setup: $(STAMP)
+	@echo "==> Delta's jars into $(DELTAFLOW_JARS_DIR) (Maven Central, once)"
+	$(VENV)/bin/deltaflow jars >/dev/null
+	@echo "==> set up"
+
+# What the tests need besides: the Connect environment, S3A's jars (about 690 MB, once), the
+# S3 server and the browser.
+test-setup: setup $(CONNECT_STAMP) $(VERSITYGW) $(CHROMIUM)
+	@echo "==> S3A's jars and deltaflow's S3 log store (about 690 MB from Maven Central, once)"
 	$(VENV)/bin/deltaflow jars --object-store >/dev/null
 
 demo: setup
 	$(PY) -m deltaflow.cli demo
 
-test: setup
+test: test-setup
+	@echo "==> the test suite (about 20 minutes on 2 cores)"
 	$(PY) -m pytest
 
-bench: setup $(TOXIPROXY)
+bench: test-setup $(TOXIPROXY)
 	$(PY) bench/ingest.py
 
-bench-transport: setup
+bench-transport: test-setup
 	$(PY) bench/transport.py
 
 # The fuzzing net of the wire protocol with many more examples than `make test` runs:
@@ -68,12 +90,12 @@ fuzz: setup
 
 # Mutation testing of the modules that carry the guarantees, against their fast unit tests
 # (docs/mutation.md). Not part of `make test`; about 10 minutes on 2 cores.
-mutation: setup
+mutation: test-setup
 	$(PY) tools/mutation.py
 
 # Whole mechanisms broken on purpose (ack before commit, arrival order, ...), each against the
 # guarantee tests that must catch it (docs/mutation.md). A few minutes; not part of `make test`.
-breaks: setup
+breaks: test-setup
 	$(PY) tools/breaks.py
 
 lint: setup

@@ -211,8 +211,7 @@ class ClientConnection:
         raise ProtocolError(f"{msg.type.name} messages are not allowed; send binary")
 
     def _refused(self, err: ServerError, **where: Any) -> None:
-        errors = self._node.dispatcher.stats.errors
-        errors[err.code] = errors.get(err.code, 0) + 1
+        self._node.dispatcher.stats.count_error(err.code, str(err))
         event(log, "refusal", f"refused client {self.client_id} at {self._remote}: {err}",
               level=logging.WARNING, code=err.code, reason=str(err)[:500],
               client=self.client_id, remote=self._remote, **where)  # fmt: skip

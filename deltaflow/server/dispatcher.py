@@ -503,7 +503,7 @@ class Dispatcher:
             self._reply_error(later_peer, lane.failed_error(self.node_id, p), later_frame)
 
     def _reply_error(self, peer: Peer, err: ServerError, frame: Frame) -> None:
-        self.stats.errors[err.code] = self.stats.errors.get(err.code, 0) + 1
+        self.stats.count_error(err.code, str(err))
         self._send_soon(peer, error_frame(err, sid=frame["sid"], p=frame["p"], seq=frame["seq"]))
 
     def _send_soon(self, peer: Peer, frame: Frame) -> None:

@@ -28,6 +28,7 @@ from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
 from ..tables.prepared import PreparedCommit
+from . import status
 from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter
 from .connection import ClientConnection, token_matches, unauthenticated
 from .dispatcher import Dispatcher
@@ -132,6 +133,7 @@ class Node:
             concurrency=config.receiver_concurrency,
         )
         self.state = NodeState.CREATED
+        self.created_at = time.time()
         self.address = f"{config.host}:{config.port}"
         self.readiness = Readiness(
             config.node_id,
@@ -169,6 +171,10 @@ class Node:
             raise UsageError("start the node first")
         async with asyncio.timeout(timeout):
             return await self._membership.wait_for_members(count)
+
+    def members(self) -> list[dict[str, Any]]:
+        """The members as this node sees it (``/v1/cluster``'s ``members``)."""
+        return self._membership.members() if self._membership is not None else []
 
     def _owns(self, partition: int) -> bool:
         # A refused node owns nothing: its map is the cluster's, in which it has no share.
@@ -295,6 +301,9 @@ class Node:
             ("POST", "/v1/drain", self._drain_handler),
             ("POST", "/v1/peer/commit", self._commit_handler),
             ("GET", "/metrics", self._metrics_handler),
+            ("GET", "/", status.page),
+            ("GET", "/status.js", status.script),
+            ("GET", "/v1/status", status.handler(self)),
         ]
         self._runner, self.address, peer_tls = await listen(self.config, routes, self.readiness)
         return peer_tls

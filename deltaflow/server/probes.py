@@ -22,7 +22,7 @@ CHECKS: Final = ("store", "identity", "engine", "side_inputs", "membership")
 #: The header of a 503 that says "this node is starting" (peers read it, not the body).
 STARTING_HEADER: Final = "X-Deltaflow-Starting"
 #: Answered whatever the node's state.
-ALWAYS: Final = frozenset({"/healthz", "/ready", "/metrics"})
+ALWAYS: Final = frozenset({"/healthz", "/ready", "/metrics", "/", "/status.js", "/v1/status"})
 
 
 class Readiness:
@@ -53,12 +53,15 @@ class Readiness:
         """Alive: the process answers (whatever it can serve)."""
         return web.json_response({"node": self.node_id, "state": self.state})
 
-    async def ready_handler(self, request: web.Request) -> web.Response:
-        """200 once the node can serve; 503 with what it still waits for, or why not."""
+    def document(self) -> dict[str, object]:
+        """``{"node", "state", "ready", "checks"}``: what ``/ready`` answers."""
         checks = dict(self.passed)
         checks["serving"] = self.state == "running" and self.serving()
-        body = {"node": self.node_id, "state": self.state, "ready": self.ready, "checks": checks}
-        return web.json_response(body, status=200 if self.ready else 503)
+        return {"node": self.node_id, "state": self.state, "ready": self.ready, "checks": checks}
+
+    async def ready_handler(self, request: web.Request) -> web.Response:
+        """200 once the node can serve; 503 with what it still waits for, or why not."""
+        return web.json_response(self.document(), status=200 if self.ready else 503)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -6,7 +6,10 @@ reads them (metrics) depend on this module, not on each other.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from ..tables.statistics import EngineStatistics
 
@@ -16,6 +19,10 @@ __all__ = [
     "ReceiverStatistics",
     "SideInputStatistics",
 ]
+
+
+#: Errors kept for the status page.
+RECENT_ERRORS: Final = 20
 
 
 @dataclass(slots=True)
@@ -53,6 +60,15 @@ class DispatcherStatistics:
     #: Per receiver, by class name; and the error frames sent, by code.
     receivers: dict[str, ReceiverStatistics] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    #: The latest errors sent: (Unix time, code, message).
+    recent_errors: deque[tuple[float, str, str]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_ERRORS)
+    )
+
+    def count_error(self, code: str, message: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+        message = message.removeprefix(f"[{code}] ")  # the code has a column of its own
+        self.recent_errors.append((time.time(), code, message[:300]))
 
     def receiver(self, name: str) -> ReceiverStatistics:
         return self.receivers.setdefault(name, ReceiverStatistics())
@@ -62,6 +78,7 @@ class DispatcherStatistics:
         copy = replace(self)
         copy.receivers = {name: replace(r) for name, r in self.receivers.items()}
         copy.errors = dict(self.errors)
+        copy.recent_errors = deque(self.recent_errors, RECENT_ERRORS)
         return copy
 
 

@@ -374,6 +374,7 @@ class TableCommitter(TableWriter):
             counted.commit_seconds_histogram = counted.commit_seconds_histogram.observe(seconds)
             counted.group_rows_histogram = counted.group_rows_histogram.observe(rows)
         table.last_commit_at = time.time()
+        table.recent.append((table.last_commit_at, rows, batches, seconds, version))
         if version is not None:
             table.last_version = max(version, table.last_version or -1)
         slow = seconds >= SLOW_COMMIT_SECONDS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +61,21 @@ class Histogram:
     def count(self) -> int:
         """The number of observations."""
         return sum(self.counts)
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0..1), interpolated within its bucket as Prometheus's
+        ``histogram_quantile`` does; None without observations. Past the last bound: that
+        bound."""
+        total = self.count
+        if not total:
+            return None
+        rank, seen, lower = q * total, 0, 0.0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            if count and seen + count >= rank:
+                return lower + (bound - lower) * (rank - seen) / count
+            seen += count
+            lower = bound
+        return self.bounds[-1] if self.bounds else None
 
     def observe(self, value: float) -> Histogram:
         """This histogram with ``value`` counted in the first bucket whose bound is >= it."""
@@ -129,13 +145,18 @@ class EngineStatistics(CommitHistograms):
     def snapshot(self) -> EngineStatistics:
         """A copy that later counting does not change."""
         copy = dataclasses.replace(self)
-        copy.tables = {name: dataclasses.replace(t) for name, t in self.tables.items()}
+        copy.tables = {
+            name: dataclasses.replace(t, recent=collections.deque(t.recent, RECENT_COMMITS))
+            for name, t in self.tables.items()
+        }
         return copy
 
 
 #: Most tables whose metrics a node keeps apart; commits to further tables are counted under
 #: :data:`OTHER_TABLES` (a metric label per table, and a client names the tables).
 MAX_TABLES: Final = 500
+#: Commits per table kept for the status page.
+RECENT_COMMITS: Final = 60
 OTHER_TABLES: Final = "_other"
 
 
@@ -168,6 +189,10 @@ class TableStatistics(CommitHistograms):
     in_flight_batches: int = 0
     last_version: int | None = None
     last_commit_at: float = 0.0
+    #: The latest commits of this node's rows: (Unix time, rows, batches, seconds, version).
+    recent: collections.deque[tuple[float, int, int, float, int | None]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=RECENT_COMMITS)
+    )
 
 
 def table_statistics(tables: dict[str, TableStatistics], name: str) -> TableStatistics:
