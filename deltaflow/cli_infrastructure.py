@@ -121,13 +121,11 @@ def _jars(args: argparse.Namespace) -> int:
 
 def _store_check(args: argparse.Namespace) -> int:
     """Check that a store honours conditional writes, as commits on it need."""
-    from obstore.exceptions import BaseError
-
-    from .storage.conditional import check_conditional_writes, first_line
+    from .storage.conditional import check_conditional_writes, first_line, store_errors
 
     try:
         check = check_conditional_writes(args.uri, storage_options_of(args))
-    except BaseError as exc:
+    except store_errors() as exc:
         print(f"deltaflow: cannot check the store {args.uri}: {first_line(exc)}", file=sys.stderr)
         return 2
     if args.json:

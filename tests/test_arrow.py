@@ -17,7 +17,7 @@ from deltaflow.errors import DataStreamerError, ProtocolError
 from deltaflow.partitioning import partition_of, partition_table
 from deltaflow.server import Node
 
-from .support import assert_table, expected, read_delta, workload
+from .support import StartCluster, assert_table, expected, read_delta, workload
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string()), ("value", pa.float64())])
 OPTIONS = StreamerOptions(page_size=150, per_partition_in_flight=4, auto_flush_interval=0.5)
@@ -185,3 +185,29 @@ def test_arrow_pages_stay_under_max_batch_bytes_and_keep_source_order() -> None:
     assert [b.seq for b in cut] == list(range(len(cut)))
     assert [p for b in cut for p in b.positions] == list(range(100, 195))
     assert [r["id"] for b in cut for r in b.items] == list(range(95))
+
+
+@pytest.mark.parametrize("kind", ["pandas", "polars", "arrow"])
+async def test_a_dataframe_is_streamed_as_its_rows(
+    kind: str, tmp_path: Path, start_cluster: StartCluster
+) -> None:
+    """A pandas or polars DataFrame (or one Arrow table) passed as the source is its rows, not
+    an iterable of column names."""
+    nodes = await start_cluster(tmp_path, engine="delta-rs")
+    rows = [{"id": i, "name": f"n{i}", "value": i / 4} for i in range(500)]
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    if kind == "pandas":
+        source: Any = table.to_pandas()
+    elif kind == "polars":
+        import polars
+
+        source = polars.from_arrow(table)
+    else:
+        source = table
+    async with deltaflow.connect([nodes[0].address]) as client:
+        summary = await client.stream_data(source, table="frame", key="id")
+    assert summary.items_acked == 500
+    landed = read_delta(tmp_path / "frame")
+    assert {k: {c: r[c] for c in SCHEMA.names} for k, r in landed.items()} == {
+        r["id"]: r for r in rows
+    }

@@ -166,3 +166,24 @@ def test_store_check_names_the_store_it_cannot_reach(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("deltaflow: cannot check the store s3://nowhere/w: ")
     assert "Traceback" not in done.stderr
+
+
+def test_a_missing_bucket_and_a_plain_http_endpoint_are_named(
+    s3_server: S3Server, tmp_path: Path
+) -> None:
+    """What a new operator meets first: exit 2 with the store's own words, no debug dump."""
+    env = s3_server.storage_options
+    checked = _deltaflow("store", "check", "s3://no-such-bucket/w", env=env)
+    served = _deltaflow(
+        "serve", "--node-id", "n1", "--port", str(free_port()), "--engine", "delta-rs",
+        "--warehouse", "s3://no-such-bucket/w", env={**env, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    for done in (checked, served):
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "404 Not Found: NoSuchBucket: The specified bucket does not exist" in done.stderr
+        assert "Debug" not in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr.splitlines()) == 1
+    plain = {k: v for k, v in env.items() if k != "AWS_ALLOW_HTTP"}
+    refused = _deltaflow("store", "check", "s3://no-such-bucket/w", env=plain)
+    assert refused.returncode == 2
+    assert "needs AWS_ALLOW_HTTP=true" in refused.stderr

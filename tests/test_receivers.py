@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -493,3 +494,23 @@ def test_ack_latency_quantiles_are_within_two_percent() -> None:
         assert abs(got - exact) <= 0.025 * exact, (q, got, exact)
     assert summary.max == ordered[-1]
     assert abs(summary.mean - sum(seconds) / len(seconds)) < 1e-9
+
+
+async def test_dropped_batches_are_told_once_then_summed_up(
+    cluster: list[Node], caplog: pytest.LogCaptureFixture
+) -> None:
+    """20 items dropped under on_failure="drop" make two warnings, not one per batch."""
+    with caplog.at_level(logging.WARNING, logger="deltaflow.client.stream"):
+        async with deltaflow.connect([cluster[0].address]) as client:
+            summary = await client.stream_data(
+                ["bad"] * 20,
+                key=lambda item: item,
+                receiver="deltaflow.testing.FailOn",
+                receiver_args={"fail_on": "bad"},
+                options=StreamerOptions(on_failure="drop", page_size=1, max_in_flight=1),
+            )
+    assert summary.items_failed == 20
+    warnings = [r.getMessage() for r in caplog.records if r.name == "deltaflow.client.stream"]
+    assert len(warnings) == 2, warnings
+    assert "further drops are summed up when the stream ends" in warnings[0]
+    assert "dropped 20 item(s) in 20 batches in all" in warnings[1]

@@ -567,7 +567,7 @@ BREAKS: dict[str, Break] = {
     "config_secret_flag": Break(
         "deltaflow/server/config_layers.py",
         '                if s.kind == "map" and any(is_secret_option(k) for k in parsed):\n',
-        '                if False:\n',
+        "                if False:\n",
         ("tests/test_config.py::test_secrets_are_masked_and_never_taken_from_the_command_line",),
     ),
     "config_unknown_key": Break(
@@ -632,7 +632,7 @@ BREAKS: dict[str, Break] = {
     ),
     "status_without_token": Break(
         "deltaflow/server/status.py",
-        "        if not node.check_token(header[7:] if header.startswith(\"Bearer \") else None):\n",
+        '        if not node.check_token(header[7:] if header.startswith("Bearer ") else None):\n',
         "        if False:\n",
         ("tests/test_status_page.py::test_the_status_page_shows_the_cluster_tables_and_errors",),
     ),

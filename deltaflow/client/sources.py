@@ -39,7 +39,11 @@ class SourceOverflowError(UsageError):
 
 
 def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
-    """An async iterator over ``source`` (async iterable, iterable or Observable)."""
+    """An async iterator over ``source`` (async iterable, iterable or Observable; or one
+    table: a pyarrow Table or RecordBatch, a pandas or polars DataFrame, each of whose rows is
+    an item)."""
+    if is_table(source):  # converted in the worker thread that reads the source
+        return ChunkedIterator(_converted(source), blocking=not is_arrow(type(source)))
     if isinstance(source, AsyncIterable):
         return source.__aiter__()
     if _is_observable(source):
@@ -57,6 +61,31 @@ def aiter_source(source: Any, *, buffer: int) -> AsyncIterator[Any]:
         f"source of type {type(source).__name__} is not an async iterable, an iterable or a "
         "reactivex Observable"
     )
+
+
+def is_table(source: Any) -> bool:
+    """Whether ``source`` is one table of rows: a pyarrow Table or RecordBatch, a pandas or
+    polars DataFrame (by type name: neither library is imported for it)."""
+    kind = type(source)
+    module = kind.__module__.split(".", 1)[0]
+    return is_arrow(kind) or (kind.__name__ == "DataFrame" and module in ("pandas", "polars"))
+
+
+def _converted(source: Any) -> Iterator[Any]:
+    """The table ``source`` as one pyarrow Table: Arrow as it is, a polars DataFrame by
+    ``to_arrow()`` (zero-copy), a pandas DataFrame by ``pyarrow.Table.from_pandas`` (zero-copy
+    for most numeric columns; a named index becomes a column)."""
+    if is_arrow(type(source)):
+        yield source
+        return
+    if type(source).__module__.startswith("polars"):
+        yield source.to_arrow()
+        return
+    try:
+        import pyarrow as pa
+    except ImportError as exc:
+        raise UsageError("streaming a pandas DataFrame needs pyarrow: pip install pyarrow") from exc
+    yield pa.Table.from_pandas(source)
 
 
 def _is_observable(source: Any) -> bool:

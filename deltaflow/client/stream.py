@@ -113,6 +113,8 @@ class StreamRun:
             stop=self._stop,
         )
         self.quarantined = 0  # rows sent to the dead-letter table by on_bad_row="quarantine"
+        self.dropped_items = 0  # items of batches dropped under on_failure="drop"
+        self.dropped_batches = 0
         self._task: asyncio.Task[Any] | None = None
         self._awaiting_source = False
         self._interrupted = False
@@ -235,12 +237,19 @@ class StreamRun:
                 self._stop(exc)
             return
         if policy == "drop":
-            log.warning(
-                "stream %s dropped %d item(s) of partition %d: %s",
+            # The first drop is told at once, the rest summed up when the stream ends.
+            self.dropped_batches += 1
+            self.dropped_items += len(batch.items)
+            log.log(
+                logging.WARNING if self.dropped_batches == 1 else logging.DEBUG,
+                "stream %s dropped %d item(s) of partition %d: %s%s",
                 self.sid,
                 len(batch.items),
                 batch.partition,
                 exc,
+                " (further drops are summed up when the stream ends)"
+                if self.dropped_batches == 1
+                else "",
             )
             self._settle(batch)
             return
@@ -369,6 +378,13 @@ class StreamRun:
 
     def _outcome(self, duration: float) -> StreamSummary:
         counters = self.sender.counters
+        if self.dropped_batches > 1:
+            log.warning(
+                "stream %s dropped %d item(s) in %d batches in all (on_failure='drop')",
+                self.sid,
+                self.dropped_items,
+                self.dropped_batches,
+            )
         if self.errors:
             self.ledger.raise_outcome(self.errors[0], sid=self.sid, applied=counters.acked_items)
         return StreamSummary(

@@ -19,7 +19,13 @@ from typing import Any, Final
 from ..errors import UsageError
 from .stores import open_store
 
-__all__ = ["ConditionalWriteCheck", "check_conditional_writes", "require_conditional_writes"]
+__all__ = [
+    "ConditionalWriteCheck",
+    "check_conditional_writes",
+    "first_line",
+    "require_conditional_writes",
+    "store_errors",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +75,23 @@ def require_conditional_writes(uri: str, options: Mapping[str, str] | None = Non
     Raises:
         UsageError: it does not honour conditional writes, or cannot be reached.
     """
-    from obstore.exceptions import BaseError
-
     try:
         check = check_conditional_writes(uri, options)
-    except BaseError as exc:
+    except store_errors() as exc:
         raise UsageError(f"cannot reach the store {uri}: {first_line(exc)}") from exc
     if not check.ok:
         raise UsageError(
             check.refusal() + " (`deltaflow store check` tells what it does; a store with "
             "strongly consistent conditional PUTs, such as S3, MinIO or versitygw, is needed)"
         )
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """What reaching a store can raise: obstore's errors, and the ``FileNotFoundError`` (a
+    missing bucket) and other ``OSError`` some of them are instead."""
+    from obstore.exceptions import BaseError
+
+    return (BaseError, OSError)
 
 
 def first_line(exc: BaseException) -> str:
