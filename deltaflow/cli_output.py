@@ -4,13 +4,15 @@ one JSON document with ``--json``), messages on stderr; and how it leaves (:func
 from __future__ import annotations
 
 import atexit
+import datetime
+import decimal
 import json
 import os
 import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-__all__ = ["leave", "print_json", "print_table"]
+__all__ = ["leave", "print_json", "print_table", "readable"]
 
 
 def leave(code: int) -> NoReturn:
@@ -67,3 +69,20 @@ def print_table(
     if title:
         console.print(title, style="bold")
     console.print(table)
+
+
+def readable(value: Any) -> str:
+    """A value as a person reads it: times in ISO 8601 (UTC), numbers without exponents."""
+    if value is None:
+        return "null"
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(datetime.UTC)
+        return str(value.isoformat(sep=" ", timespec="milliseconds")).replace("+00:00", "Z")
+    if isinstance(value, float):
+        return f"{value:.15g}" if abs(value) < 1e15 else f"{value:,.0f}"
+    if isinstance(value, decimal.Decimal):
+        return format(value, "f")
+    if isinstance(value, bytes):
+        return value.hex() if len(value) <= 16 else value[:16].hex() + "…"
+    return str(value)

@@ -11,7 +11,7 @@ import datetime
 import decimal
 from typing import Any
 
-from .cli_output import print_json, print_table
+from .cli_output import print_json, print_table, readable
 from .engines.options import DELTA_RS, ENGINE_NAMES, SPARK, SparkOptions
 from .errors import UsageError
 from .tables.maintenance import DEFAULT_RETENTION_HOURS
@@ -222,7 +222,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"table {name}: {count} rows")
     print(f"settings: {settings.describe()}")
     if rows:
-        print_table(columns, ([_readable(r[c]) for c in columns] for r in rows))
+        print_table(columns, ([readable(r[c]) for c in columns] for r in rows))
     return 0
 
 
@@ -240,7 +240,7 @@ def _history(args: argparse.Namespace) -> int:
         (
             (
                 c["version"],
-                _readable(c["time"]),
+                readable(c["time"]),
                 c["operation"],
                 c["node"] or "",
                 ",".join(c["writers"]),
@@ -290,23 +290,6 @@ def _internal(column: str) -> bool:
 
 def _count(value: int | None) -> str:
     return "" if value is None else f"{value:,}"
-
-
-def _readable(value: Any) -> str:
-    """A value as a person reads it: times in ISO 8601 (UTC), numbers without exponents."""
-    if value is None:
-        return "null"
-    if isinstance(value, datetime.datetime):
-        if value.tzinfo is not None:
-            value = value.astimezone(datetime.UTC)
-        return str(value.isoformat(sep=" ", timespec="milliseconds")).replace("+00:00", "Z")
-    if isinstance(value, float):
-        return f"{value:.15g}" if abs(value) < 1e15 else f"{value:,.0f}"
-    if isinstance(value, decimal.Decimal):
-        return format(value, "f")
-    if isinstance(value, bytes):
-        return value.hex() if len(value) <= 16 else value[:16].hex() + "…"
-    return str(value)
 
 
 def _jsonable(value: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import random
 import shutil
 import tempfile
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["demo_rows", "run_demo"]
+
+#: When the demo's first order was placed (each later one a second after).
+START = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
 
 def demo_rows(count: int, *, seed: int = 7) -> Iterator[Any]:
@@ -32,7 +36,7 @@ def demo_rows(count: int, *, seed: int = 7) -> Iterator[Any]:
             "id": order_id,
             "customer": f"c{rng.randrange(5000):05d}",
             "amount": round(rng.uniform(1, 500), 2),
-            "ts": 1_700_000_000.0 + i,
+            "ts": START + datetime.timedelta(seconds=i),
             "note": "x" * 40,
         }
 
@@ -53,6 +57,7 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str =
     from tqdm import tqdm
 
     import deltaflow
+    from deltaflow.cli_output import print_table, readable
     from deltaflow.server import NodeConfig, start_local_nodes
     from deltaflow.spark_integration import get_spark
 
@@ -107,10 +112,17 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str =
         path = wh / "orders"
         count = spark.sql(f"SELECT COUNT(*) AS n FROM delta.`{path}`").collect()[0]["n"]
         expected = _expected(rows)
-        print(f"\nDelta table {path}: {count:,} rows (expected {expected:,})")
-        spark.sql(f"SELECT * FROM delta.`{path}` ORDER BY id LIMIT 5").show(truncate=False)
-        history = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").count()
-        print(f"table versions (group commits): {history}")
+        columns = "id, customer, amount, ts, note"  # not deltaflow's own bucket column
+        sample = spark.sql(f"SELECT {columns} FROM delta.`{path}` ORDER BY id LIMIT 5").collect()
+        print(f"\nDelta table {path}, its first rows (read back through Spark):")
+        print_table(columns.split(", "), ([readable(v) for v in row] for row in sample))
+        versions = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").count()
+        verdict = "as expected" if count == expected else f"EXPECTED {expected:,}"
+        print(
+            f"\n{'OK' if count == expected else 'WRONG'}: {summary.items_acked:,} changes "
+            f"streamed by 2 nodes in {elapsed:.1f} s ({summary.items_acked / elapsed:,.0f}/s); "
+            f"table orders holds {count:,} rows {verdict}, in {versions} versions"
+        )
         return 0 if count == expected else 1
     finally:
         if tmp:

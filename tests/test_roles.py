@@ -242,7 +242,7 @@ async def test_invented_peers_are_not_enrolled_and_learned_ones_are_capped(
             )  # fmt: skip
             assert status == 401
         assert len(await members(first)) == 2
-        with caplog.at_level(logging.WARNING, logger="deltaflow.server.topology"):
+        with caplog.at_level(logging.INFO, logger="deltaflow.server.topology"):
             for i in range(MAX_LEARNED_PEERS + 8):
                 status, _ = await peer_call(
                     http, first.address, "poll", secret=PEER_TOKEN, caller=f"y{i}",

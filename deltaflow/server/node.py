@@ -28,7 +28,6 @@ from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
 from ..tables.prepared import PreparedCommit
-from . import status
 from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter
 from .connection import ClientConnection, token_matches, unauthenticated
 from .dispatcher import Dispatcher
@@ -44,6 +43,9 @@ from .side_inputs import (
     load_side_inputs,
 )
 from .statistics import NodeStatistics
+from .status import handler as status_handler
+from .status import page as status_page
+from .status import script as status_script
 from .topology import Membership
 
 __all__ = ["DEFAULT_PORT", "Node", "NodeConfig", "NodeState", "NodeStatistics"]
@@ -301,9 +303,9 @@ class Node:
             ("POST", "/v1/drain", self._drain_handler),
             ("POST", "/v1/peer/commit", self._commit_handler),
             ("GET", "/metrics", self._metrics_handler),
-            ("GET", "/", status.page),
-            ("GET", "/status.js", status.script),
-            ("GET", "/v1/status", status.handler(self)),
+            ("GET", "/", status_page),
+            ("GET", "/status.js", status_script),
+            ("GET", "/v1/status", status_handler(self)),
         ]
         self._runner, self.address, peer_tls = await listen(self.config, routes, self.readiness)
         return peer_tls

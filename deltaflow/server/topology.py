@@ -306,8 +306,7 @@ class Membership:
                 return
             self._peers[address] = Member(address, configured=False, since=now)
             event(log, "member.learned", f"learned of peer {node_id} at {address} from its "
-                  "poll; polling it", level=logging.WARNING, peer=node_id,
-                  address=address)  # fmt: skip
+                  "poll; polling it", peer=node_id, address=address)  # fmt: skip
             self._wake.set()
             return
         state = self._state(member, now)

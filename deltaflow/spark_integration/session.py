@@ -14,11 +14,13 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from ..errors import UsageError
@@ -221,13 +223,17 @@ def get_spark(config: SparkConfig | None = None) -> Any:
             settings["spark.cores.max"] = str(config.max_cores)
             settings["spark.executor.cores"] = str(config.max_cores)
             settings["spark.executor.memory"] = config.executor_memory
-        if config.java_options:
-            settings["spark.driver.extraJavaOptions"] = config.java_options
+        # Spark's own logs at the level asked from the JVM's first line (its default profile
+        # says INFO and WARN lines before setLogLevel can run).
+        java_options = f"{config.java_options or ''} -Dlog4j2.configurationFile="
+        java_options += _log4j_file(config.log_level).as_uri()
+        settings["spark.driver.extraJavaOptions"] = java_options.strip()
         settings.update(config.extra)
         for k, v in settings.items():
             builder = builder.config(k, v)
         log.info("starting Spark (%s)", config.master)
-        session = builder.getOrCreate()
+        with _jvm_stderr_filtered():
+            session = builder.getOrCreate()
         session.sparkContext.setLogLevel(config.log_level)
         if config.standalone:
             _wait_for_an_executor(session, config)
@@ -309,6 +315,74 @@ def _check_listening(url: str, timeout: float = 10.0) -> None:
             f"cannot reach the Spark Connect server {url}: nothing accepts connections at "
             f"{host}:{port} ({exc}). Start one (deltaflow spark-connect) or fix the URL"
         ) from exc
+
+
+#: What the JVM prints to stderr at every start and nobody can act on: Spark's launcher always
+#: adds the incubating vector module, and the JVM then warns that it uses it.
+_JVM_NOISE: Final = (b"WARNING: Using incubator modules",)
+
+
+@contextlib.contextmanager
+def _jvm_stderr_filtered() -> Iterator[None]:
+    """Start the driver JVM with its stderr through a pipe that drops :data:`_JVM_NOISE` and
+    passes everything else on (a daemon thread, for the JVM's life); this process's own stderr
+    is back as it was on exit."""
+    try:
+        original = os.dup(2)
+    except OSError:  # no stderr to filter
+        yield
+        return
+    read_end, write_end = os.pipe()
+
+    def forward() -> None:
+        with os.fdopen(read_end, "rb") as pipe, os.fdopen(original, "wb", buffering=0) as out:
+            for line in pipe:
+                if not line.startswith(_JVM_NOISE):
+                    out.write(line)
+
+    sys.stderr.flush()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    threading.Thread(target=forward, name="deltaflow-jvm-stderr", daemon=True).start()
+    restore = os.dup(original)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(restore, 2)
+        os.close(restore)
+
+
+_SHELL_LOGGERS: Final = {
+    "repl": "org.apache.spark.repl.Main",
+    "submit": "org.apache.spark.deploy.SparkSubmit",
+    "gateway": "org.apache.spark.api.python.PythonGatewayServer",
+}
+
+
+def _log4j_file(level: str) -> Path:
+    """A log4j2 configuration sending Spark's logs at ``level`` and above to stderr: one file
+    per level in the temporary directory, the same text for every process (replaced whole)."""
+    path = Path(tempfile.gettempdir()) / f"deltaflow-log4j2-{level.lower()}.properties"
+    # A level of their own for the classes that start a PySpark driver keeps Spark from
+    # announcing the shell's level ("Setting default log level to WARN").
+    shell = "".join(
+        f"logger.{name}.name = {cls}\nlogger.{name}.level = {level}\n"
+        for name, cls in _SHELL_LOGGERS.items()
+    )
+    text = (
+        f"rootLogger.level = {level}\n" + shell + "rootLogger.appenderRef.stderr.ref = stderr\n"
+        "appender.console.type = Console\n"
+        "appender.console.name = stderr\n"
+        "appender.console.target = SYSTEM_ERR\n"
+        "appender.console.layout.type = PatternLayout\n"
+        "appender.console.layout.pattern = %d{yyyy-MM-dd HH:mm:ss,SSS} %p %c{1}: %m%n%ex\n"
+    )
+    if not (path.exists() and path.read_text() == text):
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        os.replace(partial, path)
+    return path
 
 
 def _session_settings(config: SparkConfig) -> dict[str, str]:
