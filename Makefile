@@ -57,6 +57,14 @@ $(CHROMIUM):
 	$(SUDO) apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y --no-install-recommends chromium)
 
+# systemd-analyze, which verifies deploy/deltaflow.service in the tests.
+SYSTEMD_ANALYZE := /usr/bin/systemd-analyze
+
+$(SYSTEMD_ANALYZE):
+	@echo "==> Debian's systemd tools, to verify the unit file (apt, once)"
+	$(SUDO) apt-get install -y --no-install-recommends systemd >/dev/null 2>&1 || \
+	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y --no-install-recommends systemd)
+
 # What the demo needs: the virtualenv and Delta's jars.
 setup: $(STAMP)
 	@echo "==> Delta's jars into $(DELTAFLOW_JARS_DIR) (Maven Central, once)"
@@ -64,8 +72,8 @@ setup: $(STAMP)
 	@echo "==> set up"
 
 # What the tests need besides: the Connect environment, S3A's jars (about 690 MB, once), the
-# S3 server and the browser.
-test-setup: setup $(CONNECT_STAMP) $(VERSITYGW) $(CHROMIUM)
+# S3 server, the browser and systemd-analyze.
+test-setup: setup $(CONNECT_STAMP) $(VERSITYGW) $(CHROMIUM) $(SYSTEMD_ANALYZE)
 	@echo "==> S3A's jars and deltaflow's S3 log store (about 690 MB from Maven Central, once)"
 	$(VENV)/bin/deltaflow jars --object-store >/dev/null
 
