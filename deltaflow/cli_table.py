@@ -14,13 +14,10 @@ from typing import Any
 from .cli_output import print_json, print_table, readable
 from .engines.options import DELTA_RS, ENGINE_NAMES, SPARK, SparkOptions
 from .errors import UsageError
-from .tables.maintenance import DEFAULT_RETENTION_HOURS
+from .tables.maintenance import DEFAULT_RETENTION_HOURS, INTERNAL_PREFIXES
 from .tables.settings import MERGE_MODES
 
 __all__ = ["add_table_commands", "warehouse_of"]
-
-#: Columns deltaflow keeps for itself: hidden by ``table show`` unless ``--all-columns``.
-INTERNAL_PREFIXES = ("_deltaflow_", "__deltaflow_")
 
 
 def warehouse_of(args: argparse.Namespace) -> Any:

@@ -52,6 +52,7 @@ TEST_RECEIVERS = (
     "deltaflow.testing.Flaky",
     "deltaflow.testing.Concurrency",
     "deltaflow.testing.Gated",
+    "deltaflow.testing.Lookup",
     "deltaflow.testing.RecordOrder",
     "deltaflow.testing.TwoTables",
     "deltaflow.testing.Unconstructible",

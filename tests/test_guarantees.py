@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -304,6 +305,7 @@ async def test_dead_letter_rows_carry_their_columns_and_a_bounded_error(
         "error",
         "node",
         "payload",
+        "payload_json",
         "deleted",
         "failed_at",
     }
@@ -316,7 +318,9 @@ async def test_dead_letter_rows_carry_their_columns_and_a_bounded_error(
     assert first["deleted"] is True and msgpack.unpackb(first["payload"]) == {"id": 3}
     assert msgpack.unpackb(rows[7]["payload"]) == items[7]
     assert all(len(r["error"]) == 2000 for r in rows), "the error is cut at 2,000 characters"
-    assert all(abs(r["failed_at"] - time.time()) < 120 for r in rows)
+    assert json.loads(first["payload_json"]) == {"id": 3}  # readable without msgpack
+    assert json.loads(rows[7]["payload_json"]) == items[7]
+    assert all(abs(r["failed_at"].timestamp() - time.time()) < 120 for r in rows)
 
 
 async def test_a_failed_dead_letter_write_fails_the_stream_listing_its_items(

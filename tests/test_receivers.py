@@ -514,3 +514,29 @@ async def test_dropped_batches_are_told_once_then_summed_up(
     assert len(warnings) == 2, warnings
     assert "further drops are summed up when the stream ends" in warnings[0]
     assert "dropped 20 item(s) in 20 batches in all" in warnings[1]
+
+
+async def test_a_receiver_reads_a_table_of_its_warehouse(
+    tmp_path: Any, start_cluster: StartCluster
+) -> None:
+    """``ctx.read_table``: a receiver enriches items from a table other streams wrote, and
+    ``ctx.warehouse`` names where the node's tables are."""
+    nodes = await start_cluster(tmp_path, engine="delta-rs")
+    customers = [{"id": i, "name": f"customer {i}", "tier": i % 3} for i in range(50)]
+    async with deltaflow.connect([nodes[0].address]) as client:
+        await client.stream_data(customers, table="customers", key="id")
+        results: list[Any] = []
+        await client.stream_data(
+            [3, 7, 60], key=lambda i: i, receiver="deltaflow.testing.Lookup",
+            receiver_args={"table": "customers"}, on_result=results.append,
+        )  # fmt: skip
+        with pytest.raises(DataStreamerError, match="no Delta table 'nowhere'"):
+            await client.stream_data(
+                [1], key=lambda i: i, receiver="deltaflow.testing.Lookup",
+                receiver_args={"table": "nowhere"},
+            )  # fmt: skip
+    by_id = {r["id"]: r for r in results}
+    assert by_id[3]["name"] == "customer 3"
+    assert by_id[7]["name"] == "customer 7"
+    assert by_id[60]["name"] is None
+    assert {r["warehouse"] for r in results} == {str(tmp_path)}

@@ -40,8 +40,8 @@ async def test_the_status_page_shows_the_cluster_tables_and_errors(
     nodes = await start_cluster(tmp_path, engine="delta-rs", token=TOKEN)
     async with deltaflow.connect([nodes[0].address], token=TOKEN) as client:
         await client.stream_data([{"id": i, "n": i} for i in range(300)], table="orders", key="id")
-        with pytest.raises(DataStreamerError):
-            await client.stream_data([1], key=lambda i: i, receiver="no.such.Receiver")
+        with pytest.raises(DataStreamerError):  # refused by the node that owns the key
+            await client.stream_data([{"id": 1}], table="bad/name", key="id")
     # The page is the node's own view: the one that refused the stream shows the error.
     [here] = [n for n in nodes if n.statistics().dispatcher.errors]
     other = next(n for n in nodes if n is not here)
@@ -74,7 +74,7 @@ async def test_the_status_page_shows_the_cluster_tables_and_errors(
     rows_here = here.statistics().engine.tables["orders"].rows_committed
     assert cells[4] == f"{rows_here:,}"
     assert await orders.locator("svg.chart rect").count() >= 1
-    assert "UNKNOWN_RECEIVER" in await page.locator("#errors").inner_text()
+    assert "SCHEMA_MISMATCH" in await page.locator("#errors").inner_text()
     assert await page.locator("#ready").inner_text() == "ready"
     shot = tmp_path / "status-page.png"
     await page.screenshot(path=str(shot), full_page=True)

@@ -41,8 +41,8 @@ async def main() -> int:
                         table="customers",
                         key="id",
                     )
-                try:
-                    await client.stream_data([1], key=lambda i: i, receiver="app.Missing")
+                try:  # refused by a node: shown among its recent errors
+                    await client.stream_data([{"id": 1}], table="bad/name", key="id")
                 except DataStreamerError:
                     pass
             async with async_playwright() as p:

@@ -98,6 +98,10 @@ class StreamerOptions:
         result_buffer: per-item results held for a slow ``on_result`` before the stream slows
             down. Default 1024.
         source_buffer: items an Observable may emit ahead of the streamer. Default 1024.
+        receiver_wait: a stream to a deployed receiver first checks that every live node
+            serves it, and waits up to this many seconds while some do and some do not yet (a
+            rolling restart that adds it); then it fails before sending anything. A receiver
+            no node serves fails at once. 0: no wait. Default 30.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE
@@ -117,6 +121,7 @@ class StreamerOptions:
     batch_creator: BatchCreator | None = None
     result_buffer: int = DEFAULT_RESULT_BUFFER
     source_buffer: int = DEFAULT_SOURCE_BUFFER
+    receiver_wait: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -151,6 +156,8 @@ class StreamerOptions:
             raise UsageError(
                 f"StreamerOptions.stagger_pages must be True or False, got {self.stagger_pages!r}"
             )
+        if self.receiver_wait < 0:
+            raise UsageError("StreamerOptions.receiver_wait must be >= 0 seconds")
         if self.ack_timeout <= 0:
             raise UsageError("StreamerOptions.ack_timeout must be > 0 seconds")
         if self.on_bad_row not in ("fail", "quarantine"):

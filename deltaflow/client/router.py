@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import aiohttp
 
@@ -21,6 +22,7 @@ from ..errors import (
     DeltaflowError,
     NodeUnavailableError,
     TransportError,
+    UnknownReceiverError,
     UsageError,
 )
 from ..partitioning import PartitionMap
@@ -28,6 +30,9 @@ from ..security import ClientTls, client_context, url
 from .connection import Connection, explain_dropped, map_transport_errors
 
 __all__ = ["ConnectionFactory", "Router", "Routes", "StreamRoutes", "fetch_cluster"]
+
+#: Seconds between two looks at which nodes serve a stream's receiver, while it waits.
+RECEIVER_POLL_SECONDS: Final = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,10 @@ class Routes(Protocol):
 
 class StreamRoutes(Routes, Protocol):
     """What a stream needs besides its senders' routes."""
+
+    async def await_receiver(self, receiver: str, wait: float) -> None:
+        """Return once every live node serves ``receiver`` (see :meth:`Router.await_receiver`)."""
+        ...
 
     @property
     def partitions(self) -> int:
@@ -243,6 +252,51 @@ class Router:
                 conn.on_map = self.offer_map
                 self._conns[address] = conn
             return conn
+
+    async def await_receiver(self, receiver: str, wait: float) -> None:
+        """Return once every live node says it serves ``receiver``, waiting up to ``wait``
+        seconds while some do and some do not yet (a rolling restart adding it); nodes that do
+        not say what they serve (older ones) are not waited for.
+
+        Raises:
+            UnknownReceiverError: after the wait some live nodes still do not serve it, or
+                none does; the message names them.
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            serving, missing = await self._receiver_view(receiver)
+            if not missing:
+                return
+            if not serving or time.monotonic() >= deadline:
+                where = ", ".join(f"{n} ({a})" for n, a in sorted(missing.items()))
+                raise UnknownReceiverError(
+                    f"receiver {receiver!r} is not served by {where}"
+                    + (f" after {wait:g}s" if serving else "")
+                    + f": start every node with --receiver {receiver} (receivers in its config) "
+                    "before streaming to it; nothing was sent"
+                )
+            await asyncio.sleep(RECEIVER_POLL_SECONDS)
+
+    async def _receiver_view(self, receiver: str) -> tuple[list[str], dict[str, str]]:
+        """(live nodes serving ``receiver``, {live node lacking it: address}) as the first
+        node that answers sees them; nodes that do not list their receivers are left out."""
+        addresses = list(self._map.addresses.values()) if self._map else []
+        for address in [*addresses, *self._bootstrap]:
+            try:
+                body = await fetch_cluster(address, self._token, self._connect_timeout, self._tls)
+            except (DeltaflowError, OSError, ValueError):
+                continue
+            serving: list[str] = []
+            missing: dict[str, str] = {}
+            for m in body.get("members") or []:
+                if isinstance(m, dict) and m.get("state") == "live":
+                    served = m.get("receivers")
+                    if isinstance(served, list) and receiver in served:
+                        serving.append(str(m.get("node")))
+                    elif isinstance(served, list):
+                        missing[str(m.get("node"))] = str(m.get("address"))
+            return serving, missing
+        return [], {}  # no node answers: the stream's own sends say so
 
     async def refresh_map(
         self, candidates: Sequence[str] | None = None, *, only_if_stale: bool = False

@@ -13,9 +13,9 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
-from ..errors import DataStreamerError, ItemFailedError, SchemaError
+from ..errors import DataStreamerError, ItemFailedError, SchemaError, UnknownReceiverError
 from .accumulator import Accumulator, Batch, SizeBatchCreator
 from .admission import Admission
 from .dead_letters import DeadLetters
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from .router import StreamRoutes
 
 log = logging.getLogger(__name__)
+
+#: Receivers every node serves: no need to ask.
+BUILT_IN_RECEIVERS: Final = ("deltaflow.receivers.",)
 
 __all__ = ["StreamRun", "run_stream"]
 
@@ -60,6 +63,7 @@ class StreamRun:
         stream_key: bytes,
     ) -> None:
         self.router = router
+        self.receiver = receiver
         # A caller-chosen id (validated by the facade) makes a replay hit the same lane marks,
         # when it comes with the same key (see stream_keys).
         self.sid = stream_id or uuid.uuid4().hex
@@ -292,6 +296,13 @@ class StreamRun:
             if options.linger > 0
             else None
         )
+        if not self.receiver.startswith(BUILT_IN_RECEIVERS):
+            # Every live node serves the receiver before anything is sent: a stream during a
+            # rolling restart that adds it must not half apply, then fail on the others.
+            try:
+                await self.router.await_receiver(self.receiver, options.receiver_wait)
+            except UnknownReceiverError as exc:
+                self.errors.append(exc)
         try:
             while not self.errors:
                 if not sender.has_room:

@@ -64,6 +64,17 @@ class TableWriter(Protocol):
         """Writes whose ``held()`` turned false may now be committed."""
         ...
 
+    @property
+    def warehouse(self) -> Any:
+        """Where the node's tables are (a path, or a place on an object store)."""
+        ...
+
+    async def read(
+        self, table: str, *, columns: Sequence[str] | None = None, where: str | None = None
+    ) -> Any:
+        """The table's live rows (a pyarrow Table), see :meth:`ReceiverContext.read_table`."""
+        ...
+
 
 @dataclass(slots=True, kw_only=True)
 class ReceiverContext:
@@ -155,6 +166,30 @@ class ReceiverContext:
 
     def is_delete(self, index: int) -> bool:
         return index in self.deletes
+
+    @property
+    def warehouse(self) -> str:
+        """The node's warehouse: a directory, or a URI such as ``s3://bucket/prefix``."""
+        if self._writer is None:
+            raise RuntimeError("this node has no table engine")
+        return str(self._writer.warehouse)
+
+    async def read_table(
+        self, name: str, *, columns: Sequence[str] | None = None, where: str | None = None
+    ) -> Any:
+        """The live rows of table ``name`` in the node's warehouse, as a ``pyarrow.Table``:
+        ``columns`` (default all but deltaflow's own), the rows matching the SQL condition
+        ``where`` (``"region = 'eu'"``). Read through delta-rs's query engine on the engine's
+        threads, deletion vectors applied, as of the table's latest version: a lookup table
+        written by other streams, say. Rows this batch wrote are not in it before their
+        commit.
+
+        Raises:
+            UsageError: there is no such table, or no such column.
+        """
+        if self._writer is None:
+            raise RuntimeError("this node has no table engine")
+        return await self._writer.read(check_table_name(name), columns=columns, where=where)
 
     def table(
         self,

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
-import time
+import datetime
+import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import SchemaError
+from ..errors import ProtocolError, SchemaError
+from ..protocol import unpack_items
 from .base import Receiver, ReceiverContext
 
-__all__ = ["DeadLetter"]
+__all__ = ["DeadLetter", "payload_json"]
+
+
+def payload_json(payload: bytes) -> str | None:
+    """A dead-lettered item (msgpack) as JSON text; None if it is not msgpack. Decoded with
+    the wire's limits: data only, nothing is imported or run."""
+    try:
+        [item] = unpack_items(payload, 1)
+    except ProtocolError:
+        return None
+    return json.dumps(item, default=_plain, ensure_ascii=False)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    isoformat = getattr(value, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(value)
 
 
 class DeadLetter(Receiver):
@@ -17,9 +36,11 @@ class DeadLetter(Receiver):
 
     Each item describes one failed source item; it becomes a row of ``ctx.args["table"]``:
     ``stream_id``, ``position`` (index in the source), ``partition``, ``seq`` (the failed
-    batch), ``error_code``, ``error``, ``node``, ``payload`` (the item, msgpack-encoded),
-    ``deleted`` (it was a :class:`deltaflow.Delete`) and ``failed_at`` (epoch seconds). Read
-    ``payload`` back with ``msgpack.unpackb(payload, timestamp=3)``.
+    batch), ``error_code``, ``error``, ``node``, ``payload`` (the item, msgpack-encoded:
+    ``msgpack.unpackb(payload, timestamp=3)`` gives it back exactly), ``payload_json`` (the
+    item as JSON, for people and SQL: bytes as hex, times in ISO 8601; null if it cannot be
+    read), ``deleted`` (it was a :class:`deltaflow.Delete`) and ``failed_at`` (a UTC
+    timestamp).
     """
 
     # Its only effects are table writes, which are exactly-once: re-running is safe.
@@ -29,7 +50,7 @@ class DeadLetter(Receiver):
         args = ctx.args if isinstance(ctx.args, dict) else {}
         if not isinstance(args.get("table"), str):
             raise SchemaError("the dead-letter receiver needs receiver_args {'table': name}")
-        now = time.time()
+        now = datetime.datetime.now(datetime.UTC)
         rows = [
             {
                 "stream_id": str(args.get("stream", ctx.stream_id)),
@@ -40,6 +61,7 @@ class DeadLetter(Receiver):
                 "error": str(item["error"]),
                 "node": str(item.get("node") or ""),
                 "payload": bytes(item["payload"]),
+                "payload_json": payload_json(bytes(item["payload"])),
                 "deleted": bool(item.get("deleted")),
                 "failed_at": now,
             }

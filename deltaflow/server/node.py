@@ -265,6 +265,7 @@ class Node:
             secret=self.config.peer_secret,
             certificates=self.config.peer_certificates,
             tls=peer_tls,
+            receivers=self.registry.names(),
         )
         await self._membership.start()
         # Prepared groups go to each table's committer (a peer, or this node's coordinator).
@@ -423,7 +424,7 @@ class Node:
             "serving": membership is not None and membership.serving,
             "refused": membership.refusal if membership else None,
             "map": self.partition_map.to_wire(),
-            "members": membership.members() if membership else [],
+            "members": self.members(),
             "receivers": self.registry.names(),
             "tables": self._tables_body(),
             "side_inputs": {

@@ -60,6 +60,7 @@ class Answer:
     map_wire: Any
     proven: bool  # proved it holds the peer secret (or the peer role; or none is set)
     draining: bool
+    receivers: tuple[str, ...] | None = None  # the receivers it serves (None: not said)
 
 
 class PeerClient:
@@ -213,6 +214,7 @@ class PeerClient:
             refused=refused[:1000] if isinstance(refused, str) else None,
             map_wire=body.get("map"),
             draining=body.get("draining") is True,
+            receivers=_receivers(body.get("receivers")),
             proven=reply.proven,
         )
 
@@ -234,3 +236,19 @@ def _peer_certificate(resp: aiohttp.ClientResponse) -> Any:
     protocol = getattr(resp, "_protocol", None)
     transport = getattr(protocol, "transport", None)
     return transport.get_extra_info("peercert") if transport is not None else None
+
+
+#: Most receiver names taken from a peer's answer, and their longest (a hostile peer's list
+#: is bounded, not trusted beyond telling clients where a receiver is served).
+MAX_PEER_RECEIVERS: Final = 256
+MAX_RECEIVER_NAME: Final = 256
+
+
+def _receivers(given: Any) -> tuple[str, ...] | None:
+    if not isinstance(given, list):
+        return None
+    return tuple(
+        name
+        for name in given[:MAX_PEER_RECEIVERS]
+        if isinstance(name, str) and 0 < len(name) <= MAX_RECEIVER_NAME
+    )

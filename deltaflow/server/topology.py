@@ -78,6 +78,7 @@ class Member:
     conflict: str | None = None  # why this node does not count it, when it answers
     proven: bool = True  # its last answer proved it holds the cluster token
     draining: bool = False  # it said it is leaving (its answer, confirming its leave call)
+    receivers: tuple[str, ...] | None = None  # the receivers it serves, as it last said
     map_wire: Any = None
     last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
     since: float = 0.0  # monotonic seconds this node began (or began again) polling it
@@ -117,9 +118,11 @@ class Membership:
         secret: str | None = None,
         certificates: bool = False,
         tls: ssl.SSLContext | None = None,
+        receivers: Sequence[str] = (),
     ) -> None:
         self.node_id = node_id
         self.address = address
+        self.receivers = tuple(receivers)  # this node's: shown with the members
         self.identity = identity
         self.partitions = identity.partitions
         self.heartbeat_interval = heartbeat_interval
@@ -195,6 +198,7 @@ class Membership:
                 "state": me.value,
                 "self": True,
                 "refused": self._refusal,
+                "receivers": list(self.receivers),
             }
         ]
         for m in self._peers.values():
@@ -209,6 +213,7 @@ class Membership:
                     "self": False,
                     "last_seen_ago": round(now - m.last_seen, 3) if m.last_seen else None,
                     "refused": why,
+                    "receivers": list(m.receivers) if m.receivers is not None else None,
                 }
             )
         return rows
@@ -506,6 +511,7 @@ def _record(member: Member, answer: Answer, now: float) -> None:
     member.map_wire = answer.map_wire
     member.proven = answer.proven
     member.draining = answer.draining
+    member.receivers = answer.receivers
     member.last_seen = now
     member.suspected = member.first_refusal = member.down = 0.0
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import shutil
 import tempfile
 import time
@@ -395,6 +396,17 @@ class TableEngine:
             if committer.queue:
                 committer.queue.ready.set()
                 committer.queue.wake_if_whole()
+
+    async def read(
+        self, table: str, *, columns: Sequence[str] | None = None, where: str | None = None
+    ) -> Any:
+        """The table's live rows as a pyarrow Table (:func:`.maintenance.read_rows`), read on
+        the engine's threads."""
+        from .maintenance import read_rows
+
+        return await self.in_thread(
+            functools.partial(read_rows, self.warehouse, table, columns=columns, where=where)
+        )
 
     async def in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run a blocking engine call on the engine's worker threads."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections.abc import Sequence
 from typing import Any, Final
 
 from ..errors import UsageError
@@ -24,7 +25,20 @@ from .log import commit_text, delta_table, table_path
 from .log import log_dir as delta_log_dir
 from .marks import METADATA_KEY
 
-__all__ = ["DEFAULT_RETENTION_HOURS", "history", "optimize", "show", "table_path", "vacuum"]
+__all__ = [
+    "DEFAULT_RETENTION_HOURS",
+    "INTERNAL_PREFIXES",
+    "history",
+    "optimize",
+    "read_rows",
+    "show",
+    "table_path",
+    "vacuum",
+]
+
+#: Column names deltaflow keeps for itself (the bucket column, a partial row's nulls): left
+#: out of a read unless asked for.
+INTERNAL_PREFIXES: Final = ("_deltaflow_", "__deltaflow_")
 
 #: Hours a file outlives the last version that needs it, before vacuum deletes it (Delta's
 #: default ``delta.deletedFileRetentionDuration``: 7 days).
@@ -204,16 +218,44 @@ def show(
     ``all_columns``. Reads tables with deletion vectors too (through delta-rs's query engine,
     which applies them)."""
     import pyarrow as pa
+
+    rows = read_rows(warehouse, table, all_columns=all_columns, limit=limit)
+    count = read_rows(warehouse, table, select="count(*) AS n").column(0)[0]
+    return int(count.as_py()), pa.Table.to_pylist(rows)
+
+
+def read_rows(
+    warehouse: Location,
+    table: str,
+    *,
+    columns: Sequence[str] | None = None,
+    where: str | None = None,
+    limit: int | None = None,
+    all_columns: bool = False,
+    select: str | None = None,
+) -> Any:
+    """Blocking: the table's live rows as a pyarrow Table, through delta-rs's query engine
+    (deletion vectors applied): ``columns`` (default all but deltaflow's own), rows matching
+    the SQL condition ``where``, at most ``limit``; ``select`` replaces the column list (an
+    aggregate).
+
+    Raises:
+        UsageError: there is no such table, or a column is not one of it.
+    """
+    import pyarrow as pa
     from deltalake import QueryBuilder
 
-    from .settings import BUCKET_COLUMN
-
-    dt = delta_table(table_path(warehouse, table))
-    names = [
-        n for n in pa.schema(dt.schema().to_arrow()).names if all_columns or n != BUCKET_COLUMN
-    ]
-    columns = ", ".join('"' + n.replace('"', '""') + '"' for n in names)
-    query = QueryBuilder().register("t", dt)
-    count = pa.table(query.execute("SELECT count(*) AS n FROM t").read_all()).column(0)[0]
-    rows = pa.table(query.execute(f"SELECT {columns} FROM t LIMIT {int(limit)}").read_all())
-    return int(count.as_py()), rows.to_pylist()
+    dt = delta_table(table_path(warehouse, table))  # no table: UsageError
+    names = list(pa.schema(dt.schema().to_arrow()).names)
+    if columns is None:
+        columns = [n for n in names if all_columns or not n.startswith(INTERNAL_PREFIXES)]
+    unknown = [c for c in columns if c not in names]
+    if unknown:
+        raise UsageError(f"table {table!r} has no column {unknown[0]!r} (it has {names})")
+    listed = select or ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
+    sql = f"SELECT {listed} FROM t"
+    if where:
+        sql += f" WHERE {where}"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    return pa.table(QueryBuilder().register("t", dt).execute(sql).read_all())

@@ -3,7 +3,7 @@
 - :class:`ConnectionDropper`: a ``connection_factory`` for :func:`deltaflow.connect` that cuts
   real connections after a number of batch frames, as a network failure would.
 - :class:`Echo`, :class:`EchoStream`, :class:`FailOn`, :class:`AppendRows`, :class:`Validate`,
-  :class:`Flaky`, :class:`Concurrency`, :class:`Gated`, :class:`RecordOrder`,
+  :class:`Flaky`, :class:`Concurrency`, :class:`Gated`, :class:`Lookup`, :class:`RecordOrder`,
   :class:`TwoTables`, :class:`Unconstructible`: receivers to register on a node
   (``--receiver deltaflow.testing.Echo``) for smoke tests of a deployment.
 - ``DELTAFLOW_FAULT_KILL_AFTER_COMMIT=N`` in a node's environment: the node SIGKILLs itself
@@ -46,6 +46,7 @@ from .receivers import (
     FailOn,
     Flaky,
     Gated,
+    Lookup,
     RecordOrder,
     TwoTables,
     Unconstructible,
@@ -74,6 +75,7 @@ __all__ = [
     "Flaky",
     "Gated",
     "KillOnKey",
+    "Lookup",
     "NodeProcess",
     "RecordOrder",
     "RequestDropper",

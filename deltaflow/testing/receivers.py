@@ -170,3 +170,16 @@ class Gated(Receiver):
             yield item
             if i == 0 and Gated.gate is not None:
                 await Gated.gate.wait()
+
+
+class Lookup(Receiver):
+    """A receiver that reads a table: for each id, the ``name`` of the row with that id in
+    table ``args["table"]`` (None if there is none), and the node's warehouse."""
+
+    async def receive(self, items: Sequence[Any], ctx: ReceiverContext) -> list[Any]:
+        ids = ", ".join(str(int(i)) for i in items)
+        found = await ctx.read_table(
+            ctx.args["table"], columns=["id", "name"], where=f"id IN ({ids})"
+        )
+        names = {row["id"]: row["name"] for row in found.to_pylist()}
+        return [{"id": i, "name": names.get(i), "warehouse": ctx.warehouse} for i in items]
