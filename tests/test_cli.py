@@ -205,3 +205,12 @@ async def test_a_closed_pipe_ends_the_command_quietly(written: tuple[Path, list[
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert len(done.stdout) == 20
+
+
+def test_jars_lists_the_cached_jars_as_json() -> None:
+    """``deltaflow jars --json``: the jar cache's files (fetched once by the setup)."""
+    env = {"DELTAFLOW_JARS_DIR": os.environ.get("DELTAFLOW_JARS_DIR", "")}
+    done = deltaflow_cli("jars", "--json", env={k: v for k, v in env.items() if v})
+    jars = json.loads(done.stdout)
+    assert jars and all(Path(j).is_file() and j.endswith(".jar") for j in jars)
+    assert any("delta-spark" in Path(j).name for j in jars)

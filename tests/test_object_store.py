@@ -4,6 +4,7 @@ commits without a shared lock rely on) from one that does not."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,14 @@ def test_store_check_passes_on_the_server_and_shows_no_secret(
     s3_server: S3Server, bucket: str
 ) -> None:
     done = _deltaflow("store", "check", f"{bucket}/warehouse", env=s3_server.storage_options)
+    as_json = _deltaflow(
+        "store", "check", f"{bucket}/warehouse", "--json", env=s3_server.storage_options
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is True and report["problems"] == []
+    assert (report["racers"], report["winners"]) == (16, 1)
+    assert report["create_refused"] and report["stale_etag_refused"]
     assert done.returncode == 0, done.stdout + done.stderr
     assert "racing creates of one key:           1 of 16 won" in done.stdout
     assert "conditional writes: OK" in done.stdout
