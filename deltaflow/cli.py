@@ -124,9 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     add_config_commands(sub)
 
     demo = sub.add_parser("demo", help="two local nodes, 200,000 rows into a Delta table")
-    demo.add_argument("--rows", type=int, default=200_000)
-    demo.add_argument("--warehouse", default=None, help="default: a temporary directory")
-    demo.add_argument("--engine", choices=ENGINE_NAMES, default=DEFAULT_ENGINE)
+    demo.add_argument(
+        "--rows", type=int, default=200_000, help="changes to stream (default %(default)s)"
+    )
+    demo.add_argument(
+        "--warehouse", default=None, help="where the table goes (default: a temporary directory)"
+    )
+    demo.add_argument(
+        "--engine",
+        choices=ENGINE_NAMES,
+        default=DEFAULT_ENGINE,
+        help="the nodes' table engine (default %(default)s)",
+    )
     demo.set_defaults(func=_demo)
 
     add_table_commands(sub)
