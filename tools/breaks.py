@@ -572,7 +572,7 @@ BREAKS: dict[str, Break] = {
     ),
     "config_unknown_key": Break(
         "deltaflow/server/config_layers.py",
-        '        problems.append(f"{where}: unknown key{_suggest(key, _BY_KEY)}")\n',
+        '        problems.append(f"{where}: unknown key{_suggest(key, BY_KEY)}")\n',
         "        pass\n",
         ("tests/test_config.py::test_config_check_lists_every_problem_with_exit_78",),
     ),
