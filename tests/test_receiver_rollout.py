@@ -46,7 +46,10 @@ async def test_a_stream_fails_before_sending_when_a_node_lacks_its_receiver(
                     options=StreamerOptions(receiver_wait=0.5),
                 )  # fmt: skip
         assert isinstance(info.value.__cause__, UnknownReceiverError)
-        assert f"not served by node-2 ({second.address}) after 0.5s" in str(info.value)
+        assert f"served by node-1 but not by node-2 ({second.address}) after 0.5s" in str(
+            info.value
+        )
+        assert info.value.failed_items == []  # nothing was taken from the source
         # Nothing was sent: no batch reached the node that serves it.
         assert first.statistics().dispatcher.batches_received == 0
     finally:

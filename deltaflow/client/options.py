@@ -100,8 +100,9 @@ class StreamerOptions:
         source_buffer: items an Observable may emit ahead of the streamer. Default 1024.
         receiver_wait: a stream to a deployed receiver first checks that every live node
             serves it, and waits up to this many seconds while some do and some do not yet (a
-            rolling restart that adds it); then it fails before sending anything. A receiver
-            no node serves fails at once. 0: no wait. Default 30.
+            rolling restart that adds it); then it fails before taking any item from the
+            source. A receiver no node serves fails at once (the nodes refuse it). 0: no
+            wait. Default 30.
     """
 
     page_size: int = DEFAULT_PAGE_SIZE

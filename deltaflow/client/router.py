@@ -258,22 +258,25 @@ class Router:
         seconds while some do and some do not yet (a rolling restart adding it); nodes that do
         not say what they serve (older ones) are not waited for.
 
+        A receiver no node serves returns at once: the nodes refuse the stream's first
+        batches themselves, naming the receivers they do serve.
+
         Raises:
-            UnknownReceiverError: after the wait some live nodes still do not serve it, or
-                none does; the message names them.
+            UnknownReceiverError: after the wait some live nodes still do not serve it; the
+                message names them.
         """
         deadline = time.monotonic() + wait
         while True:
             serving, missing = await self._receiver_view(receiver)
-            if not missing:
+            if not (missing and serving):
                 return
-            if not serving or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 where = ", ".join(f"{n} ({a})" for n, a in sorted(missing.items()))
                 raise UnknownReceiverError(
-                    f"receiver {receiver!r} is not served by {where}"
-                    + (f" after {wait:g}s" if serving else "")
-                    + f": start every node with --receiver {receiver} (receivers in its config) "
-                    "before streaming to it; nothing was sent"
+                    f"receiver {receiver!r} is served by {', '.join(sorted(serving))} but not "
+                    f"by {where} after {wait:g}s: start every node with --receiver {receiver} "
+                    "(receivers in its config) before streaming to it; nothing was taken from "
+                    "the source"
                 )
             await asyncio.sleep(RECEIVER_POLL_SECONDS)
 
