@@ -52,8 +52,10 @@ def add_table_commands(sub: Any) -> None:
     table = sub.add_parser("table", help="inspect and maintain a deltaflow table")
     tsub = table.add_subparsers(dest="table_command", required=True)
 
-    def command(name: str, text: str) -> argparse.ArgumentParser:
+    def command(name: str, text: str, *, data: bool = True) -> argparse.ArgumentParser:
         cmd: argparse.ArgumentParser = tsub.add_parser(name, help=text, description=text)
+        if data:  # it prints data: as aligned text, or one JSON document
+            cmd.add_argument("--json", action="store_true", help="one JSON document")
         cmd.add_argument("name", nargs="?", metavar="NAME", help="the table")
         cmd.add_argument("--table", help=argparse.SUPPRESS)  # the older spelling
         add_warehouse(cmd, required=False)
@@ -69,16 +71,13 @@ def add_table_commands(sub: Any) -> None:
         action="store_true",
         help="also show deltaflow's own columns (_deltaflow_bucket...)",
     )
-    show.add_argument("--json", action="store_true", help="one JSON document")
     show.set_defaults(func=_show)
     history = command(
         "history", "the latest commits: time, operation, node, rows added and removed, streams"
     )
     history.add_argument("--limit", type=int, default=10, help="commits to show (default 10)")
-    history.add_argument("--json", action="store_true", help="one JSON document")
     history.set_defaults(func=_history)
     optimize = command("optimize", "compact small files (holds the table's commit lock)")
-    optimize.add_argument("--json", action="store_true", help="one JSON document")
     optimize.set_defaults(func=_optimize)
     vacuum = command(
         "vacuum", "delete files no version within the retention needs (keeps deletion vectors)"
@@ -90,9 +89,12 @@ def add_table_commands(sub: Any) -> None:
         help="keep files needed by versions of the last N hours (default %(default)s, 7 days)",
     )
     vacuum.add_argument("--dry-run", action="store_true", help="list the files, delete nothing")
-    vacuum.add_argument("--json", action="store_true", help="one JSON document")
     vacuum.set_defaults(func=_vacuum)
-    _add_create(command("create", "create an empty table with a schema, key, layout and settings"))
+    _add_create(
+        command(
+            "create", "create an empty table with a schema, key, layout and settings", data=False
+        )
+    )
 
 
 def _add_create(create: argparse.ArgumentParser) -> None:

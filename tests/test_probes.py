@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from deltaflow.server import Node
 from deltaflow.testing import free_port
 from deltaflow.testing.side_inputs import SIDE_INPUT_FILE_ENV
 
-from .support import StartCluster
+from .support import Eventually, StartCluster
 
 
 async def get(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:
@@ -115,3 +116,56 @@ async def test_a_draining_node_is_not_ready_and_its_peer_is(
             assert summary.items_acked == 2
     finally:
         Gated.gate = None
+
+
+async def test_a_node_restarted_at_its_address_is_counted_down_while_it_starts(
+    tmp_path: Path, eventually: Eventually
+) -> None:
+    """A SIGKILLed node whose replacement already listens at its address (and answers
+    "starting") is down for its peers as soon as a refused connection would make it, not after
+    the failure timeout: its partitions move while the new node starts."""
+    from deltaflow.server import NodeConfig
+    from deltaflow.testing import NodeProcess
+
+    port = free_port()
+    extra = ["--engine", "delta-rs", "--heartbeat-interval", "0.2", "--failure-timeout", "30"]
+    peer = NodeProcess("n2", tmp_path / "w", port=port, extra=extra)
+    await peer.start(timeout=60)
+    base = NodeConfig(
+        node_id="n1", warehouse=tmp_path / "w", port=0, engine="delta-rs",
+        peers=[peer.address], heartbeat_interval=0.2, failure_timeout=30.0,
+    )  # fmt: skip
+    node = Node(base)
+    await node.start()
+    # The replacement binds the port at once (in this process), then waits for a side input
+    # that never has a value: it answers "starting" for as long as the test looks.
+    replacement = Node(
+        dataclasses.replace(
+            base, node_id="n2", port=port, peers=[],
+            side_inputs=["deltaflow.testing.side_inputs.FailingSideInput"],
+            side_input_timeout=60.0,
+        )
+    )  # fmt: skip
+    starting: asyncio.Task[None] | None = None
+    try:
+        await node.wait_for_members(2)
+        peer.kill()
+        await peer.wait()
+        starting = asyncio.create_task(replacement.start())
+        async with aiohttp.ClientSession() as http, asyncio.timeout(5):
+            while True:  # until it listens: milliseconds
+                with contextlib.suppress(aiohttp.ClientConnectionError):
+                    health = await get(http, f"http://{peer.address}/healthz")
+                    break
+                await asyncio.sleep(0.01)
+        assert health[1]["state"] == "starting"
+        # Down by two refused-like answers 0.1 s apart: far sooner than failure_timeout (30 s).
+        await eventually(lambda: node.partition_map.owners.count("n1") == 64, "n2 down", 5.0)
+        assert {m["node"]: m["state"] for m in node.members()}["n2"] == "dead"
+    finally:
+        if starting is not None:
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        await node.stop()
+        await peer.stop()

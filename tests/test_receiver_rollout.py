@@ -87,3 +87,15 @@ async def test_a_stream_waits_for_a_rolling_restart_that_adds_its_receiver(
             await restarted.stop()
         await second.stop()
         await first.stop()
+
+
+def test_a_peers_receiver_list_is_bounded() -> None:
+    """What a peer says it serves is read within bounds: at most 256 names, each a string of
+    1 to 256 characters (a hostile peer cannot make a node keep more)."""
+    from deltaflow.server.peers import MAX_PEER_RECEIVERS, _receivers
+
+    said = ["a.B"] * 1000 + [1, "", "x" * 1000, None]
+    kept = _receivers(said)
+    assert kept is not None and len(kept) == MAX_PEER_RECEIVERS == 256
+    assert _receivers(["ok.One", 7, "", "y" * 257, "ok.Two"]) == ("ok.One", "ok.Two")
+    assert _receivers("not a list") is None

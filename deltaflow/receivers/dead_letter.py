@@ -21,7 +21,10 @@ def payload_json(payload: bytes) -> str | None:
         [item] = unpack_items(payload, 1)
     except ProtocolError:
         return None
-    return json.dumps(item, default=_plain, ensure_ascii=False)
+    try:
+        return json.dumps(item, default=_plain, ensure_ascii=False)
+    except (RecursionError, ValueError):  # nested past what JSON writing takes
+        return None
 
 
 def _plain(value: Any) -> Any:

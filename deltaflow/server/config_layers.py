@@ -12,6 +12,7 @@ come from files (``token_file``) or the environment (``DELTAFLOW_TOKEN``), never
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 import tomllib
@@ -421,6 +422,12 @@ def node_config(resolved: Resolved) -> Any:
         raise ConfigError([str(exc)]) from exc
 
 
+#: The settings that are SparkConfig's fields of the same name, after ``spark.``.
+SPARK_CONFIG_KEYS: Final = tuple(
+    k for k in BY_KEY if k.startswith("spark.") and k != "spark.writer"
+)
+
+
 def _node_config(r: Resolved) -> Any:
     from ..engines.options import SPARK, SparkOptions, engine_options
     from ..security import NodeTls, read_secret
@@ -443,45 +450,17 @@ def _node_config(r: Resolved) -> Any:
     # Checked whatever the engine, as the Spark settings always were.
     spark = SparkOptions(
         config=SparkConfig(
-            master=r["spark.master"],
             app_name=f"deltaflow-{r['node_id']}",  # one application per node
-            driver_memory=r["spark.driver_memory"],
-            java_options=r["spark.java_options"],
-            max_cores=r["spark.max_cores"],
-            executor_memory=r["spark.executor_memory"],
-            executor_wait=r["spark.executor_wait"],
             log_level=r["log.spark_level"],
+            **{k.removeprefix("spark."): r[k] for k in SPARK_CONFIG_KEYS},
         ),
         writer=r["spark.writer"],
     )
-    return NodeConfig(
-        node_id=r["node_id"],
-        warehouse=r["warehouse"],
-        storage_options=dict(r["storage_options"]),
-        host=r["host"],
-        port=r["port"],
-        advertise=r["advertise"],
-        peers=list(r["peers"]),
-        receivers=list(r["receivers"]),
-        receiver_concurrency=dict(r["receiver_concurrency"]),
-        token=secrets["token"],
-        peer_token=secrets["peer_token"],
+    # Every other setting is named as NodeConfig's field it fills.
+    fields = {f.name: r[f.name] for f in dataclasses.fields(NodeConfig) if f.name in BY_KEY}
+    fields.update(
+        secrets,
         tls=tls,
-        insecure=r["insecure"],
-        partitions=r["partitions"],
-        max_frame_bytes=r["max_frame_bytes"],
-        heartbeat_interval=r["heartbeat_interval"],
-        failure_timeout=r["failure_timeout"],
-        peer_expiry=r["peer_expiry"],
-        max_group_rows=r["max_group_rows"],
-        max_group_bytes=r["max_group_bytes"],
-        min_commit_interval=r["min_commit_interval"],
-        table_buckets=r["table_buckets"],
-        schema_evolution=r["schema_evolution"],
-        deletion_vectors=r["deletion_vectors"],
-        side_inputs=list(r["side_inputs"]),
-        side_input_timeout=r["side_input_timeout"],
-        side_input_lease=r["side_input_lease"],
-        side_input_poll_interval=r["side_input_poll_interval"],
         engine=spark if r["engine"] == SPARK else engine_options(r["engine"]),
     )
+    return NodeConfig(**fields)

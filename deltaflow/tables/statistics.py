@@ -85,12 +85,23 @@ class Histogram:
 
 
 @dataclass(slots=True)
-class CommitHistograms:
-    """Per commit: its duration in seconds (its preparation outside the table lock included,
-    the wait for the lock not) and its rows (0 when every batch was a duplicate); per
-    committed batch: seconds from its staging to its commit landing (the wait for the commit
-    in progress, for the table's lock, and its own commit)."""
+class CommitCounters:
+    """What a node counts of its commits, in all (:class:`EngineStatistics`) and per table
+    (:class:`TableStatistics`): groups of its batches landed, their rows and batches, batches
+    failed and deduplicated, version races lost, versions committed as a table's committer,
+    rows queued. Per commit its duration in seconds (its preparation outside the table lock
+    included, the wait for the lock not) and its rows (0 when every batch was a duplicate);
+    per committed batch the seconds from its staging to its commit landing (the wait for the
+    commit in progress, for the table's lock, and its own commit)."""
 
+    commits: int = 0
+    rows_committed: int = 0
+    batches_committed: int = 0
+    batches_failed: int = 0
+    batches_deduplicated: int = 0
+    commit_conflicts: int = 0
+    combined_commits: int = 0
+    queued_rows: int = 0
     commit_seconds_histogram: Histogram = dataclasses.field(
         default_factory=lambda: Histogram.empty(COMMIT_SECONDS_BUCKETS)
     )
@@ -103,21 +114,13 @@ class CommitHistograms:
 
 
 @dataclass(slots=True)
-class EngineStatistics(CommitHistograms):
+class EngineStatistics(CommitCounters):
     """Counters of a node's table engine (typed snapshot, see ``Node.statistics()``)."""
 
-    commits: int = 0
-    rows_committed: int = 0
-    batches_committed: int = 0
-    batches_failed: int = 0
-    batches_deduplicated: int = 0
-    commit_conflicts: int = 0
     largest_group_rows: int = 0
     commit_seconds: float = 0.0
-    queued_rows: int = 0
-    #: As a table's committer: versions that combined prepared groups, the groups in them,
-    #: and the seconds their commits took.
-    combined_commits: int = 0
+    #: As a table's committer: the groups in its combined versions, and the seconds their
+    #: commits took.
     combined_groups: int = 0
     combined_seconds: float = 0.0
     commits_in_doubt: int = 0
@@ -161,7 +164,7 @@ OTHER_TABLES: Final = "_other"
 
 
 @dataclass(slots=True)
-class TableStatistics(CommitHistograms):
+class TableStatistics(CommitCounters):
     """One table's counters on one node: what ``deltaflow_table_*`` metrics export.
 
     Attributes:
@@ -178,14 +181,6 @@ class TableStatistics(CommitHistograms):
         last_commit_at: when (Unix seconds) this node's rows last landed; 0: never.
     """
 
-    commits: int = 0
-    rows_committed: int = 0
-    batches_committed: int = 0
-    batches_failed: int = 0
-    batches_deduplicated: int = 0
-    commit_conflicts: int = 0
-    combined_commits: int = 0
-    queued_rows: int = 0
     in_flight_batches: int = 0
     last_version: int | None = None
     last_commit_at: float = 0.0
