@@ -106,6 +106,12 @@ def _add_create(create: argparse.ArgumentParser) -> None:
         "--buckets", type=int, default=None, help="bucket layout (default 64 with a key; 0: off)"
     )
     create.add_argument(
+        "--bucket-rows",
+        type=int,
+        default=None,
+        help="rows per bucket the layout grows by (default 4096; 0: every bucket at once)",
+    )
+    create.add_argument(
         "--allow-schema-evolution", action="store_true", help="writes may add columns"
     )
     create.add_argument(
@@ -188,6 +194,7 @@ def _create(args: argparse.Namespace) -> int:
         schema=args.schema,
         key=_columns(args.key),
         buckets=args.buckets,
+        bucket_rows=args.bucket_rows,
         allow_schema_evolution=args.allow_schema_evolution,
         deletion_vectors=args.deletion_vectors,
         engine=engine,

@@ -17,6 +17,7 @@ import pytest
 import deltaflow
 from deltaflow.errors import SchemaError, TableSettingsError, UsageError
 from deltaflow.tables import read_table_settings
+from deltaflow.tables.layout import DEFAULT_BUCKET_ROWS
 from deltaflow.tables.settings import TableSettings
 
 from .support import creating_engine, open_table, read_all, read_delta, table_engine
@@ -87,7 +88,10 @@ async def test_changes_apply_by_sequence_and_deletes_stay_deleted(
         superseded = eng.stats.changes_superseded
     # 4@8 and 5@6 by the tombstones; a group applied by deltaflow's own file writers also
     # counts the late changes the stored rows beat (1@3, 3's delete@4, 2@6), a MERGE cannot.
-    assert superseded == (2 if engine in ("delta-rs", "delta-rs-s3", "spark-sql") else 5)
+    # delta-rs without deletion vectors MERGEs a group unless its files hold many more rows
+    # than it; in this one-bucket table one group with a late change is rewritten.
+    merged = {"delta-rs": 3, "delta-rs-s3": 3, "spark-sql": 2}
+    assert superseded == merged.get(engine, 5)
     assert table_of(warehouse) == {2: (6, "b"), 3: (5, "a"), 4: (10, "back"), 5: (8, "new")}
     # A node that starts now reads the deletes from the table's commits.
     async with table_engine(engine, warehouse, node_id="t2") as eng:
@@ -118,7 +122,11 @@ async def test_sequence_by_is_a_table_setting_every_write_must_match(tmp_path: P
         tombstone_retention="36 hours",
     )
     assert settings == TableSettings(
-        key=("id",), buckets=64, sequence_by=("lsn",), tombstone_retention=36 * 3600
+        key=("id",),
+        buckets=64,
+        bucket_rows=DEFAULT_BUCKET_ROWS,
+        sequence_by=("lsn",),
+        tombstone_retention=36 * 3600,
     )
     config = open_table(warehouse / "orders").metadata().configuration
     assert config["deltaflow.sequenceBy"] == '["lsn"]'

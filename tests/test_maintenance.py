@@ -29,7 +29,7 @@ async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(
     vectors = {f.name for f in path.glob("deletion_vector_*.bin")}
     assert vectors  # merge-on-read wrote some
     # What a commit that never landed leaves behind: a data file and a vector file.
-    (path / "_deltaflow_bucket=0" / "part-00000-failed.snappy.parquet").write_bytes(b"x")
+    (path / "_deltaflow_bucket=1" / "part-00000-failed.snappy.parquet").write_bytes(b"x")
     (path / "deletion_vector_00000000-0000-0000-0000-000000000000.bin").write_bytes(b"\x01")
     week_ago = time.time() - 7 * 86400
     for file in path.rglob("*"):
@@ -39,7 +39,7 @@ async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(
     vacuum = functools.partial(maintenance.vacuum, warehouse, "swept", retention_hours=24)
     listed = await asyncio.to_thread(vacuum, dry_run=True)
     assert sorted(listed) == [
-        "_deltaflow_bucket=0/part-00000-failed.snappy.parquet",
+        "_deltaflow_bucket=1/part-00000-failed.snappy.parquet",
         "deletion_vector_00000000-0000-0000-0000-000000000000.bin",
     ]
     assert await asyncio.to_thread(vacuum, dry_run=False) == listed

@@ -161,7 +161,7 @@ async def test_rewrites_keep_files_to_their_key_ranges(
     of ~1,000 rows per bucket. deltaflow's copy-on-write (rewrite.py) keeps files to their key
     ranges; Spark's data skipping must still find every row by the statistics it writes."""
     path = warehouse / "straddle"
-    async with table_engine(engine, warehouse, table_buckets=2) as eng:
+    async with table_engine(engine, warehouse, table_buckets=2, table_bucket_rows=0) as eng:
         for start in range(0, 2000, 200):  # appended: ten files of 200-id ranges per bucket
             await upsert(
                 eng, "straddle", [{"id": i, "name": "a"} for i in range(start, start + 200)]

@@ -18,6 +18,7 @@ from deltaflow.partitioning import partition_of
 from deltaflow.spark_integration.s3a import configure_bucket
 from deltaflow.storage.paths import StorePath
 from deltaflow.tables import BUCKET_COLUMN, read_table_settings
+from deltaflow.tables.layout import DEFAULT_BUCKET_ROWS
 from deltaflow.tables.settings import TableSettings
 
 from .support import (
@@ -45,12 +46,15 @@ async def test_explicit_create_stores_schema_layout_and_settings(
         allow_schema_evolution=True,
         engine=creating_engine(engine),
     )
-    assert settings == TableSettings(key=("id",), buckets=16, schema_evolution=True)
+    assert settings == TableSettings(
+        key=("id",), buckets=16, bucket_rows=DEFAULT_BUCKET_ROWS, schema_evolution=True
+    )
     table = open_table(warehouse / "people")
     meta = table.metadata()
     assert meta.partition_columns == [BUCKET_COLUMN]
     assert meta.configuration["deltaflow.key"] == '["id"]'
     assert meta.configuration["deltaflow.buckets"] == "16"
+    assert meta.configuration["deltaflow.bucketRows"] == str(DEFAULT_BUCKET_ROWS)
     assert meta.configuration["deltaflow.schemaEvolution"] == "true"
     assert meta.configuration["delta.checkpointInterval"] == "100"
     assert pa.schema(table.schema().to_arrow()).names == ["id", "name", "score", BUCKET_COLUMN]
@@ -64,7 +68,7 @@ async def test_explicit_create_stores_schema_layout_and_settings(
         await upsert(eng, "people", [{"id": i, "name": f"p{i}", "score": 1.0} for i in range(50)])
     rows = read_all(warehouse / "people")
     assert [r["id"] for r in rows] == list(range(50))
-    assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 16) for r in rows)
+    assert all(r[BUCKET_COLUMN] == 1 for r in rows)  # 50 rows: the one bucket of level 1
 
 
 async def test_rows_that_do_not_fit_name_item_and_column(
@@ -98,7 +102,7 @@ async def test_rows_that_do_not_fit_name_item_and_column(
         with pytest.raises(SchemaError, match=r"colour.*allow_schema_evolution"):
             await write
     assert read_all(warehouse / "fit") == [
-        {"id": 1, "name": "a", "value": 1.0, BUCKET_COLUMN: partition_of(1, 64)}
+        {"id": 1, "name": "a", "value": 1.0, BUCKET_COLUMN: 1}  # a small table: level 1
     ]
     assert read_all(warehouse / "late") == []
 
@@ -171,6 +175,8 @@ async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(
         "region:string,id:long,note:string",
         "--key",
         "region,id",
+        "--bucket-rows",
+        "0",  # every bucket from the first row, as the client routes
     )
     assert "table pairs created: key ['region', 'id'], 64 buckets" in out
     async with table_engine("delta-rs", warehouse) as eng:

@@ -123,26 +123,36 @@ async def test_first_write_takes_every_column_and_a_leading_delete(
     finally:
         await node.stop()
     table = read_delta(warehouse / "wide")
-    # One partition: one bucket, 0 (the layout column is the table's last).
+    # One partition: one bucket, 1 (level 1 of the layout; its column is the table's last).
     assert table == {
-        1: {"id": 1, "name": "a", "value": None, BUCKET_COLUMN: 0},
-        2: {"id": 2, "name": "b", "value": 2.5, BUCKET_COLUMN: 0},
+        1: {"id": 1, "name": "a", "value": None, BUCKET_COLUMN: 1},
+        2: {"id": 2, "name": "b", "value": 2.5, BUCKET_COLUMN: 1},
     }
 
 
+@pytest.mark.parametrize("bucket_rows", [0, 1], ids=["fixed", "levels"])
 async def test_group_touches_only_the_buckets_its_node_owns(
-    cluster: list[Node], spark: Any, warehouse: Path
+    spark: Any, warehouse: Path, engine: str, start_cluster: StartCluster, bucket_rows: int
 ) -> None:
+    """With every bucket from the start (``bucket_rows=0``), or once a table has grown to its
+    top level (here one row per bucket: from its first commit on), a commit's files are all in
+    buckets of partitions the committing nodes own."""
+    cluster = await start_cluster(warehouse, engine=engine, table_bucket_rows=bucket_rows)
     items = [{"id": k, "name": f"r{r}", "value": float(r)} for r in range(2) for k in range(800)]
     async with deltaflow.connect([cluster[0].address]) as client:
-        await client.stream_data(items, table="owned", key="id", options=OPTIONS)
+        # The second round is written once the first is in the table: at the top level.
+        for round_ in (items[:800], items[800:]):
+            await client.stream_data(round_, table="owned", key="id", options=OPTIONS)
         owners = client.partition_map.owners
     path = warehouse / "owned"
     rows = read_all(path)
     assert len(rows) == 800
-    # The bucket is the partition the client routed the row by (64 buckets, 64 partitions).
-    assert all(r[BUCKET_COLUMN] == partition_of(r["id"], 64) for r in rows)
+    # The bucket is the partition the client routed the row by (64 buckets, 64 partitions),
+    # at the top level (values from 64) of a table whose levels grow.
+    top = 64 if bucket_rows else 0
+    assert all(r[BUCKET_COLUMN] == top + partition_of(r["id"], 64) for r in rows)
     writers = set()
+    grown = False
     for version in range(1, open_table(path).version() + 1):
         nodes, files = commit_actions(path, version)
         if not files and not nodes:
@@ -151,7 +161,10 @@ async def test_group_touches_only_the_buckets_its_node_owns(
         writers.update(nodes)
         # A version holds the groups of the nodes it names (a committer combines several):
         # every file in it is in a bucket one of them owns.
-        touched = {int(f["partitionValues"][BUCKET_COLUMN]) for f in files}
-        assert touched and all(owners[b] in nodes for b in touched), (version, nodes, touched)
+        values = {int(f["partitionValues"][BUCKET_COLUMN]) for f in files}
+        touched = {v - top for v in values if v >= top}  # level 1: the empty table's groups
+        assert values and all(owners[b] in nodes for b in touched), (version, nodes, values)
+        grown |= bool(touched)
     assert writers == {"node-1", "node-2"}
+    assert grown
     assert_table(spark, path, expected(items))

@@ -21,6 +21,7 @@ from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
 from ..tables.atomicity import atomicity_for
 from ..tables.history import END, START, with_history_columns
+from ..tables.layout import DEFAULT_BUCKET_ROWS
 from ..tables.log import is_table
 from ..tables.merging import check_aggregate_type
 from ..tables.sequence import DEFAULT_TOMBSTONE_RETENTION, check_sequence_type, parse_interval
@@ -75,6 +76,7 @@ def create_table(
     schema: Any,
     key: str | Sequence[str] = (),
     buckets: int | None = None,
+    bucket_rows: int | None = None,
     allow_schema_evolution: bool = False,
     deletion_vectors: bool = False,
     engine: str | EngineOptions = DELTA_RS,
@@ -97,6 +99,10 @@ def create_table(
         buckets: buckets of the layout. Default: 64 for a keyed table (one per partition of a
             default cluster; use the cluster's partition count or a divisor of it), 0 for an
             append table. 0 turns the layout off.
+        bucket_rows: rows per bucket the layout grows by (default 4,096): the table has one
+            bucket while it is small, 2, 4 ... as it grows, and ``buckets`` from
+            ``buckets * bucket_rows`` rows (``docs/tables.md``). 0: every bucket from the
+            first row.
         allow_schema_evolution: writes may add columns (default False: rows with unknown
             columns are rejected).
         deletion_vectors: enable Delta deletion vectors (default False): Spark's MERGE marks
@@ -151,9 +157,13 @@ def create_table(
         raise UsageError(f"aggregated column(s) {missing} are not in the schema")
     for column, function in aggregated.items():
         check_aggregate_type(column, function, data_schema.field(column).type)
+    layout_buckets = (DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets
     settings = TableSettings(
         key=keys,
-        buckets=(DEFAULT_BUCKETS if keys else 0) if buckets is None else buckets,
+        buckets=layout_buckets,
+        bucket_rows=(
+            (DEFAULT_BUCKET_ROWS if layout_buckets else 0) if bucket_rows is None else bucket_rows
+        ),
         schema_evolution=allow_schema_evolution,
         deletion_vectors=deletion_vectors,
         sequence_by=sequence,

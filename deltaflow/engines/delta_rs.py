@@ -284,6 +284,7 @@ class DeltaRsTableEngine(TableEngine):
                 _quote,
                 replacing=REPLACE_COLUMN in data.column_names,
                 nulls=NULLS_COLUMN in data.column_names,
+                moved=footprint.levels is not None,
             )
             merger = target.merge(
                 data,

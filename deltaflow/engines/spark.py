@@ -506,6 +506,7 @@ def _merge_sql(
         _quote,
         replacing=REPLACE_COLUMN in columns,
         nulls=NULLS_COLUMN in columns,
+        moved=footprint.levels is not None,
     ):
         when = "WHEN MATCHED" + (f" AND {condition}" if condition else "")
         if sets is None:

@@ -18,6 +18,7 @@ from ..tables.engine_settings import (
     DEFAULT_MAX_GROUP_ROWS,
     EngineSettings,
 )
+from ..tables.layout import DEFAULT_BUCKET_ROWS
 from ..tables.settings import default_buckets
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,
@@ -83,6 +84,9 @@ class NodeConfig:
         table_buckets: buckets of the keyed tables this node creates on first write; 0 turns
             the bucket layout off. Default None: ``partitions`` if it is at most 64, else its
             largest divisor up to 64 (see docs/tables.md).
+        table_bucket_rows: rows per bucket the layout of those tables grows by: a small
+            table has one bucket, 2, 4 ... as it grows (docs/tables.md). 0: every bucket
+            from the first row. Default 4,096.
         schema_evolution: tables this node creates on first write allow new columns. Default
             False.
         deletion_vectors: tables this node creates on first write get Delta deletion vectors
@@ -121,6 +125,7 @@ class NodeConfig:
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     min_commit_interval: float = 0.0
     table_buckets: int | None = None
+    table_bucket_rows: int = DEFAULT_BUCKET_ROWS
     schema_evolution: bool = False
     deletion_vectors: bool = False
     side_inputs: Sequence[str] = ()
@@ -217,6 +222,7 @@ class NodeConfig:
             max_group_bytes=self.max_group_bytes,
             min_commit_interval=self.min_commit_interval,
             table_buckets=default_buckets(self.partitions) if buckets is None else buckets,
+            table_bucket_rows=self.table_bucket_rows,
             schema_evolution=self.schema_evolution,
             deletion_vectors=self.deletion_vectors,
         )

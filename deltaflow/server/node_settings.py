@@ -105,6 +105,8 @@ def _settings() -> tuple[Setting, ...]:
           "node, at least, unless a whole group is queued", node["min_commit_interval"]),
         S("table_buckets", "int", "buckets of keyed tables created on first write (0: no "
           "bucket layout; unset: from the partition count)"),
+        S("table_bucket_rows", "int", "rows per bucket the layout of those tables grows by "
+          "(0: every bucket from the first row)", node["table_bucket_rows"]),
         S("schema_evolution", "bool", "tables created on first write accept new columns",
           False),
         S("deletion_vectors", "bool", "tables created on first write get deletion vectors",

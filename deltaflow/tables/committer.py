@@ -427,7 +427,9 @@ class TableCommitter(TableWriter):
             and settings.history == "none"
         ):
             written = write_group(self.path, data, schema, self.key[0])
-        footprint = Footprint.of(data, self.key, bucketed=bool(settings.buckets))
+        footprint = Footprint.of(
+            data, self.key, bucketed=bool(settings.buckets), levels=settings.levels
+        )
         return PreparedGroup(
             len(group), data, settings, schema, written, time.monotonic() - started, footprint
         )

@@ -336,7 +336,14 @@ class TableEngine:
         if merge_on_read and column is not None and has_deletion_vectors(target):
             return self._merge_on_read(group, target, group.read_version, column=column)
         return write_files(
-            target, group.path, group.data, column, candidates, group.sequence, group.rule
+            target,
+            group.path,
+            group.data,
+            column,
+            candidates,
+            group.sequence,
+            group.rule,
+            None if footprint is None else footprint.levels,
         )
 
     def commit_actions(

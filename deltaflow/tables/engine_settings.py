@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..errors import UsageError
+from .layout import DEFAULT_BUCKET_ROWS
 from .settings import DEFAULT_BUCKETS, MAX_BUCKETS, TableSettings
 
 __all__ = [
@@ -39,6 +40,8 @@ class EngineSettings:
             little latency). 0: a group is taken as soon as the previous commit ends.
         table_buckets: buckets of the keyed tables the node creates on first write (0: no
             bucket layout).
+        table_bucket_rows: rows per bucket those tables' layout grows by (0: every bucket
+            from the first row; :mod:`.layout`).
         schema_evolution: tables the node creates on first write allow schema evolution.
         deletion_vectors: tables the node creates on first write have deletion vectors.
 
@@ -51,6 +54,7 @@ class EngineSettings:
     max_queued_rows: int = DEFAULT_MAX_QUEUED_ROWS
     min_commit_interval: float = 0.0
     table_buckets: int = DEFAULT_BUCKETS
+    table_bucket_rows: int = DEFAULT_BUCKET_ROWS
     schema_evolution: bool = False
     deletion_vectors: bool = False
 
@@ -64,6 +68,8 @@ class EngineSettings:
             )
         if not 0 <= self.table_buckets <= MAX_BUCKETS:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
+        if self.table_bucket_rows < 0:
+            raise UsageError("table_bucket_rows must be 0 or more")
 
     @property
     def group_rows(self) -> int:
@@ -76,6 +82,7 @@ class EngineSettings:
         return TableSettings(
             key=key,
             buckets=self.table_buckets if key else 0,
+            bucket_rows=self.table_bucket_rows if key and self.table_buckets else 0,
             schema_evolution=self.schema_evolution,
             deletion_vectors=self.deletion_vectors,
             sequence_by=sequence_by,

@@ -6,7 +6,8 @@ literal predicates on target columns, never through the join itself. So the engi
 each group by its :class:`Footprint` and every MERGE names it:
 
 - the buckets its rows fall in (partition pruning): the group a node commits touches only the
-  files of the partitions it owns;
+  files of the partitions it owns; on a table whose buckets grow with it (:mod:`.layout`),
+  the buckets of its keys at every level;
 - the ranges its keys fall in (statistics pruning), for a one-column integer or string key.
   Keys that arrive roughly in order (auto-increment or time-ordered ids, recent records
   updated again) then fall in few files, and the MERGE reads and rewrites only those, however
@@ -29,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .layout import Levels
 from .settings import BUCKET_COLUMN
 
 __all__ = ["MAX_KEY_RANGES", "Footprint"]
@@ -42,7 +44,8 @@ class Footprint:
     """Where a group's rows can be in the target table (see the module docstring).
 
     Attributes:
-        buckets: the group's buckets, ascending; None for a table without the bucket layout.
+        buckets: the buckets the group's keys may be in, ascending (with ``levels``, their
+            buckets at every level); None for a table without the bucket layout.
         column: the key column ``ranges`` bound; None when no range applies.
         ranges: inclusive ``(low, high)`` bounds, ascending and disjoint, covering every key.
         fresh: the table holds none of the group's keys (checked against the Delta log under
@@ -53,6 +56,8 @@ class Footprint:
             the log), for a merge-on-read commit that replaces them; None when they could not
             be read at the files' version.
         version: the table version ``files`` and ``vectors`` are of (-1: unknown).
+        levels: the table's bucket levels, when its layout grows with it: a stored row of a
+            key may then be in another bucket than the group's row.
     """
 
     buckets: tuple[int, ...] | None
@@ -64,21 +69,31 @@ class Footprint:
         default_factory=dict, compare=False, repr=False
     )
     version: int = dataclasses.field(default=-1, compare=False)
+    levels: Levels | None = None
 
     @classmethod
     def of(
-        cls, data: Any, key: Sequence[str], *, bucketed: bool, max_ranges: int = MAX_KEY_RANGES
+        cls,
+        data: Any,
+        key: Sequence[str],
+        *,
+        bucketed: bool,
+        levels: Levels | None = None,
+        max_ranges: int = MAX_KEY_RANGES,
     ) -> Footprint:
         """The footprint of the group ``data`` (an Arrow table, the bucket column included when
-        ``bucketed``) merged on ``key``."""
+        ``bucketed``) merged on ``key``, on a table with bucket ``levels`` or a fixed
+        layout (None)."""
         import pyarrow as pa
         import pyarrow.compute as pc
 
         buckets = None
-        if bucketed:
+        if bucketed and levels is not None:
+            buckets = levels.candidates(levels.partitions(data, key, BUCKET_COLUMN))
+        elif bucketed:
             buckets = tuple(sorted(pc.unique(data.column(BUCKET_COLUMN)).to_pylist()))
         if len(key) != 1 or data.num_rows == 0:
-            return cls(buckets)
+            return cls(buckets, levels=levels)
         column = data.column(key[0])
         if pa.types.is_integer(column.type):
             ranges = _integer_ranges(column, max_ranges)
@@ -86,8 +101,8 @@ class Footprint:
             bounds = pc.min_max(column)
             ranges = ((bounds["min"].as_py(), bounds["max"].as_py()),)
         else:
-            return cls(buckets)
-        return cls(buckets, key[0], ranges)
+            return cls(buckets, levels=levels)
+        return cls(buckets, key[0], ranges, levels=levels)
 
     def checked_against(
         self,
@@ -138,12 +153,16 @@ class Footprint:
         """The MERGE's ON clause, target ``t`` and source ``s``, in an engine's SQL dialect
         (``quote`` quotes a column name, ``literal`` renders a key value): the key equalities,
         the bucket equality (so the join can use the partition column), and the footprint's
-        literal predicates on the target, which are what prune its files."""
+        literal predicates on the target, which are what prune its files. With bucket levels
+        a stored row may be at another level than the group's, so the buckets are named but
+        not joined."""
         on = [f"t.{quote(k)} = s.{quote(k)}" for k in key]
         if self.buckets is not None:
             b = quote(BUCKET_COLUMN)
             listed = ", ".join(str(int(x)) for x in self.buckets)
-            on += [f"t.{b} = s.{b}", f"t.{b} IN ({listed})"]
+            if self.levels is None:
+                on.append(f"t.{b} = s.{b}")
+            on.append(f"t.{b} IN ({listed})")
         if self.column is not None and self.ranges:
             c = f"t.{quote(self.column)}"
             # Comparisons, not BETWEEN: delta-rs keeps only comparisons for file pruning.

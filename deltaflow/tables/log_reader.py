@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from ..storage.paths import Location
+from .layout import live_rows
 from .live_files import LiveFiles
 from .log import delta_table, forget_commits, latest_version
 
@@ -72,6 +73,15 @@ class LogReader:
             index = self._live[path] = LiveFiles(path, files, version)
             return index.files, version
         return files, version
+
+    def live_rows(self, path: Location, known: int | None) -> int:
+        """The rows of the table's live files (:func:`.layout.live_rows`) at version ``known``
+        or the kept files' own, whichever is later (None: listed)."""
+        index = self._live.get(path)
+        if index is not None and known is not None and known < index.version:
+            known = index.version
+        listed = self.live_files(path, known)
+        return live_rows(listed[0] if listed else None)
 
     def planned(self, path: Location, known: int | None = None) -> tuple[Any, int]:
         """The delta-rs table (for its metadata, protocol and schema) and the version a commit

@@ -392,12 +392,15 @@ def matched_clauses(
     *,
     replacing: bool,
     nulls: bool = False,
+    moved: bool = False,
 ) -> list[tuple[str | None, dict[str, str] | None]]:
     """A MERGE's ``WHEN MATCHED`` clauses, in order: (condition or None, the ``UPDATE SET``
     assignments, or None to ``DELETE``). ``columns``: the ones an update sets (no key, no
     layout column); ``replacing``, ``nulls``: the source has :data:`REPLACE_COLUMN`,
-    :data:`NULLS_COLUMN`."""
+    :data:`NULLS_COLUMN`; ``moved``: an updated row takes the source's bucket (a table whose
+    bucket levels grow: the row moves to the group's level, :mod:`.layout`)."""
     from .sequence import merge_condition
+    from .settings import BUCKET_COLUMN
 
     flag = f"s.{quote(DELETE_COLUMN)}"
     newer = merge_condition(sequence, quote) if sequence else None
@@ -415,6 +418,9 @@ def matched_clauses(
         clauses.append((replace, plain))
     if rule.mode != "first":
         clauses.append((newer, update_clauses(columns, rule, quote, nulls=nulls)))
+    if moved:
+        bucket = {BUCKET_COLUMN: f"s.{quote(BUCKET_COLUMN)}"}
+        clauses = [(when, None if sets is None else sets | bucket) for when, sets in clauses]
     return clauses
 
 

@@ -40,6 +40,7 @@ from urllib.parse import unquote
 
 from .._faults import fault_point
 from ..columnar import DELETE_COLUMN
+from ..partitioning import partition_table
 from ..storage.paths import Location
 from .data_files import (
     FILE_POOL,
@@ -54,6 +55,7 @@ from .data_files import (
 )
 from .footprint import Footprint
 from .history import as_group_rows, rebuild
+from .layout import Levels
 from .merging import LAST, MergeRule, merge_stored
 from .sequence import resolve
 from .settings import BUCKET_COLUMN
@@ -130,6 +132,7 @@ def write_files(
     candidates: Any | None,
     sequence: Sequence[str] = (),
     rule: MergeRule = LAST,
+    levels: Levels | None = None,
 ) -> Rewrite:
     """Blocking, under the table's lock: write the files that apply the group ``data`` to
     ``table`` (delta-rs, at its latest version), nothing committed yet.
@@ -146,6 +149,8 @@ def write_files(
             (:func:`.sequence.resolve`).
         rule: the table's merge mode: a group row meeting its key's stored row merges with it
             (:func:`.merging.merge_stored`).
+        levels: the table's bucket levels (:mod:`.layout`), if its layout grows: the rows
+            kept from the files rewritten move to the level of the group's rows.
 
     Raises:
         RewriteUnsupported: the group must be merged (nothing was written).
@@ -166,13 +171,13 @@ def write_files(
     if set(partition_by) - {BUCKET_COLUMN}:  # the files written carry the bucket value only
         raise RewriteUnsupported(f"partitioned by {partition_by}")
     file_schema = pa.schema([f for f in schema if f.name not in partition_by])
+    kept = _Kept(levels, data, key)  # bucket value -> kept rows of its touched files
     if rule.history:
         assert key is not None and len(sequence) == 1
         return _write_history(
-            path, data, key, sequence[0], candidates, file_schema, partition_by, rule
+            path, data, key, sequence[0], candidates, file_schema, partition_by, rule, kept
         )
     touched: list[DataFile] = []  # the candidate files that hold a key of the group
-    kept: dict[str | None, list[Any]] = {}  # bucket value -> kept rows of its touched files
     superseded = 0
     if key is not None and candidates is not None:
         keys = data.column(key)
@@ -207,12 +212,10 @@ def write_files(
                     continue  # its range holds a key of the group, its rows do not
                 bucket = bucket_of(file)
                 touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
-                rest = part.filter(pa.array(~hits))
-                if rest.num_rows:
-                    kept.setdefault(bucket, []).append(rest)
+                kept.add(bucket, part.filter(pa.array(~hits)))
 
     upserts = data.filter(pc.invert(data.column(DELETE_COLUMN))).drop_columns([DELETE_COLUMN])
-    adds = [added for added, _ in write_buckets(path, upserts, kept, file_schema, key)]
+    adds = [added for added, _ in write_buckets(path, upserts, kept.rows, file_schema, key)]
     return Rewrite(adds, touched, partition_by, int(time.time() * 1000), superseded)
 
 
@@ -225,6 +228,7 @@ def _write_history(
     file_schema: Any,
     partition_by: list[str],
     rule: MergeRule,
+    kept: _Kept,
 ) -> Rewrite:
     """:func:`write_files` for a ``history="scd2"`` table: the files holding the group's keys
     are read, every stored version of those keys replaced by the versions the group's changes
@@ -234,7 +238,6 @@ def _write_history(
 
     keys = data.column(key)
     touched: list[DataFile] = []
-    kept: dict[str | None, list[Any]] = {}
     stored_parts = []
     holding = [] if candidates is None else files_holding(candidates, keys, key)
     read = FILE_POOL.map(lambda f: read_file(path / unquote(f["path"]), file_schema), holding)
@@ -245,13 +248,44 @@ def _write_history(
         bucket = bucket_of(file)
         touched.append(DataFile(file["path"], int(file["size_bytes"]), bucket))
         stored_parts.append(rows.filter(hits))
-        rest = rows.filter(pc.invert(hits))
-        if rest.num_rows:
-            kept.setdefault(bucket, []).append(rest)
+        kept.add(bucket, rows.filter(pc.invert(hits)))
     stored = pa.concat_tables(stored_parts) if stored_parts else file_schema.empty_table()
     versions = as_group_rows(rebuild(data, stored, key, sequence, rule.tracked or None), data, key)
-    adds = [added for added, _ in write_buckets(path, versions, kept, file_schema, key)]
+    adds = [added for added, _ in write_buckets(path, versions, kept.rows, file_schema, key)]
     return Rewrite(adds, touched, partition_by, int(time.time() * 1000))
+
+
+class _Kept:
+    """The rows a rewrite keeps from the files it replaces, by the bucket they are written
+    to: their own, or on a table with bucket levels the one at the group's level."""
+
+    def __init__(self, levels: Levels | None, data: Any, key: str | None) -> None:
+        self.rows: dict[str | None, list[Any]] = {}
+        self._levels = levels
+        self._key = key
+        self._size = (
+            levels.size_of(data.column(BUCKET_COLUMN)[0].as_py())
+            if levels is not None and data.num_rows
+            else None
+        )
+
+    def add(self, bucket: str | None, rest: Any) -> None:
+        """Keep ``rest`` (rows of a file of ``bucket``; the table's file columns)."""
+        if not rest.num_rows:
+            return
+        levels, size = self._levels, self._size
+        if levels is None or size is None or bucket is None or levels.size_of(int(bucket)) == size:
+            self.rows.setdefault(bucket, []).append(rest)
+            return
+        import numpy as np
+        import pyarrow as pa
+
+        assert self._key is not None
+        placed = levels.place(partition_table(rest, [self._key], levels.buckets), size)
+        values = placed.to_numpy()
+        for value in np.unique(values):
+            part = rest.filter(pa.array(values == value))
+            self.rows.setdefault(str(int(value)), []).append(part)
 
 
 def rewrite(
@@ -293,7 +327,8 @@ def rewrite(
         raise RewriteUnsupported("no key range to rewrite by")
     else:
         column, files = footprint.column, footprint.files
-    done = write_files(table, path, data, column, files, sequence, rule)
+    levels = None if footprint is None else footprint.levels
+    done = write_files(table, path, data, column, files, sequence, rule, levels)
     actions: list[Any] = [
         AddAction(
             path=f.path,

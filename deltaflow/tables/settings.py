@@ -5,6 +5,8 @@ every engine) reads the same ones from the table itself:
 
 - ``deltaflow.key``: the merge key columns, a JSON list (``[]`` for an append table);
 - ``deltaflow.buckets``: the number of buckets of the layout (``0``: no bucket column);
+- ``deltaflow.bucketRows``: the rows per bucket the layout grows by (:mod:`.layout`; absent
+  or ``0``: every row is in its bucket of ``buckets`` from the start, as tables made before);
 - ``deltaflow.schemaEvolution``: ``true`` if writes may add columns;
 - ``deltaflow.sequenceBy``: the sequence columns, a JSON list (absent: changes apply in
   arrival order); ``deltaflow.tombstoneRetention``: how long a deleted key's sequence is kept
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from ..errors import UsageError
 from ..partitioning import DEFAULT_PARTITIONS
+from .layout import Levels
 from .sequence import DEFAULT_TOMBSTONE_RETENTION, format_interval, parse_interval
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ MAX_BUCKETS: Final = 1024
 
 PROP_KEY: Final = "deltaflow.key"
 PROP_BUCKETS: Final = "deltaflow.buckets"
+PROP_BUCKET_ROWS: Final = "deltaflow.bucketRows"
 PROP_SCHEMA_EVOLUTION: Final = "deltaflow.schemaEvolution"
 PROP_SEQUENCE_BY: Final = "deltaflow.sequenceBy"
 PROP_TOMBSTONE_RETENTION: Final = "deltaflow.tombstoneRetention"
@@ -90,6 +94,9 @@ class TableSettings:
         key: merge key columns; empty for a table written by appends.
         buckets: buckets of the layout; 0 means no bucket column (append tables, tables
             created by other programs).
+        bucket_rows: rows per bucket the layout grows by (:class:`.Levels`): a small table
+            has one bucket, and ``buckets`` from ``buckets * bucket_rows`` rows. 0: every
+            bucket from the first row.
         schema_evolution: writes may add columns the table does not have yet.
         deletion_vectors: Delta deletion vectors are enabled (replaced rows are marked instead
             of their files rewritten; see docs/tables.md).
@@ -104,6 +111,7 @@ class TableSettings:
 
     key: tuple[str, ...] = ()
     buckets: int = 0
+    bucket_rows: int = 0
     schema_evolution: bool = False
     deletion_vectors: bool = False
     managed: bool = True
@@ -119,6 +127,11 @@ class TableSettings:
             raise UsageError(f"buckets must be between 0 and {MAX_BUCKETS}, got {self.buckets}")
         if self.buckets and not self.key:
             raise UsageError("a bucket layout needs a key: append tables have no buckets")
+        if self.bucket_rows < 0 or (self.bucket_rows and not self.buckets):
+            raise UsageError(
+                f"bucket_rows={self.bucket_rows}: the rows per bucket of a layout, positive "
+                "and only with buckets (or 0: all buckets from the first row)"
+            )
         if len(set(self.key)) != len(self.key):
             raise UsageError(f"key columns repeat: {list(self.key)}")
         if self.sequence_by:
@@ -162,6 +175,13 @@ class TableSettings:
             if column in self.key or column in self.sequence_by:
                 raise UsageError(f"column {column!r} is a key or sequence column: not aggregated")
 
+    @property
+    def levels(self) -> Levels | None:
+        """The layout's levels when it grows with the table (:mod:`.layout`), else None."""
+        if not (self.buckets and self.bucket_rows):
+            return None
+        return Levels(self.buckets, self.bucket_rows)
+
     def properties(self) -> dict[str, str]:
         """The Delta table properties that record these settings."""
         props = {
@@ -170,6 +190,8 @@ class TableSettings:
             PROP_SCHEMA_EVOLUTION: "true" if self.schema_evolution else "false",
             PROP_CHECKPOINT_INTERVAL: str(CHECKPOINT_INTERVAL),
         }
+        if self.bucket_rows:
+            props[PROP_BUCKET_ROWS] = str(self.bucket_rows)
         if self.deletion_vectors:
             props[PROP_DELETION_VECTORS] = "true"
         if self.sequence_by:
@@ -195,6 +217,7 @@ class TableSettings:
         try:
             key = json.loads(raw_key)
             buckets = int(properties.get(PROP_BUCKETS, "0"))
+            bucket_rows = int(properties.get(PROP_BUCKET_ROWS, "0"))
         except ValueError as exc:
             raise UsageError(f"unreadable deltaflow table properties {dict(properties)}") from exc
         if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
@@ -216,6 +239,7 @@ class TableSettings:
         return cls(
             key=tuple(key),
             buckets=buckets if BUCKET_COLUMN in columns else 0,
+            bucket_rows=bucket_rows if BUCKET_COLUMN in columns else 0,
             schema_evolution=str(properties.get(PROP_SCHEMA_EVOLUTION, "")).lower() == "true",
             deletion_vectors=dv,
             sequence_by=tuple(sequence),
@@ -233,7 +257,12 @@ class TableSettings:
         if not self.managed:
             return "not created by deltaflow (no key, layout or evolution settings)"
         parts = [f"key {list(self.key)}" if self.key else "append (no key)"]
-        parts.append(f"{self.buckets} buckets" if self.buckets else "no bucket layout")
+        if not self.buckets:
+            parts.append("no bucket layout")
+        elif self.bucket_rows:
+            parts.append(f"up to {self.buckets} buckets of {self.bucket_rows} rows")
+        else:
+            parts.append(f"{self.buckets} buckets")
         parts.append(f"schema evolution {'on' if self.schema_evolution else 'off'}")
         parts.append(f"deletion vectors {'on' if self.deletion_vectors else 'off'}")
         if self.sequence_by:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import SchemaError, TableSettingsError
 from .constraints import CONSTRAINT_PREFIX
 from .grouping import conform, last_per_key
+from .layout import live_rows
 from .log import latest_version
 from .marks import LaneMarks
 from .merging import MergeRule, fold, internal
@@ -274,4 +275,26 @@ class TableState:
             log.info("table %s: added columns %s", self.name, names)
             self.describe()
             schema = self.schema
-        return conform(data, schema, settings, table=self.name, node=node, recompute=recompute)
+        data = conform(data, schema, settings, table=self.name, node=node, recompute=recompute)
+        if settings.levels is None:
+            return data
+        # The bucket column holds the keys' partitions: placed at the level of the table's
+        # size at the latest version its marks were read at (the log is not listed).
+        known = self.marks.scanned
+        rows = self.engine.log.live_rows(self.path, known if known >= 0 else None)
+        at = data.schema.get_field_index(BUCKET_COLUMN)
+        placed = settings.levels.place(data.column(at), settings.levels.size_for(rows))
+        return data.set_column(at, data.schema.field(at), placed)
+
+    def _at_level(self, data: Any, files: Any) -> Any:
+        """The conformed group ``data`` at the level of a table of live ``files`` (its
+        placement at conform time may be of an older version; :mod:`.layout`)."""
+        levels = self.settings.levels if self.settings is not None else None
+        if levels is None or not data.num_rows or not self.key:
+            return data
+        size = levels.size_for(live_rows(files))
+        at = data.schema.get_field_index(BUCKET_COLUMN)
+        if levels.size_of(data.column(at)[0].as_py()) == size:
+            return data
+        placed = levels.place(levels.partitions(data, self.key, BUCKET_COLUMN), size)
+        return data.set_column(at, data.schema.field(at), placed)

@@ -137,12 +137,18 @@ class TableWriter(TableState):
                 evolve=False,
             )
             written = None
-            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets)) if key else None
+            footprint = (
+                Footprint.of(data, key, bucketed=bool(settings.buckets), levels=settings.levels)
+                if key
+                else None
+            )
         deleted = self._deleted(data)  # the group's own deletes, before tombstones act
         buried = self._bury(data)
         if buried is not data:  # other rows: their files and footprint are made again
             data, written = buried, None
-            footprint = Footprint.of(data, key, bucketed=bool(settings.buckets))
+            footprint = Footprint.of(
+                data, key, bucketed=bool(settings.buckets), levels=settings.levels
+            )
         if footprint is not None:
             fault_point("before_listing")
             listed = self.engine.log.live_files(self.path, version) if footprint.ranges else None
@@ -151,6 +157,8 @@ class TableWriter(TableState):
             files, listed_version = listed
             if listed_version != version:
                 return _AGAIN
+            if written is None:
+                data = self._at_level(data, files)
             vectors = self.marks.vectors if self.marks.scanned == version else None
             footprint = footprint.checked_against(files, vectors, version)
             if footprint.fresh:
@@ -261,11 +269,15 @@ class TableWriter(TableState):
             data, written, footprint = buried, None, None
         if key:
             if footprint is None:
-                footprint = Footprint.of(data, key, bucketed=bool(self.settings.buckets))
+                footprint = Footprint.of(
+                    data, key, bucketed=bool(self.settings.buckets), levels=self.settings.levels
+                )
             fault_point("before_listing")
             listed = self.engine.log.live_files(self.path) if footprint.ranges else None
             if listed is not None:
                 files, version = listed
+                if written is None:
+                    data = self._at_level(data, files)
                 # The files' deletion vectors, read from the log up to the same version (a
                 # writer outside deltaflow, not holding the table, may have committed since).
                 if self.marks.scanned < version:
