@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup test-setup demo test fuzz bench bench-transport mutation breaks lint clean versitygw toxiproxy
+.PHONY: setup test-setup demo test fuzz bench bench-transport bench-layout mutation breaks lint clean versitygw toxiproxy
 
 $(STAMP): pyproject.toml
 	@echo "==> virtualenv $(VENV) with deltaflow[dev] (pip: about 2 minutes the first time)"
@@ -89,6 +89,9 @@ bench: test-setup $(TOXIPROXY)
 
 bench-transport: test-setup
 	$(PY) bench/transport.py
+
+bench-layout: setup
+	$(PY) bench/layout.py
 
 # The fuzzing net of the wire protocol with many more examples than `make test` runs:
 # hypothesis over the decoders, the Arrow page reader and a live node's WebSocket. About 6 min.

@@ -7,7 +7,7 @@ per run: the table's live files, rows/s of the first write and of the updates, t
 table (p50 and p99 of every batch, from the nodes' statistics), the groups the committer sent
 back, and the ratios of the growing layout to the fixed one.
 
-    python bench/layout.py [--large-rows 1000000] [--updates 100000] [--rounds 2]
+    make bench-layout, or python bench/layout.py [--large-rows N] [--updates N] [--rounds N]
 """
 
 from __future__ import annotations

@@ -496,8 +496,7 @@ def _merge_sql(
     cols = ", ".join(_quote(c) for c in data)
     vals = ", ".join(f"s.{_quote(c)}" for c in data)
     flag = f"s.{_quote(DELETE_COLUMN)}"
-    # A stored row of a sequence not lower stays (sequence_by tables); the merge mode says
-    # what the others become.
+    # A stored row of a sequence not lower stays; the merge mode says what the others become.
     matched = []
     for condition, sets in matched_clauses(
         [c for c in data if c != BUCKET_COLUMN and c not in key],
