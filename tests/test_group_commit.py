@@ -24,9 +24,9 @@ from deltaflow.tables.flock import table_lock
 from deltaflow.testing import at_fault_point
 
 from .support import (
+    EVERY_ENGINE,
     OPTIONS,
     assert_table,
-    every_engine,  # noqa: F401 - this module's engine fixture
     expected,
     open_table,
     read_all,
@@ -36,6 +36,14 @@ from .support import (
     upsert,
     workload,
 )
+
+
+@pytest.fixture(params=[e for e in EVERY_ENGINE if e != "spark-connect"], name="engine")
+def engines_of_group_commits(request: pytest.FixtureRequest) -> str:
+    """Every engine but Spark Connect: groups form on the node whatever the engine, and a
+    Connect node's MERGE is the SQL writer's, over another transport (its table tests are in
+    test_table_upserts.py, test_table_merges.py and test_spark_connect.py)."""
+    return str(request.param)
 
 
 async def test_group_commit_applies_many_batches_per_commit(
@@ -80,9 +88,7 @@ async def test_interleaved_streams_in_one_group_equal_one_by_one_application(
     assert commits < grouped  # batches of both streams shared commits
 
 
-@pytest.mark.parametrize(
-    "engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv", "spark-connect"], indirect=True
-)
+@pytest.mark.parametrize("engine", ["spark", "delta-rs", "spark-dv", "delta-rs-dv"], indirect=True)
 async def test_a_group_prepared_before_another_node_applied_part_of_it_applies_only_the_rest(
     warehouse: Path, engine: str
 ) -> None:
