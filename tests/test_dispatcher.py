@@ -721,6 +721,8 @@ async def test_the_receiver_sees_the_batch_its_stream_and_its_deletes(
         ({"del": [3]}, "'del' holds indexes outside the batch"),
         ({"del": [-1]}, "'del' holds indexes outside the batch"),
         ({"del": ["0"]}, "'del' holds indexes outside the batch"),
+        ({"del": [[0]]}, "'del' holds indexes outside the batch"),  # found by test_fuzz.py
+        ({"del": [{}]}, "'del' holds indexes outside the batch"),
         ({"items": b"\xc1"}, "batch items are not valid msgpack"),
     ],
 )

@@ -49,7 +49,11 @@ def _decode_batch(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
         deletes = page.deletes
     else:
         items = unpack_items(frame["items"], frame["n"])
-        deletes = frozenset(frame.get("del") or ())
+        listed = frame.get("del") or ()
+        # Checked before the set is made: a list or a map in it is not hashable.
+        if not all(isinstance(i, int) for i in listed):
+            raise ProtocolError("'del' holds indexes outside the batch")
+        deletes = frozenset(listed)
     if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
         raise ProtocolError("'del' holds indexes outside the batch")
     return items, deletes
