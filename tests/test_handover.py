@@ -21,6 +21,9 @@ import pytest_asyncio
 
 import deltaflow
 from deltaflow.client.router import fetch_cluster
+from deltaflow.server.identity import NodeIdentity
+from deltaflow.server.peers import Answer, PeerClient, Silence
+from deltaflow.server.topology import Membership
 from deltaflow.testing import wait_for_members
 
 from .support import FAILOVER_OPTIONS, Cluster, FailoverWatch, read_delta
@@ -31,6 +34,9 @@ FLAGS = ("--engine", "delta-rs", "--heartbeat-interval", "0.5", "--failure-timeo
          "--log-level", "info")  # fmt: skip
 KEYS = 5_000
 DOWN = "is down: connections refused"
+IDENTITY = NodeIdentity(
+    cluster_id="5" * 32, created_at_ms=1_000, warehouse="file:///wh", partitions=64
+)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -48,8 +54,8 @@ def logged(cluster: Cluster, node_id: str, text: str) -> list[str]:
 async def test_a_paused_node_is_suspected_but_not_taken_for_dead(cluster: Cluster) -> None:
     """A node too busy to answer (here: SIGSTOPped for half the failure timeout) keeps its
     partitions: its kernel still accepts connections, so nothing confirms the suspicion."""
-    client = await cluster.wait_members(3)
-    await client.close()
+    # Every node counts node-3 live first (one client's map is one node's view).
+    await wait_for_members(cluster.addresses())
     paused = cluster.nodes["node-3"]
     assert paused.proc is not None
     os.kill(paused.proc.pid, signal.SIGSTOP)
@@ -168,3 +174,48 @@ async def test_node_drain_hands_the_partitions_to_the_others(cluster: Cluster) -
     assert "stopped" in output
     assert "partitions now: node-1 32, node-3 32" in output
     assert any("drained in" in line for line in drained.output)
+
+
+# -- The order of answers ---------------------------------------------------------------------
+
+
+class HeldPolls(PeerClient):
+    """Polls answered by the test: each waits for the answer the test puts in ``answers``."""
+
+    def __init__(self) -> None:
+        super().__init__(node_id="n1", address="127.0.0.1:1", secret=None, tls=None, timeout=1.0)
+        self.answers: asyncio.Queue[asyncio.Future[Answer]] = asyncio.Queue()
+
+    async def poll(self, address: str) -> Answer | Silence:
+        held: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        await self.answers.put(held)
+        return await held
+
+
+def n2_says(*, draining: bool) -> Answer:
+    return Answer("n2", "127.0.0.1:2", IDENTITY, True, None, None, True, draining)
+
+
+async def test_an_answer_from_before_a_drain_does_not_undo_the_drain() -> None:
+    """Found by the suite on a loaded machine: a routine poll of n2 sent before n2 drained
+    came back after the poll confirming the drain, and its "not draining" made n1 count n2
+    live again, then dead (not left) once it stopped. Answers count in the order the polls
+    were sent."""
+    polls = HeldPolls()
+    membership = Membership(node_id="n1", address="127.0.0.1:1", peers=["127.0.0.1:2"],
+                            identity=IDENTITY)  # fmt: skip
+    membership._peer_client = polls
+    first = asyncio.create_task(membership._poll_all())
+    (await polls.answers.get()).set_result(n2_says(draining=False))
+    await first
+    assert set(membership.map.owners) == {"n1", "n2"}
+    routine = asyncio.create_task(membership._poll_all())  # sent before n2 drains
+    before = await polls.answers.get()
+    leave = asyncio.create_task(membership.departed("n2", "127.0.0.1:2"))
+    (await polls.answers.get()).set_result(n2_says(draining=True))
+    assert await leave
+    before.set_result(n2_says(draining=False))  # arrives last
+    await routine
+    [n2] = [m for m in membership.members() if m["node"] == "n2"]
+    assert n2["state"] == "draining"
+    assert set(membership.map.owners) == {"n1"}

@@ -81,6 +81,7 @@ class Member:
     receivers: tuple[str, ...] | None = None  # the receivers it serves, as it last said
     map_wire: Any = None
     last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
+    asked: float = 0.0  # monotonic seconds the poll whose answer is recorded was sent
     since: float = 0.0  # monotonic seconds this node began (or began again) polling it
     suspected: float = 0.0  # monotonic seconds its polls began failing; 0 = not suspected
     first_refusal: float = 0.0  # of the connections refused since it was suspected; 0 = none
@@ -183,13 +184,8 @@ class Membership:
 
     def members(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        me = (
-            PeerState.REFUSED
-            if self._refusal
-            else PeerState.DRAINING
-            if self._leaving
-            else PeerState.LIVE
-        )
+        me = PeerState.DRAINING if self._leaving else PeerState.LIVE
+        me = PeerState.REFUSED if self._refusal else me
         rows: list[dict[str, Any]] = [
             {
                 "node": self.node_id,
@@ -266,6 +262,7 @@ class Membership:
                   "that name at that address", level=logging.WARNING, code="LEAVE_REFUSED",
                   peer=node_id, address=address)  # fmt: skip
             return False
+        asked = time.monotonic()
         answer = await self._peer_client.poll(address)
         now = time.monotonic()
         if not (isinstance(answer, Answer) and answer.proven and answer.node_id == node_id):
@@ -273,7 +270,7 @@ class Membership:
                   "did not confirm it", level=logging.WARNING, code="LEAVE_REFUSED",
                   peer=node_id, address=address)  # fmt: skip
             return False
-        _record(member, answer, now)
+        _record(member, answer, asked, now)
         if not answer.draining:
             event(log, "refusal", f"refused a leave for {node_id} at {address}: its own "
                   "answer says it does not drain", level=logging.WARNING, code="LEAVE_REFUSED",
@@ -301,13 +298,10 @@ class Membership:
                 del self._peers[gone]
             learned = sum(1 for m in self._peers.values() if not m.configured)
             if learned >= MAX_LEARNED_PEERS:
-                log.warning(
-                    "ignored peer %s at %s: this node already learned of %d peers beyond its "
-                    "--peers; list the cluster's nodes in --peers",
-                    node_id,
-                    address,
-                    learned,
-                )
+                event(log, "member.ignored", f"ignored peer {node_id} at {address}: this node "
+                      f"already learned of {learned} peers beyond its --peers; list the "
+                      "cluster's nodes in --peers", level=logging.WARNING, peer=node_id,
+                      address=address)  # fmt: skip
                 return
             self._peers[address] = Member(address, configured=False, since=now)
             event(log, "member.learned", f"learned of peer {node_id} at {address} from its "
@@ -339,13 +333,13 @@ class Membership:
             await self._poll_all()
 
     async def _poll_all(self) -> None:
-        now = time.monotonic()
+        asked = now = time.monotonic()
         targets = [m for m in self._peers.values() if self._polled(m, now)]
         answers = await asyncio.gather(*(self._peer_client.poll(m.address) for m in targets))
         now = time.monotonic()
         for member, answer in zip(targets, answers, strict=True):
             if isinstance(answer, Answer):
-                _record(member, answer, now)
+                _record(member, answer, asked, now)
             else:
                 self._suspect(member, answer, now)
         self._decide(now)
@@ -502,7 +496,12 @@ _DOWN_BECAUSE: Final = {
 }
 
 
-def _record(member: Member, answer: Answer, now: float) -> None:
+def _record(member: Member, answer: Answer, asked: float, now: float) -> None:
+    if asked < member.asked:
+        # A poll sent before the one already recorded (a leave's confirming poll overtook
+        # it): its answer is older news, e.g. "not draining" from before the drain.
+        return
+    member.asked = asked
     member.node_id = answer.node_id
     member.claimed = answer.address
     member.identity = answer.identity
