@@ -29,6 +29,7 @@ from deltaflow.server import dispatcher as dispatcher_module
 from deltaflow.server import lanes as lanes_module
 from deltaflow.server.dispatcher import LANE_WINDOW, Dispatcher, error_frame
 from deltaflow.server.streams import stream_owner
+from deltaflow.testing import at_fault_point
 
 from .support import StartCluster
 
@@ -232,6 +233,33 @@ async def test_a_retriable_failure_keeps_the_lane_for_the_resend(dispatcher: Dis
     dispatcher.submit(peer, batch(0), OWNER)
     await peer.wait_for("ack", 0)
     await peer.wait_for("ack", 1)
+    assert Recorder.applied == [0, 1]
+
+
+async def test_a_bug_outside_the_receiver_answers_its_batch_and_the_lane_goes_on(
+    dispatcher: Dispatcher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An exception nothing expects, raised in the lane before the receiver runs, is the
+    batch's answer (a retriable internal error naming the node and the batch, its traceback in
+    the node's log): the client is not left waiting, and the resend is applied."""
+    raised = []
+
+    def bug() -> None:
+        if not raised:
+            raised.append(1)
+            raise KeyError("a bug")
+
+    peer = Peer()
+    with caplog.at_level(logging.ERROR), at_fault_point("applying", bug):
+        dispatcher.submit(peer, batch(0), OWNER)
+        dispatcher.submit(peer, batch(1), OWNER)
+        err = await peer.wait_for("error", 0)
+        assert (err["code"], err["retriable"], err["node"]) == ("INTERNAL", True, "n1")
+        assert "stream s partition 0 batch 0 with KeyError" in err["msg"]
+        assert any(r.exc_info and r.exc_info[0] is KeyError for r in caplog.records)
+        dispatcher.submit(peer, batch(0), OWNER)
+        await peer.wait_for("ack", 0)
+        await peer.wait_for("ack", 1)
     assert Recorder.applied == [0, 1]
 
 
@@ -904,7 +932,7 @@ async def test_a_receiver_that_raises_fails_its_batch_with_an_error_naming_it(
     d = make_dispatcher(scripted)
     scripted.errors[0] = [KeyError("price")]
     peer = Peer()
-    with caplog.at_level(logging.WARNING, logger="deltaflow.server.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="deltaflow.server"):
         d.submit(peer, frame(0, [1, 2, 3]), OWNER)
         err = await peer.wait_for("error", 0)
     assert (err["code"], err["node"], err["retriable"]) == ("RECEIVER_FAILED", "n1", False)

@@ -39,13 +39,12 @@ from tenacity import (
     wait_exponential,
 )
 
+from .._faults import fault_point
 from ..errors import (
     BadFrameError,
-    DeltaflowError,
     LaneFailedError,
     NotOwnerError,
     ProtocolError,
-    ReceiverError,
     ServerError,
     UnknownStreamError,
     is_retriable,
@@ -55,7 +54,7 @@ from ..receivers.base import ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
 from .frames import ack_frame, batch_items, error_frame, result_frames
 from .lanes import LANE_WINDOW, RESULT_REPLAY_BATCHES, Lane, Peer, in_window
-from .receiving import call_receiver
+from .receiving import call_receiver, receiver_error, unexpected_error
 from .statistics import DispatcherStatistics, ReceiverStatistics
 from .streams import Stream, StreamTable
 
@@ -273,7 +272,10 @@ class Dispatcher:
                 counted.running += 1
                 try:
                     ctx = await self._apply(stream, p, seq, peer, frame, lane)
-                except ServerError as err:
+                except Exception as exc:  # noqa: BLE001 - every batch gets an answer
+                    err = unexpected_error(
+                        exc, f"stream {stream.sid} partition {p} batch {seq}", self.node_id
+                    )
                     del lane.committing[seq]
                     durable.set_exception(err)  # a resend waiting on it gets the same answer
                     durable.exception()
@@ -318,6 +320,7 @@ class Dispatcher:
             items, deletes = await batch_items(frame)
         except ProtocolError as exc:
             raise BadFrameError(str(exc), node=self.node_id) from exc
+        fault_point("applying")
         first = max(1, frame.get("att", 1))
         if not stream.receiver.idempotent:
             return await self._run_receiver(
@@ -387,7 +390,8 @@ class Dispatcher:
             raise
         except Exception as exc:
             batch_failed.set()
-            raise self._as_server_error(exc, stream, p, seq, frame["n"]) from exc
+            name, n = stream.receiver_name, frame["n"]
+            raise receiver_error(exc, name, stream.sid, p, seq, n, self.node_id) from exc
         except BaseException:
             batch_failed.set()
             raise
@@ -397,26 +401,6 @@ class Dispatcher:
             if ctx._durable and self._writer is not None:
                 self._writer.release()
         return ctx
-
-    def _as_server_error(
-        self, exc: Exception, stream: Stream, p: int, seq: int, n: int
-    ) -> ServerError:
-        """What the client is told when a receiver raised ``exc``."""
-        if isinstance(exc, DeltaflowError):  # keeps the error's own retry decision
-            return ServerError(str(exc), node=self.node_id, retriable=exc.retriable)
-        log.warning(
-            "receiver %s failed on stream %s partition %d batch %d: %r",
-            stream.receiver_name,
-            stream.sid,
-            p,
-            seq,
-            exc,
-        )
-        return ReceiverError(
-            f"receiver {stream.receiver_name} raised {type(exc).__name__}: {exc} "
-            f"(partition {p}, batch {seq}, {n} items)",
-            node=self.node_id,
-        )
 
     async def _finish(
         self,
@@ -516,5 +500,11 @@ class Dispatcher:
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # A bug, never a refusal (those are answered): said now, not when collected.
+            log.error("node %s: a dispatcher task failed", self.node_id, exc_info=exc)
