@@ -288,7 +288,10 @@ async def test_a_network_partition_makes_two_owners_and_still_lands_every_batch_
     """Two nodes that cannot see each other (each is cut off from the other's address) but both
     reach the store each own every partition. Two clients, one on each side, stream the same
     stream (same id, same rows, cut the same way) at once, their commits on one tick: every
-    lane's batches are applied by both owners, racing, and each lands once."""
+    lane's batches are applied by both owners, and each lands once. (Whether the two also
+    meet on one version depends on scheduling: a side a tick behind finds the other's
+    commit in the marks it reads and skips the batch. Lost races are printed, not
+    required.)"""
     cluster = Cluster(
         f"{bucket}/warehouse",
         count=2,
@@ -327,14 +330,16 @@ async def test_a_network_partition_makes_two_owners_and_still_lands_every_batch_
         ids = [r["id"] for r in open_table(path).to_pyarrow_table().to_pylist()]
         assert sorted(ids) == list(range(n)), "a batch landed twice, or not at all"
         # Every batch reached both owners: what one committed, the other found done.
+        writers = commit_writers(path)
         nodes = list(cluster.nodes.values())
         skipped = [await metric(node, "deltaflow_batches_deduplicated_total") for node in nodes]
         lost = [await metric(node, "deltaflow_commit_conflicts_total") for node in nodes]
         batches = summaries[0].per_node["node-1"].batches_acked
         print(  # noqa: T201
             f"\nsplit brain: {batches} batches from each side; commits by "
-            f"{sorted(commit_writers(path))}; batches skipped as done {skipped}; lost races {lost}"
+            f"{sorted(writers)}; batches skipped as done {skipped}; lost races {lost}"
         )
-        assert sum(skipped) >= batches and sum(lost) >= 1
+        assert set(writers) == {"node-1", "node-2"}, "one owner never applied a batch"
+        assert sum(skipped) >= batches
     finally:
         await cluster.stop()
