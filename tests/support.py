@@ -71,6 +71,15 @@ EVERY_ENGINE = (
     "delta-rs-s3-dv",
     "spark-s3",
 )
+#: Every engine but Spark Connect, for table tests whose SQL path ``spark-sql`` (and
+#: ``spark-sql-dv``) already runs: a Connect node's MERGE is the SQL writer's over another
+#: transport. Connect's own table tests: ``test_table_upserts.py``, the cheap ones of
+#: ``test_table_merges.py`` and ``test_table_settings.py``, and ``test_spark_connect.py``.
+LOCAL_ENGINES = tuple(e for e in EVERY_ENGINE if e != "spark-connect")
+#: One engine per write path of deltaflow's own: :data:`LOCAL_ENGINES` without ``spark-sql-dv``,
+#: whose MERGE is ``spark-sql``'s on tables with deletion vectors (only Delta's MERGE treats
+#: them differently; ``test_merge_on_read.py`` and the upsert tests run it).
+WRITE_PATHS = tuple(e for e in LOCAL_ENGINES if e != "spark-sql-dv")
 #: The engines whose warehouse is a bucket on the S3 server (the ``warehouse`` fixture). (Spark
 #: on tables with deletion vectors there differs from ``spark-s3`` only in the files the node
 #: writes, which ``delta-rs-s3-dv`` covers: left out for the suite's time.)

@@ -24,8 +24,8 @@ from deltaflow.tables.flock import table_lock
 from deltaflow.testing import at_fault_point
 
 from .support import (
-    EVERY_ENGINE,
     OPTIONS,
+    WRITE_PATHS,
     assert_table,
     expected,
     open_table,
@@ -38,11 +38,10 @@ from .support import (
 )
 
 
-@pytest.fixture(params=[e for e in EVERY_ENGINE if e != "spark-connect"], name="engine")
+@pytest.fixture(params=WRITE_PATHS, name="engine")
 def engines_of_group_commits(request: pytest.FixtureRequest) -> str:
-    """Every engine but Spark Connect: groups form on the node whatever the engine, and a
-    Connect node's MERGE is the SQL writer's, over another transport (its table tests are in
-    test_table_upserts.py, test_table_merges.py and test_spark_connect.py)."""
+    """One engine per write path (:data:`support.WRITE_PATHS`): groups form on the node
+    whatever the engine."""
     return str(request.param)
 
 

@@ -19,6 +19,7 @@ from deltaflow.tables.merge_on_read import MERGE_FILES_AT
 from deltaflow.testing import at_fault_point
 
 from .support import (
+    LOCAL_ENGINES,
     commit_actions,
     creating_engine,
     every_engine,  # noqa: F401 - this module's engine fixture
@@ -31,6 +32,7 @@ from .support import (
 )
 
 
+@pytest.mark.parametrize("engine", LOCAL_ENGINES, indirect=True)
 async def test_deletion_vectors_per_engine(spark: Any, warehouse: Path, engine: str) -> None:
     # Created by either engine (delta-rs's own way would add a feature Spark cannot read), the
     # table is read by both.

@@ -91,11 +91,10 @@ async def test_two_nodes_share_a_standalone_cluster_and_a_third_is_refused_clear
             await node.stop()
 
 
-#: The upsert tests (run on every engine of ``support.EVERY_ENGINE``); the other table test
+#: The upsert tests (run on every engine of ``support.EVERY_ENGINE``; the source kinds and the
+#: blocking facade, which differ on the client only, on delta-rs only); the other table test
 #: modules add nothing the cluster changes, at a Spark job per group.
 TABLE_TESTS = ["tests/test_table_upserts.py"]
-#: One source kind is enough on the cluster: the others differ on the client, not in the MERGE.
-TABLE_SUBSET = "not async_iterable and not observable and not blocking_facade"
 
 
 def test_the_table_tests_pass_with_the_spark_engine_on_the_cluster(
@@ -114,7 +113,7 @@ def test_the_table_tests_pass_with_the_spark_engine_on_the_cluster(
     }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         f"--basetemp={tmp_path / 'run'}", "-k", TABLE_SUBSET, *TABLE_TESTS],
+         f"--basetemp={tmp_path / 'run'}", *TABLE_TESTS],
         cwd=root, env=env, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr

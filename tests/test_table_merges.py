@@ -19,6 +19,7 @@ from deltaflow.storage.paths import StorePath
 from deltaflow.testing import at_fault_point
 
 from .support import (
+    WRITE_PATHS,
     every_engine,  # noqa: F401 - this module's engine fixture
     open_table,
     read_all,
@@ -71,6 +72,7 @@ async def test_a_table_partitioned_by_other_columns_keeps_them(
     assert {k: (r["name"], r["region"]) for k, r in read_spark(spark, path).items()} == want
 
 
+@pytest.mark.parametrize("engine", WRITE_PATHS, indirect=True)
 async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(
     spark: Any, warehouse: Path, engine: str, tmp_path: Path
 ) -> None:
@@ -107,6 +109,7 @@ async def test_a_merge_reads_only_the_files_its_key_ranges_can_be_in(
     }
 
 
+@pytest.mark.parametrize("engine", WRITE_PATHS, indirect=True)
 async def test_a_group_of_new_keys_is_appended_and_one_with_an_old_key_merged(
     spark: Any, warehouse: Path, engine: str
 ) -> None:

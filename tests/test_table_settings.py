@@ -22,6 +22,7 @@ from deltaflow.tables.layout import DEFAULT_BUCKET_ROWS
 from deltaflow.tables.settings import TableSettings
 
 from .support import (
+    WRITE_PATHS,
     creating_engine,
     every_engine,  # noqa: F401 - this module's engine fixture
     holding,
@@ -107,6 +108,7 @@ async def test_rows_that_do_not_fit_name_item_and_column(
     assert read_all(warehouse / "late") == []
 
 
+@pytest.mark.parametrize("engine", WRITE_PATHS, indirect=True)
 async def test_schema_evolution_only_on_tables_that_allow_it(
     spark: Any, warehouse: Path, engine: str
 ) -> None:
