@@ -59,7 +59,9 @@ class ConnectionDropper:
 class RequestDropper:
     """Opens real connections and loses every ``every``-th batch request on the way: the frame
     is never sent, so no ack comes and the client's ``ack_timeout`` expires, as on a lossy
-    network. (Use a short ``StreamerOptions.ack_timeout`` with it.)
+    network. (Use a short ``StreamerOptions.ack_timeout`` with it.) A batch is never lost twice
+    in a row: with ``every`` batches of a lane resent in lock-step, the stride could otherwise
+    lose the one the others wait for on every resend, until the client gives up.
 
     Attributes:
         dropped: requests lost so far (counted across all connections it opened).
@@ -69,6 +71,7 @@ class RequestDropper:
         self.every = every
         self.sent = 0
         self.dropped = 0
+        self._lost: set[tuple[Any, ...]] = set()  # batches whose last send was lost
 
     async def __call__(self, address: str, **kwargs: Any) -> Connection:
         conn = await Connection.open(address, **kwargs)
@@ -85,11 +88,14 @@ class RequestDropper:
 
         def start_batch(frame: dict[str, Any], *, timeout: float) -> asyncio.Future[Any]:
             self.sent += 1
-            if self.sent % self.every == 0:
+            batch = (frame.get("sid"), frame.get("p"), frame.get("seq"))
+            if self.sent % self.every == 0 and batch not in self._lost:
+                self._lost.add(batch)
                 self.dropped += 1
                 answer = asyncio.get_running_loop().create_future()
                 asyncio.get_running_loop().call_later(timeout, lost, answer, timeout)
                 return answer  # the ack that never comes
+            self._lost.discard(batch)
             return original(frame, timeout=timeout)
 
         conn.start_batch = start_batch  # type: ignore[method-assign]
