@@ -28,8 +28,9 @@ marks were read for the last time and its commit version chosen, before the engi
 ``prepared`` once a group is prepared and before it waits for the table's lock (another node
 committing there may change what the group must apply); ``taken`` once a group is taken off the
 table's queue, before it is prepared (an error raised there stands for a bug in the committer);
-``applying`` once a batch of a lane is decoded, before its receiver runs (on the event loop; an
-error raised there stands for a bug in the dispatcher);
+``creating`` once a writer found no table and is about to create it (another writer creating
+it there is the creation race); ``applying`` once a batch of a lane is decoded, before its
+receiver runs (on the event loop; an error raised there stands for a bug in the dispatcher);
 ``side_input_publish`` once a side input's leader has read its lease, valid, and written the
 new version's file, before it swaps the side input's ``state`` to name it.
 """

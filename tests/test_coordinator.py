@@ -380,3 +380,36 @@ def test_a_malformed_prepared_commit_is_refused_naming_the_field(
 ) -> None:
     with pytest.raises(WireError, match=message):
         PreparedCommit.from_wire(_wire(**changes))
+
+
+@pytest.mark.parametrize("engine", ["delta-rs", "delta-rs-s3"], indirect=True)
+async def test_a_writer_that_loses_a_table_s_creation_hands_its_rows_to_the_committer(
+    engine: str, warehouse: Path
+) -> None:
+    """Another writer creates the table while this one is creating it: this one counts a
+    creation race, not a lost version, and its rows go to the table's committer (no writer
+    races the committer for the versions after the creation)."""
+    import pyarrow as pa
+
+    async with (
+        table_engine(engine, warehouse, node_id="w1") as first,
+        table_engine(engine, warehouse, node_id="w2") as second,
+    ):
+        for writer in (first, second):
+            writer.commit_sink = Through(first)
+        path = warehouse / "t"
+        created: list[int] = []
+
+        def w1_creates_it_first() -> None:
+            if not created:
+                created.append(1)
+                schema = pa.schema([("id", pa.int64()), ("v", pa.int64())])
+                first.create("t", path, schema, first.settings.new_table(("id",)))
+
+        with at_fault_point("creating", w1_creates_it_first):
+            await asyncio.wait_for(await _stage(second, [{"id": 1, "v": 2}], "b/0", 0), 60)
+        assert created == [1]
+        assert (second.stats.creation_races, second.stats.commit_conflicts) == (1, 0)
+    assert {k: r["v"] for k, r in read_delta(path).items()} == {1: 2}
+    last = _last_commit(path)
+    assert last["node"] == "w1" and last["writers"] == ["w2"]

@@ -229,6 +229,7 @@ BREAKS: dict[str, Break] = {
         "                if self._coordinated:\n                    self.engine.stats.creation_races += 1\n",
         "                if False:\n                    self.engine.stats.creation_races += 1\n",
         (
+            "tests/test_coordinator.py::test_a_writer_that_loses_a_table_s_creation_hands_its_rows_to_the_committer",
             "tests/test_store_cluster.py::test_three_writers_of_a_table_commit_through_its_committer_without_races",
         ),
     ),

@@ -349,6 +349,7 @@ class TableWriter(TableState):
                 raise TableSettingsError(
                     f"table {self.name!r} cannot be created: {exc}", node=self.engine.node_id
                 ) from exc
+        fault_point("creating")
         try:
             self.engine.create(self.name, self.path, schema, settings)
         except Exception as exc:

@@ -33,7 +33,8 @@ def at_fault_point(name: str, action: Callable[[], None]) -> Iterator[None]:
     group was taken off the table's queue, not yet prepared), ``prepared``
     (a group was prepared outside the table's lock and is about to wait for it),
     ``applying`` (a batch of a lane was decoded, its receiver not yet run; on the node's event
-    loop), ``converting`` (a write's rows are about to be checked and converted for the queue) and
+    loop), ``creating`` (a writer found no table and is about to create it, the table held),
+    ``converting`` (a write's rows are about to be checked and converted for the queue) and
     ``checkpointing`` (a checkpoint a commit made due is about to be written, on its own
     thread, the table's lock released) and ``side_input_publish`` (a side input's leader read
     its lease, valid, and wrote the new version's file; it is about to swap ``state``)."""
