@@ -4,7 +4,7 @@ and ``result`` frames (see docs/protocol.md)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
 from ..columnar import decode_page
@@ -46,17 +46,14 @@ def _decode_batch(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
             raise ProtocolError("an Arrow page carries its deletes as a column")
         page = decode_page(frame["arrow"], frame["n"])
         items: Sequence[Any] = page
-        deletes = page.deletes
+        deletes: Iterable[Any] = page.deletes
     else:
         items = unpack_items(frame["items"], frame["n"])
-        listed = frame.get("del") or ()
-        # Checked before the set is made: a list or a map in it is not hashable.
-        if not all(isinstance(i, int) for i in listed):
-            raise ProtocolError("'del' holds indexes outside the batch")
-        deletes = frozenset(listed)
+        deletes = frame.get("del") or ()
+    # Checked before the set is made: a list or a map in 'del' is not hashable.
     if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
         raise ProtocolError("'del' holds indexes outside the batch")
-    return items, deletes
+    return items, frozenset(deletes)
 
 
 def error_frame(err: ServerError, **where: Any) -> Frame:
