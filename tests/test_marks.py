@@ -340,3 +340,23 @@ def test_checkpoint_vectors_reads_the_asked_kinds_without_empty_fields(tmp_path:
         ("a.parquet", dv("AAAA", None)),
         ("x.parquet", dv("XXXX", 4)),
     ]
+
+
+def test_a_value_holding_a_unicode_line_separator_does_not_hide_a_commits_marks(
+    tmp_path: Path,
+) -> None:
+    # A writer leaves U+2028 raw in a file's statistics (a row's min/max value); only "\n"
+    # ends a line of the log. Read as ending there, the commit would lose its vectors and,
+    # with its commitInfo after the add, its marks: a retried batch would be applied again.
+    stats = json.dumps({"minValues": {"s": "a\u2028b\u0085c"}}, ensure_ascii=False)
+    action = {"add": {**add("f.parquet", dv("v"))["add"], "stats": stats}}
+    info = {"commitInfo": {"userMetadata": LaneMarks.user_metadata("n1", {"s/0": (7, 0)})}}
+    log = tmp_path / "_delta_log"
+    log.mkdir()
+    lines = [json.dumps(action, ensure_ascii=False), json.dumps(info)]
+    path = log / f"{0:020d}.json"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    marks = LaneMarks(tmp_path)
+    marks.refresh()
+    assert marks.applied("s/0", (7, 0)), "the commit's lane mark was not read"
+    assert commit_vectors(path) == [dv("v")]

@@ -76,7 +76,7 @@ class LiveFiles:
             text = commit_text(self._log_dir / f"{version:020d}.json")
             removed: set[str] = set()
             added: dict[str, dict[str, Any]] = {}
-            for line in text.splitlines():
+            for line in text.split("\n"):  # not splitlines(): values may hold U+2028 raw
                 if not line.strip():
                     continue
                 kind, action = next(iter(json.loads(line).items()))

@@ -206,7 +206,8 @@ def _read_commit(
     removed: list[tuple[str, dict[str, Any] | None]] = []
     added: _Vectors = {}
     try:
-        for line in commit_text(path).splitlines():
+        # Lines end at "\n" only: a writer may leave U+2028 raw in a value (a row's stats).
+        for line in commit_text(path).split("\n"):
             # Each line is one action, an object with one key.
             if line.startswith(('{"metaData"', '{"protocol"')):
                 metadata = True
