@@ -301,7 +301,19 @@ class DeltaRsTableEngine(TableEngine):
                 else:
                     updates = {_quote(c): v for c, v in sets.items()}
                     merger = merger.when_matched_update(updates=updates, predicate=condition)
+            before = target.version()
             merger.when_not_matched_insert(updates=values, predicate=f"NOT {flag}").execute()
+            if target.version() == before:
+                # delta-rs commits nothing for a MERGE that changes no row (every change older
+                # than its stored row, or deletes of absent keys): the lane marks must land.
+                target.create_write_transaction(
+                    [],
+                    mode="append",
+                    schema=target.schema(),
+                    partition_by=list(target.metadata().partition_columns) or None,
+                    commit_properties=props,
+                    post_commithook_properties=hooks,
+                )
             return None
 
     def _check_read_version(self, group: GroupWrite, version: int) -> None:

@@ -155,14 +155,16 @@ class Footprint:
         the bucket equality (so the join can use the partition column), and the footprint's
         literal predicates on the target, which are what prune its files. With bucket levels
         a stored row may be at another level than the group's, so the buckets are named but
-        not joined."""
+        not joined. A footprint of no bucket (a group of no rows) matches nothing: ``FALSE``,
+        though the writer commits such a group without a MERGE."""
         on = [f"t.{quote(k)} = s.{quote(k)}" for k in key]
         if self.buckets is not None:
             b = quote(BUCKET_COLUMN)
             listed = ", ".join(str(int(x)) for x in self.buckets)
             if self.levels is None:
                 on.append(f"t.{b} = s.{b}")
-            on.append(f"t.{b} IN ({listed})")
+            # No bucket (a group of no rows) matches nothing; SQL has no empty IN list.
+            on.append(f"t.{b} IN ({listed})" if listed else "FALSE")
         if self.column is not None and self.ranges:
             c = f"t.{quote(self.column)}"
             # Comparisons, not BETWEEN: delta-rs keeps only comparisons for file pruning.

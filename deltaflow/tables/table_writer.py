@@ -149,6 +149,8 @@ class TableWriter(TableState):
             footprint = Footprint.of(
                 data, key, bucketed=bool(settings.buckets), levels=settings.levels
             )
+        if not data.num_rows:  # every change superseded: no MERGE, a commit of its marks
+            footprint = None
         if footprint is not None:
             fault_point("before_listing")
             listed = self.engine.log.live_files(self.path, version) if footprint.ranges else None
@@ -267,7 +269,9 @@ class TableWriter(TableState):
         buried = self._bury(data)
         if buried is not data:  # other rows: their files and footprint are made again
             data, written, footprint = buried, None, None
-        if key:
+        if not data.num_rows:  # every change superseded: no MERGE, a commit of its marks
+            footprint = None
+        elif key:
             if footprint is None:
                 footprint = Footprint.of(
                     data, key, bucketed=bool(self.settings.buckets), levels=self.settings.levels
