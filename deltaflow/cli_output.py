@@ -12,7 +12,9 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
-__all__ = ["leave", "print_json", "print_table", "readable"]
+from .logs import printable
+
+__all__ = ["leave", "plain", "print_json", "print_table", "readable"]
 
 
 def leave(code: int) -> NoReturn:
@@ -53,22 +55,40 @@ def print_table(
     dim: Iterable[bool] = (),
 ) -> None:
     """``rows`` as aligned columns on stdout, headed by ``columns``; a row whose ``dim`` flag is
-    set is shown faint (defaults, dead members). A pipe gets plain text, not folded at 80."""
+    set is shown faint (defaults, dead members). A pipe gets plain text, not folded at 80.
+
+    Every value is printed as the text it is (:func:`plain`): a table's rows and commits hold
+    what clients wrote, which must neither be read as ``rich`` markup nor drive the terminal.
+    """
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(box=None, pad_edge=False, show_edge=False, header_style="bold")
     for column in columns:
-        table.add_column(column, overflow="fold")
+        table.add_column(Text(plain(column)), overflow="fold")
     faint = list(dim)
     for i, row in enumerate(rows):
         style = "dim" if i < len(faint) and faint[i] else None
-        table.add_row(*("" if v is None else str(v) for v in row), style=style)
+        table.add_row(*(Text(plain(v)) for v in row), style=style)
     terminal = sys.stdout.isatty()
-    console = Console(highlight=False, width=None if terminal else 250, soft_wrap=not terminal)
+    console = Console(
+        highlight=False,
+        markup=False,
+        emoji=False,
+        width=None if terminal else 250,
+        soft_wrap=not terminal,
+    )
     if title:
-        console.print(title, style="bold")
+        console.print(Text(plain(title)), style="bold")
     console.print(table)
+
+
+def plain(value: Any) -> str:
+    """``value`` as text to print to an operator's terminal: control characters (ESC, newline,
+    tab, the C1 controls, Unicode's line separators...) shown as escapes (``\\x1b``), so no
+    value can set the title, clear the screen, make a link or start a line; None as empty."""
+    return "" if value is None else printable(str(value))
 
 
 def readable(value: Any) -> str:

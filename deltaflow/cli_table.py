@@ -11,7 +11,7 @@ import datetime
 import decimal
 from typing import Any
 
-from .cli_output import print_json, print_table, readable
+from .cli_output import plain, print_json, print_table, readable
 from .engines.options import DELTA_RS, ENGINE_NAMES, SPARK, SparkOptions
 from .errors import UsageError
 from .tables.maintenance import DEFAULT_RETENTION_HOURS, INTERNAL_PREFIXES
@@ -226,7 +226,7 @@ def _show(args: argparse.Namespace) -> int:
         })  # fmt: skip
         return 0
     print(f"table {name}: {count} rows")
-    print(f"settings: {settings.describe()}")
+    print(f"settings: {plain(settings.describe())}")  # column names are data too
     if rows:
         print_table(columns, ([readable(r[c]) for c in columns] for r in rows))
     return 0
@@ -249,10 +249,10 @@ def _history(args: argparse.Namespace) -> int:
                 readable(c["time"]),
                 c["operation"],
                 c["node"] or "",
-                ",".join(c["writers"]),
+                ",".join(c["writers"][:_SHOWN]) + _more(c["writers"]),
                 _count(c["rows_added"]),
                 _count(c["rows_removed"]),
-                ", ".join(f"{s} ({n} lanes)" for s, n in sorted(c["streams"].items())),
+                _streams(c["streams"]),
             )
             for c in commits
         ),
@@ -286,8 +286,21 @@ def _vacuum(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     print(f"table {name}: {verb} {len(doomed)} files")
     for file in doomed:
-        print(f"  {file}")
+        print(f"  {plain(file)}")
     return 0
+
+
+#: Writers and streams a commit's row shows (``--json`` lists them all).
+_SHOWN = 8
+
+
+def _more(listed: Any) -> str:
+    return f" (+{len(listed) - _SHOWN} more)" if len(listed) > _SHOWN else ""
+
+
+def _streams(streams: dict[str, int]) -> str:
+    shown = sorted(streams.items())[:_SHOWN]
+    return ", ".join(f"{s} ({n} lanes)" for s, n in shown) + _more(streams)
 
 
 def _internal(column: str) -> bool:

@@ -13,10 +13,13 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import secrets
+import shlex
 import ssl
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -160,17 +163,41 @@ def is_loopback(host: str) -> bool:
 def read_secret(path: str | os.PathLike[str], what: str) -> str:
     """The secret in the file at ``path``, without surrounding whitespace.
 
+    A file its group or other users may read or write is used, with a warning (event
+    ``secret.permissions``) that names it and the fix: a refusal would stop the containers
+    whose mounted secrets are 0644 or 0444 by default, where no other user shares the host.
+
     Raises:
         UsageError: the file cannot be read, or holds nothing (an empty secret would let
             anyone in who sends an empty one).
     """
     try:
-        secret = open(path, encoding="utf-8").read().strip()
+        with open(path, encoding="utf-8") as file:
+            mode = os.fstat(file.fileno()).st_mode  # of the file read, not of a later one
+            secret = file.read().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"{what} {os.fspath(path)!r} cannot be read: {exc}") from exc
     if not secret:
         raise UsageError(f"{what} {os.fspath(path)!r} is empty; put the secret in it")
+    if os.name == "posix" and mode & 0o077:
+        from .logs import event
+
+        name, octal = os.fspath(path), f"{stat.S_IMODE(mode):04o}"
+        event(
+            _log,
+            "secret.permissions",
+            f"{what} {name!r} can be read or written by its group or other users (mode "
+            f"{octal}): run `chmod 600 {shlex.quote(name)}` (a mounted secret: give its "
+            f"volume defaultMode 0400)",
+            level=logging.WARNING,
+            file=name,
+            mode=octal,
+            what=what,
+        )
     return secret
+
+
+_log = logging.getLogger(__name__)
 
 
 def _mac(secret: str, *parts: str) -> str:

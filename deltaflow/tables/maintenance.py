@@ -21,7 +21,7 @@ from typing import Any, Final
 from ..errors import UsageError
 from ..storage.paths import Location
 from .atomicity import atomicity_for
-from .log import commit_text, delta_table, table_path
+from .log import commit_text, commit_versions, delta_table, table_path
 from .log import log_dir as delta_log_dir
 from .marks import METADATA_KEY
 
@@ -103,50 +103,88 @@ def _vector_files(path: Location) -> set[Location]:
 def history(warehouse: Location, table: str, *, limit: int = 20) -> list[dict[str, Any]]:
     """The latest commits, newest first, each as a dict:
 
-    ``version``; ``time`` (a UTC datetime); ``operation``; ``node`` (the node that committed
-    it, for deltaflow's commits, else None); ``writers`` (the nodes whose rows it holds);
-    ``rows_added`` and ``rows_removed`` (logical rows: a file's rows less those its deletion
-    vector hides; None where the commit does not say); ``files_added``, ``files_removed``;
-    ``streams`` (stream id -> lanes of it the commit marks) and ``lanes`` (lane -> its mark,
-    ``[seq, k]``: the batches the table holds, see :mod:`.marks`); ``deletes_recorded`` (keys
-    whose deletes it records, on ``sequence_by`` tables).
+    ``version``; ``time`` (a UTC datetime; None if the commit does not say); ``operation``;
+    ``node`` (the node that committed it, for deltaflow's commits, else None); ``writers``
+    (the nodes whose rows it holds); ``rows_added`` and ``rows_removed`` (logical rows: a
+    file's rows less those its deletion vector hides; None where the commit does not say);
+    ``files_added``, ``files_removed``; ``streams`` (stream id -> lanes of it the commit
+    marks) and ``lanes`` (lane -> its mark, ``[seq, k]``: the batches the table holds, see
+    :mod:`.marks`); ``deletes_recorded`` (keys whose deletes it records, on ``sequence_by``
+    tables).
+
+    Read from the commit files themselves, each value checked: any writer can put anything
+    in a ``commitInfo``, and a value of the wrong type, size or shape is shown as unknown
+    (None, empty), never fails the listing.
     """
     path = table_path(warehouse, table)
-    dt = delta_table(path)
     out = []
-    for h in dt.history(limit):
-        version = int(h["version"])
+    for version in reversed(commit_versions(path)[-limit:] if limit > 0 else []):
         actions = _actions(path, version)
-        meta = _deltaflow_metadata(h.get("userMetadata"))
-        adds = [a["add"] for a in actions if "add" in a]
-        removes = [a["remove"] for a in actions if "remove" in a]
-        lanes = {str(k): v for k, v in (meta.get("lanes") or {}).items()}
+        infos = (a["commitInfo"] for a in actions if isinstance(a.get("commitInfo"), dict))
+        info: dict[str, Any] = next(infos, {})
+        meta = _deltaflow_metadata(info.get("userMetadata"))
+        adds = [a["add"] for a in actions if isinstance(a.get("add"), dict)]
+        removes = [a["remove"] for a in actions if isinstance(a.get("remove"), dict)]
+        lanes = meta.get("lanes")
+        lanes = {str(k): _mark(v) for k, v in lanes.items()} if isinstance(lanes, dict) else {}
         streams: dict[str, int] = {}
         for lane in lanes:
             sid = lane.split("/", 1)[0]
             streams[sid] = streams.get(sid, 0) + 1
-        metrics = h.get("operationMetrics") or {}
+        metrics = info.get("operationMetrics")
+        metrics = metrics if isinstance(metrics, dict) else {}
         added = _rows(adds)
         removed = _removed_rows(path, version, removes) if removes else 0
+        node = meta.get("node") if isinstance(meta.get("node"), str) else None
+        writers = meta.get("writers")
+        deleted = meta.get("deleted")
+        keys = deleted.get("keys") if isinstance(deleted, dict) else None
         out.append(
             {
                 "version": version,
-                "time": datetime.datetime.fromtimestamp(int(h["timestamp"]) / 1000, datetime.UTC),
-                "operation": h.get("operation"),
-                "node": meta.get("node"),
-                "writers": list(
-                    meta.get("writers") or ([meta["node"]] if meta.get("node") else [])
-                ),
+                "time": _time(info.get("timestamp")),
+                "operation": _shown(info.get("operation")),
+                "node": _shown(node),
+                "writers": [_shown(w) for w in writers if isinstance(w, str)]
+                if isinstance(writers, list)
+                else ([_shown(node)] if node else []),
                 "rows_added": added if added is not None else _metric(metrics, "added"),
                 "rows_removed": removed if removed is not None else _metric(metrics, "removed"),
                 "files_added": len(adds),
                 "files_removed": len(removes),
                 "streams": streams,
                 "lanes": lanes,
-                "deletes_recorded": len((meta.get("deleted") or {}).get("keys") or []),
+                "deletes_recorded": len(keys) if isinstance(keys, list) else 0,
             }
         )
     return out
+
+
+#: The characters of a commit's text value (operation, node) that :func:`history` keeps.
+_SHOWN_CHARS: Final = 200
+
+
+def _shown(value: Any) -> str | None:
+    """A commit's text value, cut short: None if it is not text."""
+    if not isinstance(value, str):
+        return None
+    return value if len(value) <= _SHOWN_CHARS else value[:_SHOWN_CHARS] + "…"
+
+
+def _mark(value: Any) -> list[int] | None:
+    """A lane's mark, ``[seq, k]``, if it is one."""
+    ok = isinstance(value, list) and len(value) == 2
+    return value if ok and all(_count(v) == v for v in value) else None
+
+
+def _time(stamp: Any) -> datetime.datetime | None:
+    """A commit's ``timestamp`` (milliseconds since 1970) as a UTC datetime, if it is one."""
+    if not isinstance(stamp, int) or isinstance(stamp, bool):
+        return None
+    try:
+        return datetime.datetime.fromtimestamp(stamp / 1000, datetime.UTC)
+    except (OverflowError, OSError, ValueError):  # past the years a datetime holds
+        return None
 
 
 def _deltaflow_metadata(text: Any) -> dict[str, Any]:
@@ -154,18 +192,43 @@ def _deltaflow_metadata(text: Any) -> dict[str, Any]:
         return {}
     try:
         meta = json.loads(text).get(METADATA_KEY)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return {}
     return meta if isinstance(meta, dict) else {}
 
 
 def _actions(path: Location, version: int) -> list[dict[str, Any]]:
-    """The actions of commit ``version`` (none if its file is gone: checkpointed and cleaned)."""
+    """The actions of commit ``version`` (none if its file is gone: checkpointed and cleaned;
+    a line that is not a JSON object is left out)."""
     try:
         text = commit_text(delta_log_dir(path) / f"{version:020d}.json")
-    except OSError:
+    except (OSError, ValueError):  # gone, or not UTF-8
         return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    actions = []
+    for line in text.split("\n"):  # not splitlines(): a value may hold U+2028 raw
+        try:
+            action = json.loads(line) if line.strip() else None
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(action, dict):
+            actions.append(action)
+    return actions
+
+
+def _count(value: Any) -> int | None:
+    """A count from a commit (an int, or its digits as text), if it is one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value) if isinstance(value, int | str) and len(str(value)) <= 20 else None
+    except ValueError:
+        return None
+
+
+def _hidden(action: dict[str, Any]) -> int:
+    """The rows an add or remove action's deletion vector hides."""
+    vector = action.get("deletionVector")
+    return (_count(vector.get("cardinality", 0)) or 0) if isinstance(vector, dict) else 0
 
 
 def _rows(files: list[dict[str, Any]]) -> int | None:
@@ -174,28 +237,34 @@ def _rows(files: list[dict[str, Any]]) -> int | None:
     total = 0
     for f in files:
         try:
-            records = json.loads(f.get("stats") or "{}").get("numRecords")
-        except ValueError:
-            records = None
+            stats = json.loads(f.get("stats") or "{}")
+        except (TypeError, ValueError, RecursionError):
+            return None
+        records = _count(stats.get("numRecords")) if isinstance(stats, dict) else None
         if records is None:
             return None
-        total += int(records) - int((f.get("deletionVector") or {}).get("cardinality", 0))
+        total += records - _hidden(f)
     return total
 
 
 def _removed_rows(path: Location, version: int, removes: list[dict[str, Any]]) -> int | None:
-    """Logical rows the removed files held at ``version - 1`` (their add actions then)."""
+    """Logical rows the removed files held at ``version - 1`` (their add actions then); None
+    if that version cannot be read."""
     import pyarrow as pa
+    from deltalake.exceptions import DeltaError
 
-    before = delta_table(path, version - 1)
-    live = pa.table(before.get_add_actions(flatten=True)).to_pydict()
+    try:
+        before = delta_table(path, version - 1)
+        live = pa.table(before.get_add_actions(flatten=True)).to_pydict()
+    except (DeltaError, OSError, ValueError):
+        return None
     records = dict(zip(live["path"], live.get("num_records") or [], strict=False))
     total = 0
     for r in removes:
-        count = records.get(r["path"])
+        count = records.get(r["path"]) if isinstance(r.get("path"), str) else None
         if count is None:
             return None
-        total += int(count) - int((r.get("deletionVector") or {}).get("cardinality", 0))
+        total += int(count) - _hidden(r)
     return total
 
 
@@ -206,8 +275,8 @@ def _metric(metrics: dict[str, Any], kind: str) -> int | None:
         "removed": ("num_removed_rows", "numTargetRowsDeleted", "num_target_rows_deleted"),
     }[kind]
     for name in names:
-        if metrics.get(name) not in (None, ""):
-            return int(metrics[name])
+        if (count := _count(metrics.get(name))) is not None:
+            return count
     return None
 
 
