@@ -195,7 +195,7 @@ def test_debezium_events_become_rows_and_deletes_with_their_sequence() -> None:
         {"id": 2, "lsn": 12},
     ]
     for bad, text in [
-        ({"op": "t", "source": {}}, r"item #0 has op 't'.*c, r, u or d"),
+        ({"op": "x", "source": {}}, r"item #0 has op 'x'; a Debezium event has op c, r, u, d"),
         ({"op": "d", "before": None, "after": None}, r"item #0 \(op 'd'\) has no 'before' row"),
         ({"op": "c", "after": {"id": 1}}, r"no sequence 'lsn': not in its row, its source"),
         ([1, 2], "item #0 is a list, not a Debezium event"),

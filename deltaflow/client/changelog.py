@@ -6,7 +6,9 @@
   ``source`` and ``ts_ms``, bare or inside Kafka Connect's ``{"schema": ..., "payload": ...}``).
   ``op`` ``c`` (create), ``r`` (snapshot read) and ``u`` (update) upsert ``after``; ``d``
   deletes the key of ``before``. A Kafka tombstone (a ``None`` event after a delete) is
-  skipped.
+  skipped; so are ``t`` (truncate) and ``m`` (message) events, which change no row: they
+  are counted and logged (a warning at the first, the counts when the source ends), and the
+  stream goes on.
 - :class:`Changelog`: flat rows with an operation column (``op=``) whose values in
   ``delete_when`` delete the row's key; the column itself is not written (``keep_op=True``
   keeps it). Arrow batches too: their delete flags come from the column.
@@ -19,8 +21,9 @@ itself. The items a stream reports (failures, ``on_ack``) are the converted rows
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..columnar import DELETE_COLUMN, is_arrow
@@ -32,6 +35,10 @@ __all__ = ["DEBEZIUM", "Changelog", "convert_changelog"]
 #: ``changelog=DEBEZIUM``: the source yields Debezium change events.
 DEBEZIUM: Final = "debezium"
 _UPSERT_OPS: Final = frozenset({"c", "r", "u"})
+#: Debezium's events that change no row (truncate, message): skipped, never a stream's end.
+_SKIPPED_OPS: Final = {"t": "truncate", "m": "message"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +96,37 @@ class Changelog:
         return table.append_column(DELETE_COLUMN, flags)
 
 
+@dataclass(slots=True)
+class _Skipped:
+    """The events of one stream's source that were skipped: counted by kind, logged once."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def note(self, op: str, position: int) -> None:
+        kind = _SKIPPED_OPS[op]
+        if not self.counts:
+            log.warning(
+                "changelog item #%d is a Debezium %s event (op %r): skipped, it changes no row "
+                "(a truncate is not applied to the table; the count of skipped events is "
+                "logged when the source ends)",
+                position,
+                kind,
+                op,
+            )
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def report(self) -> None:
+        if self.counts:
+            done = ", ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
+            log.warning("changelog source ended: skipped %s event(s) (Debezium)", done)
+
+
 @dataclass(frozen=True, slots=True)
 class _Debezium:
     """Debezium change events (see the module docstring)."""
 
     sequence: tuple[str, ...]
+    skipped: _Skipped = field(default_factory=_Skipped)
 
     def convert(self, event: Any, position: int) -> Any:
         if event is None:
@@ -113,10 +146,13 @@ class _Debezium:
             row = event.get("after")
         elif op == "d":
             row = event.get("before")
+        elif isinstance(op, str) and op in _SKIPPED_OPS:
+            self.skipped.note(op, position)
+            return None
         else:
             raise UsageError(
-                f"changelog item #{position} has op {op!r}; a Debezium row change has op c, r, "
-                f"u or d (truncate and message events are not row changes): {_brief(event)}"
+                f"changelog item #{position} has op {op!r}; a Debezium event has op c, r, u, "
+                f"d, t (truncate, skipped) or m (message, skipped): {_brief(event)}"
             )
         if not isinstance(row, Mapping):
             side = "before" if op == "d" else "after"
@@ -162,7 +198,9 @@ def convert_changelog(source: Any, changelog: Any, sequence: Sequence[str]) -> A
     """``source`` (an iterable, async iterable or Observable of change events) as the rows and
     deletes they mean (see the module docstring); converted as they are pulled, so a blocking
     source is still read off the event loop."""
-    convert = converter(changelog, sequence).convert
+    spec = converter(changelog, sequence)
+    convert = spec.convert
+    ended: Callable[[], None] = spec.skipped.report if isinstance(spec, _Debezium) else _nothing
 
     if isinstance(source, AsyncIterable):
 
@@ -173,6 +211,7 @@ def convert_changelog(source: Any, changelog: Any, sequence: Sequence[str]) -> A
                 position += 1
                 if row is not None:
                     yield row
+            ended()
 
         return rows_async()
     try:
@@ -185,6 +224,7 @@ def convert_changelog(source: Any, changelog: Any, sequence: Sequence[str]) -> A
         return source.pipe(
             ops.map(lambda event: convert(event, next(counter))),
             ops.filter(lambda row: row is not None),
+            ops.do_action(on_completed=ended),
         )
     if isinstance(source, (str, bytes, Mapping)) or not isinstance(source, Iterable):
         return source  # refused by the stream as any source of that kind is
@@ -194,5 +234,10 @@ def convert_changelog(source: Any, changelog: Any, sequence: Sequence[str]) -> A
             row = convert(event, position)
             if row is not None:
                 yield row
+        ended()
 
     return rows()
+
+
+def _nothing() -> None:
+    pass

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from ..errors import ProtocolError, SchemaError
 from ..protocol import unpack_items
@@ -15,23 +16,57 @@ __all__ = ["DeadLetter", "payload_json"]
 
 
 def payload_json(payload: bytes) -> str | None:
-    """A dead-lettered item (msgpack) as JSON text; None if it is not msgpack. Decoded with
-    the wire's limits: data only, nothing is imported or run."""
+    """A dead-lettered item (msgpack) as strict JSON text (RFC 8259: no ``NaN``); None if it
+    is not msgpack. Decoded with the wire's limits: data only, nothing is imported or run.
+
+    Every wire value has a JSON form (``docs/receivers.md``): bytes as hex; ``NaN``,
+    ``Infinity`` and ``-Infinity`` as those strings; decimals as their digits (a string);
+    dates and times in ISO 8601; a map's keys as strings (bytes keys as hex, numbers as their
+    digits, ``true``/``false``/``null``; of two keys that become the same string, the later
+    stays). ``payload`` keeps the item exactly.
+    """
     try:
         [item] = unpack_items(payload, 1)
     except ProtocolError:
         return None
     try:
-        return json.dumps(item, default=_plain, ensure_ascii=False)
-    except (RecursionError, ValueError):  # nested past what JSON writing takes
+        return json.dumps(_jsonable(item), ensure_ascii=False, allow_nan=False)
+    except RecursionError:  # nested past what JSON writing takes
         return None
 
 
-def _plain(value: Any) -> Any:
+def _jsonable(value: Any) -> Any:
+    """``value`` (as the wire decodes it) as the values JSON has."""
+    if isinstance(value, dict):
+        return {_key(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return _NOT_FINITE[str(value)]
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return _text(value)
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, bool) or key is None:
+        return json.dumps(key)
+    if isinstance(key, float):
+        return _NOT_FINITE.get(str(key)) or repr(key)
+    return str(key) if isinstance(key, int) else _text(key)
+
+
+def _text(value: Any) -> str:
+    """A value JSON has no type for: bytes as hex, times in ISO 8601, decimals as digits."""
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value).hex()
     isoformat = getattr(value, "isoformat", None)
-    return isoformat() if callable(isoformat) else str(value)
+    return str(isoformat()) if callable(isoformat) else str(value)
+
+
+_NOT_FINITE: Final = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 
 class DeadLetter(Receiver):
@@ -41,7 +76,7 @@ class DeadLetter(Receiver):
     ``stream_id``, ``position`` (index in the source), ``partition``, ``seq`` (the failed
     batch), ``error_code``, ``error``, ``node``, ``payload`` (the item, msgpack-encoded:
     ``msgpack.unpackb(payload, timestamp=3)`` gives it back exactly), ``payload_json`` (the
-    item as JSON, for people and SQL: bytes as hex, times in ISO 8601; null if it cannot be
+    item as strict JSON, for people and SQL: see :func:`payload_json`; null if it cannot be
     read), ``deleted`` (it was a :class:`deltaflow.Delete`) and ``failed_at`` (a UTC
     timestamp).
     """
