@@ -161,16 +161,16 @@ class TableCommitter(TableWriter):
             try:
                 # A commit under way finishes (and settles its batches) even when the node
                 # stops, so the table is never released under a running commit.
-                raced = await finish(self._commit_group(group, prepared, coordinated))
+                sent_back = await finish(self._commit_group(group, prepared, coordinated))
             finally:
                 held.__exit__(None, None, None)  # does not block: on the loop
                 self.released_at = time.monotonic()
             due = self.engine.checkpoints_due.pop(self.path, None)
             if due is not None:
                 self.checkpoints.start(due)
-            if not raced:
+            if not sent_back:
                 return
-            prepared = None
+            group, prepared = sent_back, None
         self._fail(
             group,
             f"table {self.name!r}: every commit of this group lost the race for its version",
@@ -287,42 +287,49 @@ class TableCommitter(TableWriter):
 
     async def _commit_group(
         self, group: list[Staged], prepared: PreparedGroup | None = None, coordinated: bool = False
-    ) -> bool:
-        """Commit ``group`` with the table held; True when, ``coordinated``, it must go to the
-        table's committer instead (nothing settled): it lost the race for its version, or
-        the table was created (here or by another node) and exists now."""
+    ) -> list[Staged]:
+        """Commit ``group`` with the table held; the writes that must go to the table's
+        committer instead (nothing settled for them): with ``coordinated``, the group lost
+        the race for its version, or the table was created (here or by another node) and
+        exists now. The others are settled, each with its own error if it failed."""
         group = self._live(group)
         if not group:
-            return False
+            return []
         try:
             await self._commit_with_retries(group, prepared, once=coordinated)
         except (CommitConflictError, TableCreated) as exc:
             if coordinated:
-                return True
-            await self._commit_failed(group, exc)
-            return False
+                return group
+            return await self._commit_failed(group, exc, coordinated)
         # Whatever the commit raised settles the batches' futures (or isolates the culprit).
         except Exception as exc:  # noqa: BLE001
-            await self._commit_failed(group, exc)
-            return False
+            return await self._commit_failed(group, exc, coordinated)
         self._settle(group)
-        return False
+        return []
 
-    async def _commit_failed(self, group: list[Staged], exc: Exception) -> None:
+    async def _commit_failed(
+        self, group: list[Staged], exc: Exception, coordinated: bool = False
+    ) -> list[Staged]:
+        """Settle a failed group's writes with its error, or if it held several commit them
+        one by one; the writes that must go to the table's committer instead, as
+        ``_commit_group`` returns them."""
         if len(group) == 1:
             self.engine.stats.batches_failed += 1
             self.table_stats.batches_failed += 1
             settle(group[0].future, exc)
-            return
-        # Isolate the culprit: the others must not fail with it.
+            return []
+        # Isolate the culprit: the others must not fail with it, nor with the table's
+        # creation by the first of them (which sends that one to the table's committer).
         log.warning(
             "group commit to %s failed (%s); applying its %d batches one by one",
             self.name,
             exc,
             len(group),
         )
-        for staged in group:
-            await self._commit_group([staged])
+        sent_back: list[Staged] = []
+        for staged in group:  # coordinated too: one that creates the table goes on through it
+            sent_back += await self._commit_group([staged], coordinated=coordinated)
+        return sent_back
 
     async def _commit_with_retries(
         self, group: list[Staged], prepared: PreparedGroup | None, *, once: bool = False

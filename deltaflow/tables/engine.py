@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from ..columnar import DELETE_COLUMN
-from ..errors import SchemaError, UsageError
+from ..errors import OverloadedError, SchemaError, UsageError
 from ..storage.paths import Location, StorePath, location
 from .atomicity import CommitAtomicity, atomicity_for
 from .committer import TableCommitter
@@ -59,7 +59,12 @@ from .settings import (
 from .staging import Staged
 from .statistics import EngineStatistics
 
-__all__ = ["DELETE_COLUMN", "GroupWrite", "TableDescription", "TableEngine"]
+__all__ = ["DEFAULT_MAX_TABLES", "DELETE_COLUMN", "GroupWrite", "TableDescription", "TableEngine"]
+
+#: Tables a node writes at most (``max_tables``): each keeps its committer while the node runs.
+DEFAULT_MAX_TABLES: Final = 1000
+#: Most tables :meth:`TableEngine.tables` lists: ~2 MB of ``/v1/cluster``, far below 8 MiB.
+_MAX_LISTED_TABLES: Final = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +98,7 @@ class TableEngine:
         threads: worker threads for engine calls (the event loop never blocks on them).
         settings: the engine's :class:`.EngineSettings` (group bounds, commit pace, the
             settings of tables the node creates on first write); or give its fields instead.
+        max_tables: tables it writes at most (one more: OverloadedError). Default 1,000.
 
     Raises:
         UsageError: a bad setting, or deletion vectors asked of an engine that cannot create
@@ -117,10 +123,14 @@ class TableEngine:
         node_id: str,
         threads: int = 2,
         settings: EngineSettings | None = None,
+        max_tables: int = DEFAULT_MAX_TABLES,
         **fields: Any,
     ) -> None:
         if settings is not None and fields:
             raise UsageError(f"pass settings or {sorted(fields)}, not both")
+        if not (isinstance(max_tables, int) and max_tables >= 1):
+            raise UsageError(f"max_tables must be an int of at least 1, got {max_tables!r}")
+        self.max_tables = max_tables
         self.settings = settings if settings is not None else EngineSettings(**fields)
         if self.settings.deletion_vectors and not self.creates_deletion_vectors:
             raise UsageError(
@@ -294,10 +304,10 @@ class TableEngine:
             coordinator = self._coordinators[table] = TableCoordinator(self, table)
         return coordinator
 
-    def tables(self) -> dict[str, dict[str, Any]]:
-        """The tables this node writes or commits: for each, the last version it committed
-        for writers (None: it commits none of them)."""
-        names = sorted({*self._tables, *self._coordinators})
+    def tables(self, limit: int = _MAX_LISTED_TABLES) -> dict[str, dict[str, Any]]:
+        """The tables this node writes or commits, the first ``limit`` by name: for each, the
+        last version it committed for writers (None: it commits none of them)."""
+        names = sorted({*self._tables, *self._coordinators})[:limit]
         return {
             name: {
                 "committed_version": (
@@ -404,6 +414,19 @@ class TableEngine:
                 committer.queue.ready.set()
                 committer.queue.wake_if_whole()
 
+    def _check_room(self, table: str) -> None:
+        """Refuse a table beyond ``max_tables`` (each keeps its committer until the node stops)."""
+        if len(self._tables) >= self.max_tables:
+            raise OverloadedError(
+                f"node {self.node_id} writes {len(self._tables)} tables, its max_tables: table "
+                f"{table!r} is refused, the others are written as before. Raise max_tables "
+                "(--max-tables, DELTAFLOW_MAX_TABLES or the config file's max_tables) if the "
+                "node has the memory (about 70 KB a table), or write fewer tables (a node "
+                "forgets the tables it wrote when it restarts)",
+                node=self.node_id,
+                retriable=False,
+            )
+
     async def read(
         self, table: str, *, columns: Sequence[str] | None = None, where: str | None = None
     ) -> Any:
@@ -449,6 +472,7 @@ class TableEngine:
 
         Raises:
             SchemaError: a row does not fit (the batch is not staged at all).
+            OverloadedError: ``table`` is one more than ``max_tables`` (not retriable).
         """
         if not key and deletes:
             raise SchemaError(
@@ -456,6 +480,7 @@ class TableEngine:
             )
         committer = self._tables.get(table)
         if committer is None:
+            self._check_room(table)
             committer = self._tables[table] = TableCommitter(self, table)
         with committer.queue.arriving():
             await committer.load()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .._faults import fault_point
 from .engine_settings import EngineSettings
 from .marks import Mark
 
@@ -95,6 +96,7 @@ class StagingQueue:
         self.nbytes += staged.nbytes
         self.ready.set()
         self.wake_if_whole()
+        fault_point("staged")
 
     async def wait_for_room(self) -> None:
         """Wait while the queue is full, unless everything queued is held by running
