@@ -9,12 +9,17 @@ the same tree, in a process of its own. A refusal by the node is a result, never
 
     .venv/bin/python bench/attacks.py --tree /work/baseline --json before.json
     .venv/bin/python bench/attacks.py --json after.json          # this checkout
+
+Findings of issue 47 ("Hardening, round 2") have a letter each for ``--only``: ``a`` (#1,
+strangers' first messages), ``c`` (#3, handshake slots), ``d`` (#4, half-sent requests and the
+open-file limit), e.g. ``--only acd``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -89,6 +94,7 @@ class Node:
         partitions: int = 8,
         port: int = 0,
         warehouse: Path | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
         self.node_id = node_id
         self.port = port or _free_port()
@@ -97,6 +103,7 @@ class Node:
         self.log_path = bench.work / f"{node_id}.log"
         self._bench = bench
         self._args = [
+            *(prefix or ()),  # a command the node runs under, such as prlimit
             bench.python,
             "-m",
             "deltaflow.cli",
@@ -1235,6 +1242,314 @@ async def empty_token_file(bench: Bench) -> None:
         await node.stop()
 
 
+# -- issue 47 (round 2): a stranger exhausting a node ------------------------------------------
+# Keys for --only: a letter per finding of issue 47 (a = #1, c = #3, d = #4).
+
+
+async def raw_upgrade(
+    address: str, source: str, headers: dict[str, str] | None = None
+) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A WebSocket upgrade of ``/v1/stream`` by hand from local address ``source`` (127.0.0.x
+    are all loopback on Linux): the answer's status and the open socket."""
+    host, port = address.rsplit(":", 1)
+    async with asyncio.timeout(10):
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        writer.write(
+            f"GET /v1/stream HTTP/1.1\r\nHost: {address}\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+            f"{extra}\r\n".encode()
+        )
+        head = await reader.readuntil(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), reader, writer
+
+
+_ZEROS = memoryview(bytes(MiB))
+
+
+async def send_message(writer: asyncio.StreamWriter, size: int, timeout: float) -> int:
+    """Send one binary WebSocket message of ``size`` zero bytes (a zero mask, so no copy of
+    it is made); the bytes the node took within ``timeout`` seconds."""
+    sent = 0
+    writer.write(b"\x82\xff" + size.to_bytes(8, "big") + b"\0\0\0\0")
+    with contextlib.suppress(TimeoutError, OSError):
+        async with asyncio.timeout(timeout):
+            while sent < size:
+                chunk = _ZEROS[: min(MiB, size - sent)]
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+    return sent
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    writer.transport.abort()
+
+
+async def token_client(bench: Bench, node: Node, source: str) -> str:
+    """A client holding the token (in the upgrade and in its hello) from ``source`` opens a
+    stream and writes one row: 'ok in N s', or why not."""
+    started = time.monotonic()
+    sid = "victim-" + secrets.token_hex(6)
+    connector = aiohttp.TCPConnector(local_addr=(source, 0))
+    async with aiohttp.ClientSession(connector=connector) as session:
+        try:
+            async with asyncio.timeout(10):
+                ws = await session.ws_connect(
+                    f"http://{node.address}/v1/stream", headers=bench.bearer, max_msg_size=0
+                )
+        except aiohttp.WSServerHandshakeError as exc:
+            return f"upgrade refused: HTTP {exc.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            return f"no connection: {type(exc).__name__}"
+        wire = Wire(ws)
+        try:
+            await hello(wire, bench.token, client="victim")
+            await open_stream(wire, bench, sid, {"table": "victim", "key": ["id"]})
+            await wire.send(batch(sid, 0, 0, 1, items=items({"id": 1, "v": "x"})))
+            answer = await wire.answer(sid, 0, 30)
+        except (Refused, TimeoutError) as exc:
+            return _short(str(exc) or type(exc).__name__, 100)
+        finally:
+            await wire.close()
+    if answer.get("t") != "ack":
+        return describe(answer)
+    return f"ok in {time.monotonic() - started:.2f} s"
+
+
+async def first_messages(
+    bench: Bench, node: Node, count: int = 64, waves: int = 1, hold: float = 8.0
+) -> None:
+    """a (#1). ``count`` connections from one address, each sending one message just under the
+    16 MiB frame limit and never a hello; ``waves`` times, each on top of the last."""
+    f = f"a first messages ({waves} x {count})"
+    size = 16 * MiB - 64  # under the node's default max_frame_bytes
+    sockets: list[asyncio.StreamWriter] = []
+    statuses: dict[str, int] = {}
+    victims: list[str] = []
+
+    async def one() -> None:
+        try:
+            status, _, writer = await raw_upgrade(node.address, "127.0.0.2")
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            key = type(exc).__name__
+        else:
+            key = f"HTTP {status}"
+            sockets.append(writer)
+            if status == 101:
+                await send_message(writer, size, 5)
+        statuses[key] = statuses.get(key, 0) + 1
+
+    async def attack() -> None:
+        for _ in range(waves):
+            await asyncio.gather(*(one() for _ in range(count)))
+            victims.append(await token_client(bench, node, "127.0.0.3"))
+        await asyncio.sleep(hold)  # what the node holds, held
+
+    await token_client(bench, node, "127.0.0.3")  # its table made and the engine warm first
+    _, cost = await measured(node, attack(), 60 + 30 * waves)
+    for writer in sockets:
+        _abort(writer)
+    grown = ((cost.peak or 0) - (cost.rss_before or 0)) / 1024
+    answers = ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
+    bench.add(f, "upgrade answers", answers, "-")
+    bench.add(f, "node memory", f"{cost.memory()} (+{grown:.0f} MB)", _grew(cost))
+    bench.add(f, "/healthz during", cost.healthz, _stalled(cost))
+    bench.add(
+        f,
+        "a client with the token, after each wave",
+        "; ".join(victims),
+        "client served" if all(v.startswith("ok") for v in victims) else "client refused",
+    )
+
+
+async def slot_lockout(bench: Bench, node: Node, seconds: float = 25.0) -> None:
+    """c (#3). 16 idle WebSockets from 4 addresses, each reopened once the node closes it (the
+    hello timeout), while a client with the token connects every 2 s from a fifth address."""
+    f = "c handshake slot lockout"
+    stop = asyncio.Event()
+    opened = 0
+
+    async def squatter(source: str) -> None:
+        nonlocal opened
+        while not stop.is_set():
+            try:
+                status, reader, writer = await raw_upgrade(node.address, source)
+            except (OSError, TimeoutError, asyncio.IncompleteReadError):
+                await asyncio.sleep(0.1)
+                continue
+            opened += 1
+            try:
+                if status == 101:
+                    with contextlib.suppress(TimeoutError, OSError):
+                        async with asyncio.timeout(seconds):
+                            await reader.read()  # until the node closes it
+                else:
+                    await asyncio.sleep(0.2)
+            finally:
+                _abort(writer)
+
+    async def attack() -> list[str]:
+        tasks = [asyncio.create_task(squatter(f"127.0.0.{10 + i // 4}")) for i in range(16)]
+        await asyncio.sleep(1)
+        results = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            results.append(await token_client(bench, node, "127.0.0.20"))
+            await asyncio.sleep(2)
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return results
+
+    results, cost = await measured(node, attack(), seconds + 60)
+    if not isinstance(results, list):
+        bench.add(f, "attack", _short(results, 120), "not measured")
+        return
+    served = sum(r.startswith("ok") for r in results)
+    refused = [r for r in results if not r.startswith("ok")]
+    bench.add(
+        f,
+        f"client with the token, one try every 2 s for {seconds:.0f} s ({opened} stranger "
+        "connections)",
+        f"{served} of {len(results)} served"
+        + (f"; refused: {_short(refused[0], 90)}" if refused else ""),
+        f"attacker locked the client out {len(refused)} times" if refused else "client served",
+    )
+    bench.add(f, "/healthz during", cost.healthz, _stalled(cost))
+
+
+HALF_SENT = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: "  # no end of the headers
+
+
+async def _half_sent(address: str, source: str, count: int) -> list[asyncio.StreamReader | None]:
+    """``count`` connections from ``source``, each with a request that never ends its headers
+    (None where the connection failed)."""
+    host, port = address.rsplit(":", 1)
+    limit = asyncio.Semaphore(100)
+
+    async def one() -> asyncio.StreamReader | None:
+        async with limit:
+            try:
+                async with asyncio.timeout(5):
+                    reader, writer = await asyncio.open_connection(
+                        host, int(port), local_addr=(source, 0)
+                    )
+                writer.write(HALF_SENT)
+                await writer.drain()
+            except (OSError, TimeoutError):
+                return None
+            reader.writer = writer  # type: ignore[attr-defined]  # closed by the caller
+            return reader
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def _closed_after(reader: asyncio.StreamReader, watch: float, started: float) -> float:
+    """Seconds from ``started`` until the node closed (or reset) the connection (inf: still
+    open)."""
+    try:
+        async with asyncio.timeout(max(0.0, started + watch - time.monotonic())):
+            while await reader.read(4096):
+                pass
+    except TimeoutError:
+        return float("inf")
+    except OSError:
+        pass  # reset: closed too
+    return time.monotonic() - started
+
+
+async def half_sent(bench: Bench, node: Node, count: int = 2000, watch: float = 95.0) -> None:
+    """d (#4). ``count`` requests that never end their headers, from one address."""
+    f = f"d {count} half-sent requests"
+    started = time.monotonic()
+    readers = await _half_sent(node.address, "127.0.0.30", count)
+    live = [r for r in readers if r is not None]
+    healthz = await http("GET", f"http://{node.address}/healthz", timeout=5)
+    closed = await asyncio.gather(*(_closed_after(r, watch, started) for r in live))
+    for r in live:
+        _abort(r.writer)  # type: ignore[attr-defined]
+    still = sum(t == float("inf") for t in closed)
+    within = sorted(t for t in closed if t != float("inf"))
+    at_once = sum(t < 5 for t in within)
+    bench.add(
+        f,
+        f"open after {watch:.0f} s",
+        f"{still} of {count} ({count - len(live)} failed to connect); closed by the node: "
+        f"{len(within)} ({at_once} within 5 s), the last after "
+        f"{within[-1] if within else 0:.1f} s; /healthz during: HTTP {healthz[0]}",
+        f"attacker held {still} connections {watch:.0f} s" if still else "closed",
+    )
+
+
+async def file_limit(bench: Bench, count: int = 420, nofile: int = 400) -> None:
+    """d (#4). A node under an open-file limit of ``nofile``; ``count`` half-sent requests from
+    one address; /healthz from another."""
+    f = f"d {count} connections under a {nofile} open-file limit"
+    node = Node(
+        bench,
+        "n47d",
+        token_file=bench.token_file,
+        prefix=["prlimit", f"--nofile={nofile}:{nofile}", "--"],
+    )
+    await node.start()
+    try:
+        offset = node.log_size()
+        readers = await _half_sent(node.address, "127.0.0.40", count)
+        live = [r for r in readers if r is not None]
+        answers = []
+        for _ in range(10):
+            answers.append((await http("GET", f"http://{node.address}/healthz", timeout=2))[0])
+            await asyncio.sleep(0.3)
+        for r in live:
+            _abort(r.writer)  # type: ignore[attr-defined]
+        await asyncio.sleep(1)
+        after = (await http("GET", f"http://{node.address}/healthz", timeout=5))[0]
+        emfile = node.log_since(offset).count(b"Too many open files")
+        ok = sum(a == 200 for a in answers)
+        bench.add(
+            f,
+            "/healthz answered (10 tries, 2 s each) while they are open",
+            f"{ok} of 10 (answers {sorted(set(answers))}); after: HTTP {after}; "
+            f"{len(live)} connected; 'Too many open files' in the log {emfile} times",
+            "attacker made /healthz fail" if ok < 10 else "node kept serving",
+        )
+    finally:
+        await node.stop()
+
+
+# -- issue 47 (round 2): a peer forging another ----------------------------------------------------
+# Keys for --only: b = #2.
+
+
+async def commit_bodies(bench: Bench, node: Node, count: int = 8, parallel: int = 4) -> None:
+    """b (47 #2). ``POST /v1/peer/commit`` bodies of ``[{},{},...]`` (8 MiB), no proof."""
+    f = "b commit bodies before the proof"
+    bomb = b"[" + b"{}," * ((8 * MiB - 16) // 3) + b"{}]"
+    url = f"http://{node.address}/v1/peer/commit"
+    limit = asyncio.Semaphore(parallel)
+
+    async def one() -> int:
+        async with limit:
+            return (await http("POST", url, data=bomb, timeout=60))[0]
+
+    async def all_of_them() -> list[int]:
+        return await asyncio.gather(*(one() for _ in range(count)))
+
+    statuses, cost = await measured(node, all_of_them(), timeout=120)
+    await asyncio.sleep(5)  # what stays: a reference cycle kept the parsed bodies
+    later = node.memory()["VmRSS"]
+    answers = sorted(set(statuses)) if isinstance(statuses, list) else statuses
+    bench.add(
+        f,
+        f"{count} bodies of 8 MiB, {parallel} at a time, no proof: answers, memory, /healthz",
+        f"{answers}; {cost.memory()}, {_mb(later)} 5 s later; {cost.healthz}",
+        f"{_grew(cost)}; {_stalled(cost)}",
+    )
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -1268,6 +1583,25 @@ async def run(bench: Bench, only: set[str], connections: int, bomb_bytes: int) -
     steps.append(("6", lambda: clients_as_peers(bench)))
     steps.append(("8", lambda: empty_token_file(bench)))
     steps.append(("8", garbled_node))
+
+    async def stranger_node() -> None:
+        async with bench.node("n47", token_file=bench.token_file) as node:
+            if "a" in only:
+                await guarded(bench, "a", first_messages(bench, node, 64))
+                await guarded(bench, "a", first_messages(bench, node, 96, waves=2))
+            if "c" in only:
+                await guarded(bench, "c", slot_lockout(bench, node))
+            if "d" in only:
+                await guarded(bench, "d", half_sent(bench, node))
+
+    steps.append(("acd", stranger_node))
+    steps.append(("d", lambda: file_limit(bench)))
+
+    async def peer_node() -> None:
+        async with bench.node("n47b", token_file=bench.token_file) as node:
+            await commit_bodies(bench, node)
+
+    steps.append(("b", peer_node))
     for keys, step in steps:
         if not only & set(keys):
             continue

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import pytest
 
 import deltaflow
@@ -495,3 +496,50 @@ def process_state(node: Any) -> str:
     assert node.proc is not None
     with open(f"/proc/{node.proc.pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+class HealthWatch:
+    """Times ``GET /healthz`` on a node every 50 ms (from 127.0.0.1) while a block runs; a
+    probe that fails fails the test, and the node must answer once more after the block."""
+
+    def __init__(self, address: str) -> None:
+        self.url = f"http://{address}/healthz"
+        self.seconds: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _poll(self, session: aiohttp.ClientSession) -> None:
+        for _ in range(1200):  # a minute at most
+            started = time.monotonic()
+            async with session.get(self.url) as answer:
+                assert answer.status == 200
+            self.seconds.append(time.monotonic() - started)
+            await asyncio.sleep(0.05)
+
+    async def __aenter__(self) -> HealthWatch:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self._task = asyncio.create_task(self._poll(self._session))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None and self._session is not None
+        async with self._session:
+            if self._task.done():
+                self._task.result()  # a failed probe fails the test
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            async with self._session.get(self.url) as answer:  # and after
+                assert answer.status == 200
+        assert self.seconds, "no /healthz answer at all"
+
+
+def memory_mib(pid: int, field: str) -> float:
+    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of a process, in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith(f"{field}:"))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak(pid: int) -> None:
+    """Start a new peak of ``memory_mib(pid, "VmHWM")`` from now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS

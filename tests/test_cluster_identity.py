@@ -165,6 +165,41 @@ async def test_a_node_on_another_warehouse_is_refused_and_gets_no_rows(
     assert not (other / "redirected").exists()
 
 
+async def test_with_a_peer_token_a_node_on_another_warehouse_still_refuses_itself(
+    tmp_path: Path, start_node: StartNode
+) -> None:
+    # Its peers' keys are in their warehouse, which it cannot read: their proven answers of
+    # another identity refuse it all the same, without handing out a map it cannot check.
+    wh, other = tmp_path / "wh", tmp_path / "wh2"
+    creds = {"token": "client-token", "peer_token": "peer-token"}
+    n1 = await start_node("n1", wh, **creds)
+    n3 = await start_node("n3", other, peers=[n1.address], **creds)
+
+    async def body(node: Node) -> dict[str, Any]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"http://{node.address}/v1/cluster",
+                headers={"Authorization": "Bearer client-token"},
+            ) as resp,
+        ):
+            assert resp.status == 200
+            answer: dict[str, Any] = await resp.json()
+            return answer
+
+    async def n3_refused() -> bool:
+        return bool((await body(n3))["refused"])
+
+    await wait_for(n3_refused, "n3, on another warehouse, never refused itself")
+    own = await body(n3)
+    assert own["serving"] is False and uri(wh) in own["refused"], own["refused"]
+    assert n3.statistics().owned_partitions == 0
+    assert "n1" not in own["map"]["nodes"], "n3 handed out a map it could not check"
+
+    # n1 cannot check n3's key either: n3's polls only learn who n1 is, and n1 owns all.
+    assert set((await body(n1))["map"]["nodes"]) == {"n1"}
+
+
 async def test_a_new_cluster_leaves_out_its_one_typo_even_when_it_starts_first(
     tmp_path: Path, start_node: StartNode
 ) -> None:

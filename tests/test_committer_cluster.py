@@ -21,7 +21,7 @@ import pytest
 
 from deltaflow import StreamerOptions
 from deltaflow.engines import create_table
-from deltaflow.partitioning import PartitionMap
+from deltaflow.partitioning import PartitionMap, partition_of
 from deltaflow.storage.paths import Location, location
 from deltaflow.tables import maintenance
 from deltaflow.testing.object_store import S3Server
@@ -234,6 +234,13 @@ async def test_a_writer_that_cannot_reach_the_committer_commits_its_groups_itsel
     name = a_table_committed_by(cluster, "node-1", "cut")
     n, keys = 4_000, 1_000
     async with client:
+        # node-1 creates the table, so every group of node-2's goes to the committer (a
+        # group that creates a table commits it where it was written).
+        pmap = client._router._map
+        first_key = next(
+            k for k in range(keys) if pmap.owners[partition_of(k, pmap.partitions)] == "node-1"
+        )
+        await client.stream_data([{"id": first_key, "v": -1}], table=name, key="id")
         summary = await client.stream_data(
             [{"id": i % keys, "v": i} for i in range(n)], table=name, key="id", options=SMALL
         )

@@ -30,7 +30,7 @@ from deltaflow.server.connection import (
 )
 from deltaflow.testing import NodeProcess
 
-from .support import StartCluster, Within
+from .support import HealthWatch, StartCluster, Within, memory_mib, reset_peak
 
 TOKEN = "s3cret-token"
 HELLO = {"t": "hello", "v": [1], "caps": [], "client": "raw-client", "token": TOKEN}
@@ -78,48 +78,6 @@ async def streams(address: str) -> None:
     assert summary.items_acked == 200
 
 
-def memory_mib(pid: int, field: str) -> float:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of a process, in MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith(f"{field}:"))
-    return int(line.split()[1]) / 1024
-
-
-def reset_peak(pid: int) -> None:
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-
-
-_HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=10)
-
-
-class HealthWatch:
-    """Times ``GET /healthz`` on a node every 50 ms while a block runs."""
-
-    def __init__(self, session: aiohttp.ClientSession, address: str) -> None:
-        self.session, self.url = session, f"http://{address}/healthz"
-        self.seconds: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _poll(self) -> None:
-        for _ in range(1200):  # a minute at most
-            started = time.monotonic()
-            async with self.session.get(self.url, timeout=_HEALTH_TIMEOUT) as answer:
-                assert answer.status == 200
-            self.seconds.append(time.monotonic() - started)
-            await asyncio.sleep(0.05)
-
-    async def __aenter__(self) -> HealthWatch:
-        self._task = asyncio.create_task(self._poll())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        async with self.session.get(self.url, timeout=_HEALTH_TIMEOUT) as answer:  # and after
-            assert answer.status == 200
-
-
 async def node_process(tmp_path: Path) -> NodeProcess:
     (tmp_path / "token").write_text(TOKEN)
     return await NodeProcess(
@@ -150,10 +108,12 @@ async def test_a_16_mib_hello_without_a_token_is_refused_unread(
         async with aiohttp.ClientSession() as session:
             before = memory_mib(pid, "VmRSS")
             reset_peak(pid)
-            async with HealthWatch(session, node.address) as health:
+            async with HealthWatch(node.address) as health:
                 ws = await session.ws_connect(f"http://{node.address}{WS_PATH}")
-                await ws.send_bytes(hello)
+                # Sent alongside: past FIRST_MESSAGE_BYTES the node reads no more of it.
+                sending = asyncio.create_task(ws.send_bytes(hello))
                 error, size, code = await within(refusal(ws), 30, "the answer to the hello")
+                await asyncio.gather(sending, return_exceptions=True)
             grown = memory_mib(pid, "VmHWM") - before
     finally:
         await node.stop()
@@ -224,21 +184,20 @@ async def test_connections_still_in_their_handshake_are_capped_and_have_a_deadli
         first, *others, last = sessions
         silent = [await first.ws_connect(url) for _ in range(MAX_UNAUTHENTICATED_PER_ADDRESS)]
         opened = time.monotonic()
-        error, _, code = await within(
-            refusal(await first.ws_connect(url)), 1.0, "the refusal beyond one address's share"
-        )
-        assert error is not None and error["code"] == "OVERLOADED" and error["retriable"], error
-        assert code == aiohttp.WSCloseCode.TRY_AGAIN_LATER
+        # Refused before the upgrade (issue #47): nothing of the connection is read.
+        with pytest.raises(aiohttp.WSServerHandshakeError) as over:
+            await within(first.ws_connect(url), 1.0, "the refusal beyond one address's share")
+        assert over.value.status == 503 and over.value.headers, over.value
+        assert over.value.headers["Retry-After"] == "1"
         await streams(node.address)  # one stranger does not lock clients out
         for session in others:
             silent += [
                 await session.ws_connect(url) for _ in range(MAX_UNAUTHENTICATED_PER_ADDRESS)
             ]
         assert len(silent) == MAX_UNAUTHENTICATED
-        error, _, code = await within(
-            refusal(await last.ws_connect(url)), 1.0, "the refusal beyond the node's cap"
-        )
-        assert error is not None and error["code"] == "OVERLOADED", error
+        with pytest.raises(aiohttp.WSServerHandshakeError) as over:
+            await within(last.ws_connect(url), 1.0, "the refusal beyond the node's cap")
+        assert over.value.status == 503, over.value
         async with first.get(f"http://{node.address}/healthz") as answer:
             assert answer.status == 200
         # Each silent one is refused at the hello deadline, which frees its place.
@@ -293,7 +252,7 @@ async def test_a_batch_of_16_mib_of_empty_maps_is_refused_within_a_bound(
             before = memory_mib(pid, "VmRSS")
             reset_peak(pid)
             answers = []
-            async with HealthWatch(session, node.address) as health:
+            async with HealthWatch(node.address) as health:
                 for seq, (n, items) in enumerate(batches):
                     # A lane of its own each: a failed batch fails the ones after it.
                     frame = {"t": "batch", "sid": "hostile", "p": seq, "seq": 0, "n": n}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import logging
 import secrets
@@ -22,6 +23,8 @@ from aiohttp import web
 from deltaflow.errors import UsageError
 from deltaflow.security import NodeTls, call_proof
 from deltaflow.server import Node, NodeConfig, NodeState
+from deltaflow.server.identity import NodeKey
+from deltaflow.server.peer_gate import call_message
 from deltaflow.tables.prepared import PreparedCommit
 from deltaflow.testing import free_port
 from deltaflow.testing.certificates import CertificateAuthority
@@ -82,9 +85,10 @@ async def peer_call(
     headers: dict[str, str] | None = None,
     payload: str = "",
     proven: str | None = None,
+    key: NodeKey | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """A peer call as a peer makes it: fetch a challenge, prove ``secret`` over it (and over
-    ``proven``, else ``payload``, the payload sent)."""
+    ``proven``, else ``payload``, the payload sent), and sign it with ``key`` if given."""
     path = "/v1/drain" if op == "drain" else f"/v1/peer/{op}"
     body: dict[str, Any] = {"node": caller, "address": caller_address, "nonce": "0" * 32}
     if payload:
@@ -97,8 +101,20 @@ async def peer_call(
     body["challenge"] = challenge
     covered = payload if proven is None else proven
     body["proof"] = call_proof(secret, op, challenge, "0" * 32, caller, caller_address, covered)
+    if key is not None:
+        digest = hashlib.sha256(payload.encode()).hexdigest()
+        message = call_message(op, challenge, "0" * 32, caller, caller_address, digest)
+        body["signature"] = key.sign(message)
     async with http.post(f"http://{address}{path}", json=body, headers=headers) as resp:
         return resp.status, await resp.json()
+
+
+async def published_key(warehouse: Path, node_id: str) -> NodeKey:
+    """A key for ``node_id``, published where nodes publish theirs: what a caller who may
+    write the warehouse can do (it then speaks as that node, as a node would)."""
+    key = NodeKey(node_id)
+    await asyncio.to_thread(key.publish, warehouse)
+    return key
 
 
 async def cluster_identity(warehouse: Path) -> dict[str, Any]:
@@ -206,15 +222,17 @@ async def test_a_client_cannot_push_a_live_node_out_or_drain_one(
 async def test_a_leave_is_taken_only_from_the_leaving_node_itself(
     pair: tuple[Node, Node], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Even a caller holding the peer secret cannot take a live node out: the node that is
+    """Even a caller holding the peer secret cannot take a live node out: its leave in the
+    node's name is refused unless signed with that node's key, and even so the node that is
     told someone leaves asks that node, and a node that does not drain says so."""
     first, second = pair
+    leave = {"secret": PEER_TOKEN, "caller": "n2", "caller_address": second.address}
     async with aiohttp.ClientSession() as http:
+        status, body = await peer_call(http, first.address, "leave", **leave)
+        assert status == 401, body
+        assert "not signed with the key the warehouse holds for node n2" in body["error"]
         with caplog.at_level(logging.WARNING, logger="deltaflow.server.topology"):
-            status, body = await peer_call(
-                http, first.address, "leave", secret=PEER_TOKEN, caller="n2",
-                caller_address=second.address,
-            )  # fmt: skip
+            status, body = await peer_call(http, first.address, "leave", key=second.key, **leave)
     assert status == 200
     assert body["taken"] is False
     assert "n2" in first.partition_map.addresses
@@ -222,12 +240,13 @@ async def test_a_leave_is_taken_only_from_the_leaving_node_itself(
 
 
 async def test_invented_peers_are_not_enrolled_and_learned_ones_are_capped(
-    pair: tuple[Node, Node], caplog: pytest.LogCaptureFixture
+    warehouse: Path, pair: tuple[Node, Node], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Finding 6: 200 requests with invented ``X-Deltaflow-Peer`` values grew the member list
     to 201 and made the node poll addresses of the caller's choosing. The client's map
-    request enrols no one now; a peer's proven poll does, up to ``MAX_LEARNED_PEERS``, each
-    logged with who asked."""
+    request enrols no one now, nor does a poll proving the peer token without a node's key;
+    a peer's proven and signed poll does, up to ``MAX_LEARNED_PEERS``, each logged with who
+    asked."""
     from deltaflow.server.topology import MAX_LEARNED_PEERS
 
     first, _ = pair
@@ -241,12 +260,18 @@ async def test_invented_peers_are_not_enrolled_and_learned_ones_are_capped(
                 caller_address=f"127.0.0.1:{1 + i}",
             )  # fmt: skip
             assert status == 401
+            status, _ = await peer_call(
+                http, first.address, "poll", secret=PEER_TOKEN, caller=f"x{i}",
+                caller_address=f"127.0.0.1:{1 + i}",
+            )  # fmt: skip
+            assert status == 401  # the peer token, but no key of x<i> in the warehouse
         assert len(await members(first)) == 2
         with caplog.at_level(logging.INFO, logger="deltaflow.server.topology"):
             for i in range(MAX_LEARNED_PEERS + 8):
+                key = await published_key(warehouse, f"y{i}")
                 status, _ = await peer_call(
                     http, first.address, "poll", secret=PEER_TOKEN, caller=f"y{i}",
-                    caller_address=f"127.0.0.1:{1 + i}",
+                    caller_address=f"127.0.0.1:{1 + i}", key=key,
                 )  # fmt: skip
                 assert status == 200
     # n1 itself, and the peers it learned of: n2 (it polled n1 first) and the invented ones.
@@ -270,15 +295,19 @@ async def test_a_wrong_proof_in_a_peers_answer_is_refused(warehouse: Path) -> No
 
 
 async def test_a_wrong_proof_in_a_call_is_refused_and_a_challenge_serves_once(
-    pair: tuple[Node, Node],
+    warehouse: Path, pair: tuple[Node, Node]
 ) -> None:
     first, _ = pair
+    key = await published_key(warehouse, "n9")
     async with aiohttp.ClientSession() as http:
         body: dict[str, Any] = {"node": "n9", "address": "127.0.0.1:1", "nonce": "1" * 32}
         async with http.post(f"http://{first.address}/v1/peer/poll", json=body) as resp:
             assert resp.status == 401
             challenge = (await resp.json())["challenge"]
         good = call_proof(PEER_TOKEN, "poll", challenge, "1" * 32, "n9", "127.0.0.1:1")
+        empty = hashlib.sha256(b"").hexdigest()
+        signed = call_message("poll", challenge, "1" * 32, "n9", "127.0.0.1:1", empty)
+        body["signature"] = key.sign(signed)
         for proof, status in (("0" * 64, 401), (good, 200), (good, 401)):
             body.update(challenge=challenge, proof=proof)
             async with http.post(f"http://{first.address}/v1/peer/poll", json=body) as resp:
@@ -301,24 +330,17 @@ async def test_hostile_peer_calls_are_refused_within_bounds(pair: tuple[Node, No
                 assert len(await resp.read()) < 300
 
 
-async def test_a_commit_call_is_proven_over_its_payload_and_bounded(
-    pair: tuple[Node, Node],
-) -> None:
-    """``POST /v1/peer/commit``: only a peer's proof admits it, and the proof covers the
-    payload (a relay cannot swap the group); a node sends only its own groups; a table the
-    warehouse does not hold gets no committer; a body past 8 MiB is refused unread."""
+async def test_a_commit_call_is_proven_and_bounded(pair: tuple[Node, Node]) -> None:
+    """``POST /v1/peer/commit``: only a node's proof in headers admits it (its body form
+    of old, even with the peer token, is refused; the header form is
+    tests/test_peer_identity.py's); a body past 8 MiB is refused unread."""
     first, _ = pair
-    group = PreparedCommit("t", "n9", 0, [], {}, {}).to_wire()
-    payload = json.dumps(group)
-    swapped = json.dumps({**group, "read_version": 7})
-    other = json.dumps({**group, "writer": "n2"})
+    payload = json.dumps(PreparedCommit("t", "n9", 0, [], {}, {}).to_wire())
     async with aiohttp.ClientSession() as http:
         call = functools.partial(peer_call, http, first.address, "commit")
         assert (await call(secret=TOKEN, payload=payload))[0] == 401  # a client's token
-        assert (await call(secret=PEER_TOKEN, payload=swapped, proven=payload))[0] == 401
-        assert (await call(secret=PEER_TOKEN, payload=other))[0] == 403
         status, body = await call(secret=PEER_TOKEN, payload=payload)
-        assert status == 404 and "no table 't'" in body["error"]
+        assert status == 401 and "X-Deltaflow-Digest" in body["error"]
         assert first.engine.tables() == {}
         huge = {"node": "n9", "address": "127.0.0.1:1", "nonce": "0" * 32}
         data = json.dumps({**huge, "payload": "x" * (9 * 1024 * 1024)}).encode()

@@ -124,9 +124,36 @@ BREAKS: dict[str, Break] = {
     ),
     "no_one_by_one": Break(
         "deltaflow/tables/committer.py",
-        "        for staged in group:\n            await self._commit_group([staged])\n",
-        "        for staged in group:\n            settle(staged.future, exc)\n",
+        "            sent_back += await self._commit_group([staged], coordinated=coordinated)\n",
+        "            settle(staged.future, exc)\n",
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),
+    ),
+    # A group's writes are isolated as the group was committed: the one that creates the
+    # table goes on through the table's committer instead of failing as TableCreated.
+    "isolated_creation_fails": Break(
+        "deltaflow/tables/committer.py",
+        "            sent_back += await self._commit_group([staged], coordinated=coordinated)\n",
+        "            sent_back += await self._commit_group([staged])\n",
+        (
+            "tests/test_table_bounds.py::test_a_badly_typed_batch_fails_alone_in_the_group_that_creates_its_table",
+        ),
+    ),
+    # A node refuses a table past max_tables, and its peers' polls carry none of its tables.
+    "max_tables_unchecked": Break(
+        "deltaflow/tables/engine.py",
+        "            self._check_room(table)\n",
+        "",
+        (
+            "tests/test_table_bounds.py::test_a_stream_to_a_table_past_max_tables_is_refused_and_the_node_s_tables_go_on",
+        ),
+    ),
+    "poll_answer_lists_tables": Break(
+        "deltaflow/server/node.py",
+        "self._peer_gate.answer(caller, self._cluster_body(tables=False))",
+        "self._peer_gate.answer(caller, self._cluster_body())",
+        (
+            "tests/test_table_bounds.py::test_a_peer_s_poll_answer_keeps_its_size_whatever_the_node_writes",
+        ),
     ),
     "dl_write_failure_ignored": Break(
         "deltaflow/client/dead_letters.py",
@@ -198,13 +225,66 @@ BREAKS: dict[str, Break] = {
         "deltaflow/security.py",
         "    digest = hashlib.sha256(payload.encode()).hexdigest()\n",
         '    digest = hashlib.sha256(b"").hexdigest()\n',
-        ("tests/test_roles.py::test_a_commit_call_is_proven_over_its_payload_and_bounded",),
+        ("tests/test_peer_identity.py::test_a_commit_is_proven_in_headers_over_its_body",),
+    ),
+    # A peer cannot forge another (issue 47, findings 2, 5 and 6).
+    "commit_body_read_before_proof": Break(
+        "deltaflow/server/node.py",
+        '        caller = await self._peer_gate.admit_unread(request, "commit", limit=limit)\n',
+        '        caller = await self._peer_gate.admit(request, "commit", limit=limit)\n',
+        (
+            "tests/test_peer_identity.py::test_a_strangers_commit_body_is_refused_unread_and_memory_stays_bounded",
+        ),
+    ),
+    "commit_unsigned": Break(
+        "deltaflow/server/peer_gate.py",
+        "        if op in SIGNED_OPS and self._keys is not None and not signed:\n",
+        "        if False:\n",
+        ("tests/test_peer_identity.py::test_the_peer_token_alone_cannot_commit_as_a_live_node",),
+    ),
+    "poll_answer_unsigned": Break(
+        "deltaflow/server/topology.py",
+        "            elif not m.signed and self._keys_checked and (self._signed_only or own):\n",
+        "            elif False:\n",
+        (
+            "tests/test_peer_identity.py::test_a_token_holding_fake_answering_as_a_live_node_is_refused_and_owns_nothing",
+        ),
+    ),
+    "other_warehouse_unheard": Break(
+        "deltaflow/server/topology.py",
+        "            and (m.signed or not self._signed_only or m.identity != self.identity)\n",
+        "            and (m.signed or not self._signed_only)\n",
+        (
+            "tests/test_cluster_identity.py::test_with_a_peer_token_a_node_on_another_warehouse_still_refuses_itself",
+        ),
+    ),
+    "poll_unsigned_accepted": Break(
+        "deltaflow/server/peer_gate.py",
+        "        if op in MEMBER_OPS and credentialed and self._keys is not None and not signed:\n",
+        "        if False:\n",
+        (
+            "tests/test_peer_identity.py::test_an_unsigned_poll_claiming_a_node_is_refused_and_not_learned",
+            "tests/test_roles.py::test_invented_peers_are_not_enrolled_and_learned_ones_are_capped",
+            "tests/test_roles.py::test_a_leave_is_taken_only_from_the_leaving_node_itself",
+        ),
+    ),
+    "committer_ignores_ownership": Break(
+        "deltaflow/tables/coordinator.py",
+        "            if maps and prepared.writer != node:\n",
+        "            if False:\n",
+        ("tests/test_peer_identity.py::test_a_group_outside_its_writers_partitions_is_sent_back",),
+    ),
+    "encoded_paths_allowed": Break(
+        "deltaflow/tables/prepared.py",
+        '    r"(?:_deltaflow_bucket=(?:0|[1-9][0-9]{0,5})/)?(?!.*\\.\\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\\.parquet"\n',
+        '    r"(?!/)(?!.*(?:^|/)\\.\\.(?:/|$))[A-Za-z0-9_.=%/+-]{1,1000}"\n',
+        ("tests/test_peer_identity.py::test_a_path_outside_the_tables_own_layout_is_refused",),
     ),
     "commit_call_any_table": Break(
         "deltaflow/tables/engine.py",
         "        if table not in self._coordinators and not await self.in_thread(\n",
         "        if False and not await self.in_thread(\n",
-        ("tests/test_roles.py::test_a_commit_call_is_proven_over_its_payload_and_bounded",),
+        ("tests/test_peer_identity.py::test_a_commit_is_proven_in_headers_over_its_body",),
     ),
     "committer_ignores_replaced_files": Break(
         "deltaflow/tables/coordinator.py",
@@ -255,6 +335,31 @@ BREAKS: dict[str, Break] = {
         'return dict(obstore.put(self._store, self._key, data, mode="create"))',
         'return dict(obstore.put(self._store, self._key, data, mode="overwrite"))',
         ("tests/test_merge_on_read.py::test_merge_on_read_commits_racing_on_a_store_lose_nothing",),
+    ),
+    # A group of no rows left (every change superseded) commits its marks, never MERGEs `IN ()`.
+    "empty_bucket_list": Break(
+        "deltaflow/tables/footprint.py",
+        'on.append(f"t.{b} IN ({listed})" if listed else "FALSE")',
+        'on.append(f"t.{b} IN ({listed})")',
+        (
+            "tests/test_emptied_tables.py::test_the_merge_condition_of_a_group_of_no_rows_matches_nothing",
+        ),
+    ),
+    "superseded_group_merged": Break(
+        "deltaflow/tables/table_writer.py",
+        "        if not data.num_rows:  # every change superseded: no MERGE, a commit of its marks\n            footprint = None\n        elif key:\n",
+        "        if key:\n",
+        (
+            "tests/test_emptied_tables.py::test_changes_older_than_the_deletes_that_emptied_a_table_are_superseded[spark]",
+        ),
+    ),
+    "noop_merge_commits_nothing": Break(
+        "deltaflow/engines/delta_rs.py",
+        "            if target.version() == before:\n",
+        "            if False:\n",
+        (
+            "tests/test_emptied_tables.py::test_changes_older_than_the_deletes_that_emptied_a_table_are_superseded[delta-rs]",
+        ),
     ),
     # Streams belong to the key that opened them; lanes take a bounded window.
     "stream_any_owner": Break(
@@ -353,7 +458,57 @@ BREAKS: dict[str, Break] = {
         "",
         (
             "tests/test_hostile_input.py::test_connections_still_in_their_handshake_are_capped_and_have_a_deadline",
+            "tests/test_stranger_limits.py::test_a_stranger_past_the_handshake_caps_is_refused_before_the_upgrade",
         ),
+    ),
+    "upgrade_unchecked": Break(
+        "deltaflow/server/connection.py",
+        "    refusal = conn.stranger and handshake_refusal(connections, conn.remote, node.node_id)\n",
+        "    refusal = None\n",
+        (
+            "tests/test_stranger_limits.py::test_a_stranger_past_the_handshake_caps_is_refused_before_the_upgrade",
+            "tests/test_stranger_limits.py::test_strangers_first_messages_are_refused_unread_and_clients_stream_meanwhile",
+        ),
+    ),
+    "first_message_unlimited": Break(
+        "deltaflow/server/connection.py",
+        "            self._read_limit.limit_reading(FIRST_MESSAGE_BYTES, self._first_message_overrun)\n",
+        "            pass\n",
+        (
+            "tests/test_stranger_limits.py::test_a_stranger_may_send_a_few_kib_before_its_hello_passes",
+            "tests/test_stranger_limits.py::test_strangers_first_messages_are_refused_unread_and_clients_stream_meanwhile",
+        ),
+    ),
+    "token_client_counted": Break(
+        "deltaflow/server/connection.py",
+        "return not (self.proven or self.authenticated or self._refusing)",
+        "return not (self.authenticated or self._refusing)",
+        (
+            "tests/test_stranger_limits.py::test_strangers_reopening_every_slot_never_lock_out_a_client_with_the_token",
+        ),
+    ),
+    "no_header_timeout": Break(
+        "deltaflow/server/listening.py",
+        "        self._deadline = loop.call_later(self._gate.header_timeout, self._headers_overdue)\n",
+        "        del loop\n",
+        (
+            "tests/test_stranger_limits.py::test_a_half_sent_request_is_closed_within_the_header_timeout",
+        ),
+    ),
+    "no_connection_cap": Break(
+        "deltaflow/server/listening.py",
+        "        refusal = self._gate.admit(self, transport)\n        if refusal is not None:\n",
+        "        refusal = self._gate.admit(self, transport)\n        if False:\n",
+        (
+            "tests/test_stranger_limits.py::test_open_connections_are_capped_per_node_and_per_address_at_accept",
+            "tests/test_stranger_limits.py::test_open_connections_stay_below_the_open_file_limit",
+        ),
+    ),
+    "caps_ignore_file_limit": Break(
+        "deltaflow/server/listening.py",
+        "        total = min(total, open_files - max(MIN_FILE_RESERVE, open_files // 4))\n",
+        "        pass\n",
+        ("tests/test_stranger_limits.py::test_open_connections_stay_below_the_open_file_limit",),
     ),
     "peer_call_proof_not_compared": Break(
         "deltaflow/server/peer_gate.py",
@@ -631,6 +786,57 @@ BREAKS: dict[str, Break] = {
         "  if (text !== undefined && text !== null) node.innerHTML = String(text);\n",
         ("tests/test_status_page.py::test_a_table_name_with_markup_stays_text",),
     ),
+    "log_values_unquoted": Break(
+        "deltaflow/logs.py",
+        '    if text and text.isprintable() and " " not in text and \'"\' not in text:\n',
+        '    if text and " " not in text:\n',
+        (
+            "tests/test_operator_surfaces.py::test_wire_values_cannot_forge_a_log_line",
+            "tests/test_operator_surfaces.py::test_every_control_character_is_escaped_in_text_logs_and_json_keeps_the_value",
+        ),
+    ),
+    "log_message_unescaped": Break(
+        "deltaflow/logs.py",
+        "        line.msg, line.args = printable(record.getMessage()), None\n",
+        "        line.msg, line.args = record.getMessage(), None\n",
+        (
+            "tests/test_operator_surfaces.py::test_every_control_character_is_escaped_in_text_logs_and_json_keeps_the_value",
+        ),
+    ),
+    "cli_prints_markup": Break(
+        "deltaflow/cli_output.py",
+        "        table.add_row(*(Text(plain(v)) for v in row), style=style)\n",
+        '        table.add_row(*("" if v is None else str(v) for v in row), style=style)\n',
+        ("tests/test_operator_surfaces.py::test_table_show_prints_any_row_literally",),
+    ),
+    "history_trusts_commit_info": Break(
+        "deltaflow/tables/maintenance.py",
+        '                "time": _time(info.get("timestamp")),\n',
+        '                "time": datetime.datetime.fromtimestamp(int(info["timestamp"]) / 1000, datetime.UTC),\n',
+        ("tests/test_operator_surfaces.py::test_table_history_survives_any_commit_info",),
+    ),
+    "dead_letter_json_not_strict": Break(
+        "deltaflow/receivers/dead_letter.py",
+        "        return json.dumps(_jsonable(item), ensure_ascii=False, allow_nan=False)\n",
+        "        return json.dumps(item, default=_text, ensure_ascii=False)\n",
+        ("tests/test_input_isolation.py::test_dead_letters_store_any_wire_value_as_strict_json",),
+    ),
+    "debezium_truncate_ends_the_stream": Break(
+        "deltaflow/client/changelog.py",
+        "        elif isinstance(op, str) and op in _SKIPPED_OPS:\n            self.skipped.note(op, position)\n            return None\n",
+        "",
+        (
+            "tests/test_input_isolation.py::test_debezium_truncate_and_message_events_are_skipped_and_the_stream_goes_on",
+        ),
+    ),
+    "token_file_mode_unchecked": Break(
+        "deltaflow/security.py",
+        '    if os.name == "posix" and mode & 0o077:\n',
+        '    if os.name == "posix" and mode & 0o000:\n',
+        (
+            "tests/test_operator_surfaces.py::test_a_token_file_others_can_read_is_used_with_a_warning",
+        ),
+    ),
     "status_without_token": Break(
         "deltaflow/server/status.py",
         '        if not node.check_token(header[7:] if header.startswith("Bearer ") else None):\n',
@@ -684,7 +890,7 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "stale_poll_undoes_a_drain": Break(
-        "deltaflow/server/topology.py",
+        "deltaflow/server/members.py",
         "    if asked < member.asked:\n",
         "    if False:\n",
         ("tests/test_handover.py::test_an_answer_from_before_a_drain_does_not_undo_the_drain",),

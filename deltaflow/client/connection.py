@@ -17,10 +17,12 @@ from typing import Any
 import aiohttp
 
 from ..errors import (
+    AuthenticationError,
     ConnectionLostError,
     DeltaflowError,
     FrameTooLargeError,
     NodeUnavailableError,
+    OverloadedError,
     ProtocolError,
     ServerError,
     TransportError,
@@ -71,6 +73,16 @@ def _transport_error(
         return failure
     if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
         return NodeUnavailableError(f"cannot connect to node at {address}: {exc}")
+    if isinstance(exc, aiohttp.WSServerHandshakeError) and exc.status == 401:
+        return AuthenticationError(
+            f"node at {address} rejected the token in the WebSocket upgrade; pass the token "
+            "from the node's --token-file to deltaflow.connect(token=...)"
+        )
+    if isinstance(exc, aiohttp.WSServerHandshakeError) and exc.status == 503:
+        return OverloadedError(
+            f"node at {address} refused the WebSocket upgrade for now (HTTP 503: at its "
+            "connection or handshake cap); retried"
+        )
     if isinstance(exc, aiohttp.WSServerHandshakeError):
         return NodeUnavailableError(
             f"node at {address} refused the WebSocket upgrade ({exc.status}); is it a deltaflow "
@@ -143,7 +155,8 @@ class Connection:
         tls: ssl.SSLContext | None = None,
     ) -> Connection:
         """Connect and handshake (over TLS when ``tls`` is given). The token travels in the
-        first frame after the WebSocket upgrade, so never to a node that did not answer it.
+        upgrade request (``Authorization: Bearer``: the node checks it before it reads
+        anything of the connection) and again in the hello.
 
         Raises:
             NodeUnavailableError: the node cannot be reached.
@@ -153,10 +166,13 @@ class Connection:
             ServerError: the node refused the handshake (e.g. unsupported version).
         """
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=timeout))
+        # A proven upgrade is no stranger's: never held to the node's handshake caps.
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
         try:
             with map_transport_errors(address, tls):
                 ws = await session.ws_connect(
                     url(address, WS_PATH, tls),
+                    headers=headers,
                     ssl=tls if tls is not None else True,
                     max_msg_size=max_frame_bytes,
                     heartbeat=30.0,

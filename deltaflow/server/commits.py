@@ -27,14 +27,17 @@ from typing import TYPE_CHECKING, Final
 
 import aiohttp
 
+from ..errors import UsageError
 from ..partitioning import PartitionMap
+from ..receivers.base import check_table_name
+from ..tables.coordinator import Ownership
 from ..tables.prepared import Outcome, PreparedCommit, WireError
 from .peers import PeerClient
 
 if TYPE_CHECKING:
     from ..tables.engine import TableEngine
 
-__all__ = ["MAX_COMMIT_CALL_BYTES", "CommitRouter"]
+__all__ = ["MAX_COMMIT_CALL_BYTES", "CommitRouter", "read_prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +45,24 @@ log = logging.getLogger(__name__)
 MAX_COMMIT_CALL_BYTES: Final = 8 * 1024 * 1024
 #: How often a writer waiting on a committer looks whether the map named another one.
 WATCH_SECONDS: Final = 0.1
+#: Seconds a map this node replaced still counts for groups of other nodes (at least): one
+#: prepared just before its writer's partition moved is still its own.
+OWNERSHIP_GRACE: Final = 10.0
 #: Longest wait for one commit call (a committer that is alive but slow; a dead one is
 #: noticed by the map long before).
 CALL_SECONDS: Final = 600.0
+
+
+def read_prepared(data: bytes) -> PreparedCommit | str:
+    """The prepared group in a commit call's body, or why it is not one. Blocking (a body of
+    8 MiB takes a while to parse: a worker thread's job). Returns the reason rather than
+    raising it, so no traceback keeps the parsed body alive after the answer."""
+    try:
+        prepared = PreparedCommit.from_wire(json.loads(data))
+        check_table_name(prepared.table)
+    except (ValueError, RecursionError, UsageError) as exc:
+        return str(exc)
+    return prepared
 
 
 class CommitRouter:
@@ -73,6 +91,12 @@ class CommitRouter:
         self._peers = peers
         self._map = partition_map
         self._failure_timeout = failure_timeout
+        # Groups of other nodes are checked against this node's maps (its coordinators).
+        self.ownership = Ownership(
+            partition_map,
+            grace=max(OWNERSHIP_GRACE, 4 * failure_timeout),
+            wait=failure_timeout,
+        )
         # Committers whose commit calls went unanswered, since when, and when one was last
         # tried: once past the failure timeout, groups are committed here at once, and the
         # committer is tried again once per failure timeout (the cut may heal).
@@ -91,7 +115,9 @@ class CommitRouter:
         while True:
             node_id, address = self.committer(prepared.table)
             if node_id == self.node_id:
-                return await self._engine.coordinator(prepared.table).submit(prepared)
+                return await self._engine.coordinator(prepared.table).submit(
+                    prepared, self.ownership
+                )
             now = time.monotonic()
             since, last_try = self._unreachable.get(node_id, (now, now))
             if now - since > self._failure_timeout and (
@@ -103,7 +129,9 @@ class CommitRouter:
                     node_id,
                     now - since,
                 )
-                return await self._engine.coordinator(prepared.table).submit(prepared)
+                return await self._engine.coordinator(prepared.table).submit(
+                    prepared, self.ownership
+                )
             tried = True
             call = asyncio.ensure_future(self._call(address, prepared))
             moved = False
@@ -135,8 +163,8 @@ class CommitRouter:
             return outcome
 
     async def _call(self, address: str, prepared: PreparedCommit) -> Outcome:
-        payload = json.dumps(prepared.to_wire(), separators=(",", ":"))
-        reply = await self._peers.call(address, "commit", payload=payload, timeout=CALL_SECONDS)
+        body = json.dumps(prepared.to_wire(), separators=(",", ":")).encode()
+        reply = await self._peers.call(address, "commit", body=body, timeout=CALL_SECONDS)
         if reply.status != 200 or not reply.proven:
             error = reply.body.get("error") if isinstance(reply.body, dict) else None
             raise ValueError(f"committer at {address} answered {reply.status}: {error}")

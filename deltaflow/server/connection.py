@@ -2,17 +2,22 @@
 
 A connection that breaks the protocol (malformed or oversize frame, bad handshake) gets an
 ``error`` frame saying what and is closed; other connections and their streams are untouched.
-Before its hello passes, a connection costs the node little: the hello is read within
-:data:`HELLO_TIMEOUT`, at most :data:`~deltaflow.protocol.MAX_HELLO_BYTES` of it are decoded,
-its token is checked before anything else in it, and at most :data:`MAX_UNAUTHENTICATED` such
-connections wait at once.
+
+A client holding the token proves it in the upgrade request (``Authorization: Bearer``), and
+its connection is read as any other from the start. A stranger's (no token in the upgrade)
+costs the node little until its hello passes: beyond :data:`MAX_UNAUTHENTICATED` such
+connections (:data:`MAX_UNAUTHENTICATED_PER_ADDRESS` from one address) it is refused before
+the upgrade (HTTP 503), it may send at most :data:`FIRST_MESSAGE_BYTES` before its hello
+passes, the hello is read within :data:`HELLO_TIMEOUT`, and its token is checked before
+anything else in it. A wrong token in the upgrade request is refused before the upgrade (401).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, MutableSet
 from typing import Any, Final, NoReturn, Protocol
 
 import aiohttp
@@ -36,6 +41,7 @@ from ..protocol import (
     CAPABILITIES,
     CLIENT_ID,
     MAX_CLIENT_ID,
+    MAX_HELLO_BYTES,
     SUPPORTED_VERSIONS,
     Frame,
     decode_frames,
@@ -45,27 +51,39 @@ from ..protocol import (
 )
 from .dispatcher import Dispatcher
 from .frames import error_frame
+from .listening import connection_guard
+from .node_config import NodeConfig
 
 __all__ = [
+    "FIRST_MESSAGE_BYTES",
     "HELLO_TIMEOUT",
     "MAX_UNAUTHENTICATED",
     "MAX_UNAUTHENTICATED_PER_ADDRESS",
+    "STRANGER_CLOSE_TIMEOUT",
     "ClientConnection",
     "NodeView",
+    "ReadLimit",
+    "handshake_refusal",
+    "serve_websocket",
     "unauthenticated",
+    "upgrade_proof",
 ]
 
 log = logging.getLogger(__name__)
 
 #: Seconds a node waits for the hello after the upgrade (a client sends it at once).
 HELLO_TIMEOUT: Final = 5.0
-#: Connections of a node that upgraded but whose hello has not passed yet: a new one beyond
-#: these is refused at once (``OVERLOADED``). Each may hold one message of up to the frame
-#: limit, which aiohttp reads whole before the node sees it, for at most HELLO_TIMEOUT.
+#: Strangers' connections of a node (no token in the upgrade request) whose hello has not
+#: passed yet: a new one beyond these is refused before its upgrade (HTTP 503, OVERLOADED).
 MAX_UNAUTHENTICATED: Final = 16
-#: Of those, most from one remote address: one stranger cannot fill the node's handshake slots
-#: and lock every client out.
+#: Of those, most from one remote address: one stranger cannot take every handshake slot.
 MAX_UNAUTHENTICATED_PER_ADDRESS: Final = 4
+#: Bytes a stranger's connection may send after its upgrade until its hello passes: the
+#: hello, its frame header and a control frame or two. Past them the node reads no more of
+#: it and refuses it (FRAME_TOO_LARGE).
+FIRST_MESSAGE_BYTES: Final = MAX_HELLO_BYTES + 1024
+#: Seconds a refused stranger's connection is given to answer the node's close.
+STRANGER_CLOSE_TIMEOUT: Final = 2.0
 
 
 class NodeView(Protocol):
@@ -73,6 +91,11 @@ class NodeView(Protocol):
 
     @property
     def node_id(self) -> str: ...
+
+    @property
+    def config(self) -> NodeConfig:
+        """Its settings: the secrets an upgrade request may prove."""
+        ...
 
     @property
     def max_frame_bytes(self) -> int:
@@ -94,13 +117,42 @@ class NodeView(Protocol):
         ...
 
 
-class ClientConnection:
-    """Serves one WebSocket; ``send`` is what the dispatcher answers through."""
+class ReadLimit(Protocol):
+    """A cap on what a connection may send (its listener's guard is one)."""
 
-    def __init__(self, node: NodeView, ws: web.WebSocketResponse, remote: str) -> None:
+    def limit_reading(self, budget: int, on_exceeded: Callable[[], None]) -> None:
+        """Take at most ``budget`` more bytes; past them drop the rest and call
+        ``on_exceeded``."""
+        ...
+
+    def lift_reading_limit(self) -> None: ...
+
+
+class ClientConnection:
+    """Serves one WebSocket; ``send`` is what the dispatcher answers through.
+
+    ``proven``: the upgrade request proved the token (or a client certificate did), so the
+    connection is no stranger's. ``read_limit``: where a stranger's first message is capped
+    (its connection's guard; None: uncapped).
+    """
+
+    def __init__(
+        self,
+        node: NodeView,
+        ws: web.WebSocketResponse,
+        remote: str,
+        *,
+        proven: bool = False,
+        read_limit: ReadLimit | None = None,
+    ) -> None:
         self._node = node
         self._ws = ws
         self._remote = remote
+        self.proven = proven
+        self._read_limit = None if proven else read_limit
+        self._overrun = False  # it sent more than FIRST_MESSAGE_BYTES before its hello passed
+        self._refusing = False  # refused: closing, still held to what it may send
+        self._hello_deadline: asyncio.Timeout | None = None
         self.client_id = "?"  # the hello's, once it passed the check
         self.authenticated = False  # its hello passed: token, client id and version
         self._caps: list[str] = []  # the capabilities both sides listed, from the hello
@@ -146,27 +198,42 @@ class ClientConnection:
         """The address the connection comes from."""
         return self._remote
 
-    async def serve(self, *, unauthenticated: int = 0, from_remote: int = 0) -> None:
-        """Serve the connection until it closes.
+    @property
+    def stranger(self) -> bool:
+        """Neither its upgrade nor its hello has proven anything yet, and it is not refused
+        yet: what the handshake caps count (a refused one may send no more than its first
+        message's limit, while the node waits for its close)."""
+        return not (self.proven or self.authenticated or self._refusing)
 
-        Args:
-            unauthenticated: how many other connections of the node have not passed their
-                hello yet; at :data:`MAX_UNAUTHENTICATED` this one is refused at once.
-            from_remote: how many of those come from this connection's address; at
-                :data:`MAX_UNAUTHENTICATED_PER_ADDRESS` this one is refused at once.
-        """
+    def refuse_upgrade(self, err: ServerError, status: int) -> web.Response:
+        """The answer that refuses the upgrade (before anything of the connection is read):
+        ``status`` with the error as JSON, and the connection closed after it."""
+        err.node = err.node or self._node.node_id
+        self._refused(err, closed=True)
+        response = web.json_response(
+            {"error": str(err), "code": err.code, "retriable": err.retriable},
+            status=status,
+            headers={"Retry-After": "1"} if err.retriable else None,
+        )
+        response.force_close()  # what follows a refused upgrade is no HTTP request
+        return response
+
+    def _first_message_overrun(self) -> None:
+        self._overrun = True
+        if self._hello_deadline is not None:
+            self._hello_deadline.reschedule(-1.0)  # the wait for the hello ends now
+
+    async def serve(self, request: web.Request) -> None:
+        """Upgrade ``request`` and serve the connection until it closes."""
         node_id = self._node.node_id
-        if unauthenticated >= MAX_UNAUTHENTICATED or from_remote >= MAX_UNAUTHENTICATED_PER_ADDRESS:
-            await self._abort(
-                OverloadedError(
-                    f"{unauthenticated} connections to this node ({from_remote} from this "
-                    f"address) are still in their handshake (at most {MAX_UNAUTHENTICATED}, "
-                    f"{MAX_UNAUTHENTICATED_PER_ADDRESS} from one address); connect again later",
-                    node=node_id,
-                ),
-                aiohttp.WSCloseCode.TRY_AGAIN_LATER,
-            )
-            return
+        if self._read_limit is not None:  # before the upgrade: nothing of it is read yet
+            self._read_limit.limit_reading(FIRST_MESSAGE_BYTES, self._first_message_overrun)
+        try:
+            await self._ws.prepare(request)
+        except BaseException:  # no upgrade (a 400): the connection may carry other requests
+            if self._read_limit is not None:
+                self._read_limit.lift_reading_limit()
+            raise
         try:
             await self._handshake()
             while True:
@@ -217,6 +284,7 @@ class ClientConnection:
               client=self.client_id, remote=self._remote, **where)  # fmt: skip
 
     async def _abort(self, err: ServerError, code: int) -> None:
+        self._refusing = True
         self._refused(err, closed=True)
         await self.send(error_frame(err))
         await self._outbox.drain()
@@ -225,10 +293,22 @@ class ClientConnection:
     async def _handshake(self) -> None:
         # Checked in order of cost to a stranger: size before decoding, the token before
         # anything else in the hello, and only then what the client says about itself.
-        try:
-            msg = await self._ws.receive(timeout=HELLO_TIMEOUT)
-        except TimeoutError:
-            raise ProtocolError(f"no hello within {HELLO_TIMEOUT}s") from None
+        msg = None
+        if not self._overrun:
+            try:
+                async with asyncio.timeout(HELLO_TIMEOUT) as self._hello_deadline:
+                    msg = await self._ws.receive()
+            except TimeoutError:
+                if not self._overrun:
+                    raise ProtocolError(f"no hello within {HELLO_TIMEOUT}s") from None
+            finally:
+                self._hello_deadline = None
+        if self._overrun or msg is None:
+            raise FrameTooLargeError(
+                f"more than {FIRST_MESSAGE_BYTES} bytes before the hello passed: that exceeds "
+                f"the limit of {MAX_HELLO_BYTES} bytes for a hello; send only the versions, "
+                "capabilities, client id and token, and wait for welcome"
+            )
         if msg.type != aiohttp.WSMsgType.BINARY:
             raise ProtocolError("expected a binary hello frame")
         hello = decode_hello(msg.data)
@@ -251,6 +331,8 @@ class ClientConnection:
             )
         caps = [c for c in hello["caps"] if c in CAPABILITIES]
         self._caps = caps
+        if self._read_limit is not None:
+            self._read_limit.lift_reading_limit()
         if "multi" in caps:
             # The client checks each message against this node's limit (welcome's ``max``).
             self._outbox = Outbox(
@@ -327,5 +409,85 @@ def token_matches(expected: str | None, given: str | None) -> bool:
 
 
 def unauthenticated(connections: Iterable[ClientConnection]) -> int:
-    """How many of ``connections`` have not passed their hello yet."""
-    return sum(not conn.authenticated for conn in connections)
+    """How many of ``connections`` are strangers' (see :attr:`ClientConnection.stranger`)."""
+    return sum(conn.stranger for conn in connections)
+
+
+def handshake_refusal(
+    connections: Iterable[ClientConnection], remote: str, node: str
+) -> OverloadedError | None:
+    """Why a new stranger's connection from ``remote`` is refused before its upgrade (the
+    node's ``connections`` hold the most strangers, or the most from ``remote``), or None."""
+    strangers = [c for c in connections if c.stranger]
+    waiting = len(strangers)
+    from_remote = sum(c.remote == remote for c in strangers)
+    if waiting >= MAX_UNAUTHENTICATED or from_remote >= MAX_UNAUTHENTICATED_PER_ADDRESS:
+        return OverloadedError(
+            f"{waiting} connections to this node ({from_remote} from this address) are "
+            f"still in their handshake without a token in the upgrade request (at most "
+            f"{MAX_UNAUTHENTICATED}, {MAX_UNAUTHENTICATED_PER_ADDRESS} from one address); "
+            "connect again later, or send the token in the upgrade (deltaflow clients do)",
+            node=node,
+        )
+    return None
+
+
+def upgrade_proof(request: web.Request, config: NodeConfig) -> bool | None:
+    """What a WebSocket upgrade request proves: True, the client token or the peer token
+    (``Authorization: Bearer``), or a client certificate under mutual TLS where no client token
+    is set; False, a wrong token where clients need one; None, nothing (a stranger's, read as
+    one until its hello passes; a node without a client token ignores the header)."""
+    header = request.headers.get("Authorization")
+    if header is not None:
+        given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        secrets = [s for s in (config.token, config.peer_token) if s is not None]
+        if given is not None and any(token_matches(s, given) for s in secrets):
+            return True
+        if config.token is not None:
+            return False
+    if config.token is None and config.tls is not None and config.tls.client_auth:
+        return True  # the TLS handshake checked its certificate
+    return None
+
+
+async def serve_websocket(
+    node: NodeView,
+    request: web.Request,
+    connections: MutableSet[ClientConnection],
+    websockets: MutableSet[web.WebSocketResponse],
+) -> web.StreamResponse:
+    """Serve ``GET /v1/stream``: refuse it before the upgrade (a wrong token: 401; a stranger
+    past the handshake caps: 503), or upgrade it and serve the connection, held in
+    ``connections`` and ``websockets`` (the node's) until it closes."""
+    proof = upgrade_proof(request, node.config)
+    # No permessage-deflate: msgpack frames compress little for the CPU it costs.
+    ws = web.WebSocketResponse(
+        max_msg_size=node.max_frame_bytes,
+        heartbeat=30.0,
+        compress=False,
+        timeout=10.0 if proof else STRANGER_CLOSE_TIMEOUT,  # waiting for the client's close
+    )
+    conn = ClientConnection(
+        node, ws, request.remote or "?", proven=proof is True,
+        read_limit=connection_guard(request),
+    )  # fmt: skip
+    # Refused before the upgrade: nothing of the connection is read.
+    if proof is False:
+        return conn.refuse_upgrade(AuthenticationError(
+            "wrong token in the upgrade request (Authorization: Bearer); pass the cluster "
+            "token to deltaflow.connect(token=...)"), 401)  # fmt: skip
+    refusal = conn.stranger and handshake_refusal(connections, conn.remote, node.node_id)
+    if refusal:
+        return conn.refuse_upgrade(refusal, 503)
+    # Counted and joined in one loop turn.
+    connections.add(conn)
+    websockets.add(ws)
+    try:
+        await conn.serve(request)
+    finally:
+        conn.release_streams()
+        connections.discard(conn)
+        websockets.discard(ws)
+        if ws.prepared and not ws.closed:
+            await ws.close()
+    return ws

@@ -10,13 +10,21 @@ others are refused.
 
 The record is behind :class:`IdentityStore` so that a warehouse on an object store can keep it
 with a conditional PUT instead of a hard link.
+
+Beside it, every node publishes the public half of a signing key it makes at start
+(``.deltaflow/nodes/<node id>.json``, :class:`NodeKey`): its calls to peers are signed, and a
+called node checks the signature with the key the warehouse holds for the id the caller
+claims (:class:`PeerKeys`). Whoever may write the warehouse may name a node's key; whoever
+holds only the peer token may not speak as a node.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
 import uuid
@@ -26,18 +34,24 @@ from typing import Any, Final, Protocol
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from ..errors import UsageError
+from ..security import NODE_ID
 from ..storage.paths import Location, StorePath, location
 
 __all__ = [
     "CLUSTER_FILE",
+    "NODE_KEYS_DIR",
     "Candidate",
     "ClusterRecord",
     "FileIdentityStore",
     "IdentityStore",
     "NodeIdentity",
+    "NodeKey",
+    "PeerKeys",
     "Verdict",
     "decide",
     "identity_store",
@@ -46,8 +60,17 @@ __all__ = [
     "winning_identity",
 ]
 
+log = logging.getLogger(__name__)
+
 #: Where the cluster record lives, relative to the warehouse.
 CLUSTER_FILE: Final = ".deltaflow/cluster.json"
+#: Where each node's public signing key lives, relative to the warehouse (``<node id>.json``).
+NODE_KEYS_DIR: Final = ".deltaflow/nodes"
+#: Seconds before a node id whose signature failed (or that has no key) is read again: a
+#: restarted node published a new key, but a caller cannot make the warehouse read at will.
+KEY_REREAD_SECONDS: Final = 1.0
+#: Node keys a node keeps (a peer-token holder may claim many ids; each costs one entry).
+MAX_KEYS: Final = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -159,6 +182,133 @@ class FileIdentityStore:
         ):
             raise _malformed(self.path, "a field has the wrong type")
         return record
+
+
+class NodeKey:
+    """This node's signing key (Ed25519), made at start and never stored: a restart makes a
+    new one and publishes it (:meth:`publish`), so there is no private key file to guard."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._private = Ed25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes_raw()
+
+    def sign(self, message: bytes) -> str:
+        """The signature of ``message``, hex."""
+        return self._private.sign(message).hex()
+
+    def publish(self, warehouse: Location | str) -> None:
+        """Write the public key to ``.deltaflow/nodes/<node id>.json`` in ``warehouse``,
+        replacing the one an earlier run of this node wrote. Blocking.
+
+        Raises:
+            UsageError: the warehouse cannot be written.
+        """
+        target = _key_path(warehouse, self.node_id)
+        record = {
+            "node": self.node_id,
+            "public_key": self.public.hex(),
+            "published_at_ms": time.time_ns() // 1_000_000,
+        }
+        data = json.dumps(record).encode()
+        try:
+            if isinstance(target, StorePath):
+                target.write_bytes(data)  # a PUT replaces the object whole
+                return
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f"{target.name}.{uuid.uuid4().hex}.tmp")
+            try:
+                with tmp.open("xb") as out:
+                    out.write(data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, target)  # readers see the old key or the new, never half
+            finally:
+                tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot publish node {self.node_id}'s signing key at {target}: {exc} (the "
+                "warehouse must be writable)"
+            ) from exc
+
+
+def _key_path(warehouse: Location | str, node_id: str) -> Location:
+    if not NODE_ID.fullmatch(node_id):
+        raise ValueError(f"not a node id: {node_id[:80]!r}")
+    return location(warehouse).expanduser().resolve() / NODE_KEYS_DIR / f"{node_id}.json"
+
+
+def read_node_key(warehouse: Location | str, node_id: str) -> bytes | None:
+    """The public key the warehouse holds for ``node_id`` (None: none, or unreadable).
+    Blocking."""
+    path = _key_path(warehouse, node_id)
+    try:
+        record = json.loads(path.read_bytes())
+        key = bytes.fromhex(record["public_key"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("cannot read node %s's signing key at %s: %s", node_id, path, exc)
+        return None
+    if record.get("node") != node_id or len(key) != 32:
+        log.warning("the signing key at %s is not node %s's", path, node_id)
+        return None
+    return key
+
+
+@dataclass(slots=True)
+class _Known:
+    key: Ed25519PublicKey | None
+    read_at: float
+
+
+class PeerKeys:
+    """The public keys of a warehouse's nodes, read when first needed and again, at most once
+    per :data:`KEY_REREAD_SECONDS` per node, when a signature does not match (the node
+    restarted with a new key)."""
+
+    def __init__(self, warehouse: Location | str) -> None:
+        self._warehouse = warehouse
+        self._known: dict[str, _Known] = {}
+        self._reading: dict[str, asyncio.Task[_Known]] = {}
+
+    async def verify(self, node_id: str, message: bytes, signature: str) -> bool:
+        """Whether ``signature`` (hex) is ``node_id``'s over ``message``."""
+        try:
+            raw = bytes.fromhex(signature)
+        except ValueError:
+            return False
+        known = self._known.get(node_id)
+        if known is not None and _valid(known.key, raw, message):
+            return True
+        if known is not None and time.monotonic() - known.read_at < KEY_REREAD_SECONDS:
+            return False
+        reading = self._reading.get(node_id)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read(node_id))
+            self._reading[node_id] = reading
+            reading.add_done_callback(lambda _: self._reading.pop(node_id, None))
+        known = await asyncio.shield(reading)
+        return _valid(known.key, raw, message)
+
+    async def _read(self, node_id: str) -> _Known:
+        raw = await asyncio.to_thread(read_node_key, self._warehouse, node_id)
+        known = _Known(Ed25519PublicKey.from_public_bytes(raw) if raw else None, time.monotonic())
+        self._known.pop(node_id, None)
+        while len(self._known) >= MAX_KEYS:  # the longest unread goes first
+            del self._known[next(iter(self._known))]
+        self._known[node_id] = known
+        return known
+
+
+def _valid(key: Ed25519PublicKey | None, signature: bytes, message: bytes) -> bool:
+    if key is None:
+        return False
+    try:
+        key.verify(signature, message)
+    except InvalidSignature:
+        return False
+    return True
 
 
 def _malformed(path: Location, why: object) -> UsageError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import ssl
 import time
@@ -19,7 +18,6 @@ from ..errors import UsageError
 from ..logs import event
 from ..partitioning import PartitionMap
 from ..protocol import PROTOCOL_VERSION, WS_PATH, truncated_repr
-from ..receivers.base import check_table_name
 from ..receivers.dead_letter import DeadLetter
 from ..receivers.registry import ReceiverRegistry
 from ..receivers.side_input import SideInput
@@ -27,11 +25,10 @@ from ..receivers.table import TableUpsert
 from ..storage.conditional import require_conditional_writes
 from ..storage.paths import StorePath, location
 from ..tables.engine import TableEngine
-from ..tables.prepared import PreparedCommit
-from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter
-from .connection import ClientConnection, token_matches, unauthenticated
+from .commits import CALL_SECONDS, MAX_COMMIT_CALL_BYTES, CommitRouter, read_prepared
+from .connection import ClientConnection, serve_websocket, token_matches
 from .dispatcher import Dispatcher
-from .identity import NodeIdentity, load_identity
+from .identity import NodeIdentity, NodeKey, PeerKeys, load_identity
 from .listening import Route, listen
 from .metrics import NodeCollector
 from .node_config import DEFAULT_PORT, NodeConfig
@@ -55,6 +52,8 @@ log = logging.getLogger(__name__)
 #: Seconds a draining node waits for the batches it accepted to be applied and acknowledged.
 DEFAULT_DRAIN_TIMEOUT: Final = 30.0
 TABLE_RECEIVER_NAME: Final = "deltaflow.receivers.TableUpsert"
+#: Commit bodies parsed at once (a proven peer's 8 MiB of JSON can take ~200 MB to parse).
+COMMIT_PARSES: Final = 2
 DEAD_LETTER_RECEIVER_NAME: Final = "deltaflow.receivers.DeadLetter"
 
 
@@ -99,6 +98,7 @@ class Node:
             self.warehouse,
             node_id=config.node_id,
             settings=config.engine_settings(),
+            max_tables=config.max_tables,
         )
         # Side inputs, like receivers, are imported here from the operator's list only.
         classes = load_side_inputs([*config.side_inputs, *side_inputs])
@@ -115,15 +115,22 @@ class Node:
         self._stopped = asyncio.Event()
         self._drain_task: asyncio.Task[list[str]] | None = None
         self._commit_peers: PeerClient | None = None
+        self._commit_router: CommitRouter | None = None
         self._membership: Membership | None = None
         self._runner: web.AppRunner | None = None
         self._connections: set[ClientConnection] = set()
         self._websockets: set[web.WebSocketResponse] = set()
+        # Its calls to peers are signed with a key made now; the warehouse holds its public half.
+        self.key = NodeKey(config.node_id)
+        self._peer_keys = PeerKeys(self.warehouse)  # calls' and answers' signatures: one cache
         self._peer_gate = PeerGate(
             node_id=config.node_id,
             secret=config.peer_secret,
             certificates=config.peer_certificates,
+            keys=self._peer_keys,
+            signer=self.key,
         )
+        self._commit_parsing = asyncio.Semaphore(COMMIT_PARSES)
         self.dispatcher = Dispatcher(
             node_id=config.node_id,
             registry=self.registry,
@@ -228,6 +235,7 @@ class Node:
                 partitions=self.config.partitions,
             )
             self.identity = identity
+            await asyncio.to_thread(self.key.publish, self.warehouse)
             ready.mark("identity")
             log.info("node %s: %s", self.node_id, identity.describe())
             # Side inputs are retrieved while the engine starts; the node serves only once
@@ -266,6 +274,8 @@ class Node:
             certificates=self.config.peer_certificates,
             tls=peer_tls,
             receivers=self.registry.names(),
+            signer=self.key,
+            keys=self._peer_keys,
         )
         await self._membership.start()
         # Prepared groups go to each table's committer (a peer, or this node's coordinator).
@@ -276,15 +286,19 @@ class Node:
             certificates=self.config.peer_certificates,
             tls=peer_tls,
             timeout=CALL_SECONDS,
+            signer=self.key,
+            keys=self._peer_keys,
         )
         await self._commit_peers.start()
-        self.engine.commit_sink = CommitRouter(
+        self._commit_router = CommitRouter(
             node_id=self.node_id,
             engine=self.engine,
             peers=self._commit_peers,
             partition_map=lambda: self.partition_map,
             failure_timeout=self.config.failure_timeout,
         )
+        self.engine.commit_sink = self._commit_router
+        self._membership.map_listeners.append(self._commit_router.ownership.moved)
         ready.mark("membership")
         self.state = NodeState.RUNNING
         event(log, "node.ready", f"node {self.node_id} ready on {self.address}",
@@ -402,9 +416,15 @@ class Node:
     async def _peer_poll_handler(self, request: web.Request) -> web.Response:
         """A peer's liveness poll: it proved itself; it learns this node's view."""
         caller = await self._peer_gate.admit(request, "poll")
+        if caller.unverified:  # not observed: the peer token alone does not speak for a node
+            body = self._cluster_body(tables=False)
+            who = {k: body[k] for k in ("node", "address", "identity", "serving")}
+            return self._peer_gate.introduce(request, caller, who)
         if self._membership is not None:
             self._membership.observe(caller.node_id, caller.address)
-        return self._peer_gate.answer(caller, self._cluster_body())
+        # Without the tables: a peer reads none of them, and the answer keeps its size
+        # whatever the node writes (each table would add ~180 bytes to every poll).
+        return self._peer_gate.answer(caller, self._cluster_body(tables=False))
 
     async def _peer_status_handler(self, request: web.Request) -> web.Response:
         """What ``GET /v1/cluster`` answers, for an operator proving the peer token (who then
@@ -412,9 +432,11 @@ class Node:
         caller = await self._peer_gate.admit(request, "status")
         return self._peer_gate.answer(caller, self._cluster_body())
 
-    def _cluster_body(self) -> dict[str, object]:
+    def _cluster_body(self, *, tables: bool = True) -> dict[str, object]:
+        """This node's view of the cluster; ``tables`` False: without the tables it writes
+        or commits (what a peer's poll is answered)."""
         membership = self._membership
-        return {
+        body: dict[str, object] = {
             "draining": self.state is NodeState.DRAINING,
             "node": self.node_id,
             "address": self.address,
@@ -426,21 +448,16 @@ class Node:
             "map": self.partition_map.to_wire(),
             "members": self.members(),
             "receivers": self.registry.names(),
-            "tables": self._tables_body(),
             "side_inputs": {
                 s.name: {"version": s.version, "leader": s.leader}
                 for s in (self.side_inputs.statistics() if self.side_inputs else ())
             },
         }
-
-    def _tables_body(self) -> dict[str, dict[str, Any]]:
-        """The tables this node writes or commits, each with its committer by this node's
-        map."""
-        pmap = self.partition_map
-        return {
-            name: {"committer": pmap.committer(name), **known}
-            for name, known in self.engine.tables().items()
-        }
+        if tables:  # the first 10,000 by name, each with its committer by this node's map
+            pmap = self.partition_map
+            known = self.engine.tables().items()
+            body["tables"] = {n: {"committer": pmap.committer(n), **t} for n, t in known}
+        return body
 
     async def _leave_handler(self, request: web.Request) -> web.Response:
         """A peer drains: it asks this node to take its partitions now (taken only if the
@@ -453,13 +470,16 @@ class Node:
     async def _commit_handler(self, request: web.Request) -> web.Response:
         """A writer's prepared group, for this node to commit (it is, or was, the table's
         committer); answered with the outcome once the commit holding it is durable."""
-        caller = await self._peer_gate.admit(request, "commit", limit=MAX_COMMIT_CALL_BYTES)
-        try:
-            prepared = PreparedCommit.from_wire(json.loads(caller.payload))
-            check_table_name(prepared.table)
-        except (ValueError, RecursionError, UsageError) as exc:
-            log.info("refused a commit call from %s: %s", caller, truncated_repr(str(exc)))
-            return web.json_response({"error": f"a bad prepared commit: {exc}"}, status=400)
+        # The proof (in headers, over the body's digest) first: a stranger's body is not read.
+        limit = MAX_COMMIT_CALL_BYTES
+        caller = await self._peer_gate.admit_unread(request, "commit", limit=limit)
+        data = await self._peer_gate.read_proven(request, caller, limit)
+        async with self._commit_parsing:
+            prepared = await asyncio.to_thread(read_prepared, data)
+        del data
+        if isinstance(prepared, str):
+            log.info("refused a commit call from %s: %s", caller, truncated_repr(prepared))
+            return web.json_response({"error": f"a bad prepared commit: {prepared}"}, status=400)
         if prepared.writer != caller.node_id:
             return web.json_response(
                 {"error": "a node sends its own prepared groups only"}, status=403
@@ -471,7 +491,8 @@ class Node:
             return web.json_response(
                 {"error": f"no table {prepared.table!r} in this node's warehouse"}, status=404
             )
-        outcome = await coordinator.submit(prepared)
+        assert self._commit_router is not None
+        outcome = await coordinator.submit(prepared, self._commit_router.ownership)
         return self._peer_gate.answer(caller, {"node": self.node_id, "outcome": outcome.to_wire()})
 
     async def _drain_handler(self, request: web.Request) -> web.Response:
@@ -495,24 +516,5 @@ class Node:
             body=generate_latest(self.metrics), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    async def _ws_handler(self, request: web.Request) -> web.WebSocketResponse:
-        # No permessage-deflate: msgpack frames compress little for the CPU it costs.
-        ws = web.WebSocketResponse(
-            max_msg_size=self.max_frame_bytes, heartbeat=30.0, compress=False
-        )
-        await ws.prepare(request)
-        conn = ClientConnection(self, ws, request.remote or "?")
-        # Counted and joined in one loop turn.
-        waiting = unauthenticated(self._connections)
-        same = unauthenticated(c for c in self._connections if c.remote == conn.remote)
-        self._connections.add(conn)
-        self._websockets.add(ws)
-        try:
-            await conn.serve(unauthenticated=waiting, from_remote=same)
-        finally:
-            conn.release_streams()
-            self._connections.discard(conn)
-            self._websockets.discard(ws)
-            if not ws.closed:
-                await ws.close()
-        return ws
+    async def _ws_handler(self, request: web.Request) -> web.StreamResponse:
+        return await serve_websocket(self, request, self._connections, self._websockets)

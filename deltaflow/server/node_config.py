@@ -13,6 +13,7 @@ from ..partitioning import DEFAULT_PARTITIONS
 from ..protocol import DEFAULT_MAX_FRAME_BYTES
 from ..security import NODE_ID, NodeTls, is_loopback
 from ..storage.paths import StorePath
+from ..tables.engine import DEFAULT_MAX_TABLES
 from ..tables.engine_settings import (
     DEFAULT_MAX_GROUP_BYTES,
     DEFAULT_MAX_GROUP_ROWS,
@@ -30,6 +31,14 @@ from .topology import DEFAULT_PEER_EXPIRY
 __all__ = ["DEFAULT_PORT", "NodeConfig"]
 
 DEFAULT_PORT: Final = 7700
+#: Open connections of a node (clients, peers, probes), at most (see ``listening``).
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+#: Open connections from one remote address, at most.
+DEFAULT_MAX_CONNECTIONS_PER_ADDRESS: Final = 128
+#: Seconds a connection has to send a request's headers, whole.
+DEFAULT_HEADER_TIMEOUT: Final = 10.0
+#: Seconds a kept-alive connection may wait for its next request.
+DEFAULT_IDLE_TIMEOUT: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,6 +73,14 @@ class NodeConfig:
             token but no TLS, or without a peer credential of its own. Default False.
         partitions: the fixed partition count; every node of a cluster must agree. Default 64.
         max_frame_bytes: largest frame accepted. Default 16 MiB.
+        max_connections: open connections of the node (clients, peers, probes) at most; more
+            are answered 503 as they are accepted. Kept below the open-file limit (see
+            ``docs/configuration.md``, "Connections"). Default 1,024.
+        max_connections_per_address: open connections from one remote address at most (and
+            at most half of ``max_connections``). Default 128.
+        header_timeout: seconds a connection has to send a request's headers whole, from its
+            accept or, kept alive, from the request's first byte; then it is closed. Default 10.
+        idle_timeout: seconds a kept-alive connection may wait for its next request. Default 60.
         heartbeat_interval: seconds between peer liveness polls. Default 0.5.
         failure_timeout: seconds of silence after which a peer counts as dead. Default 3.0.
         peer_expiry: seconds of silence after which a peer has left the cluster (shown as
@@ -74,6 +91,8 @@ class NodeConfig:
             with its settings, such as ``SparkOptions(config=SparkConfig(...), writer="sql")``
             (see :mod:`deltaflow.engines.options`). Held as options: a name becomes its
             engine's default options.
+        max_tables: tables this node writes at most; a stream's write to one more is
+            refused (``OVERLOADED``, not retriable) while the others go on. Default 1,000.
         max_group_rows: largest group commit, rows. Default 500,000.
         max_group_bytes: largest group commit, bytes of Arrow data. Default 256 MiB. (One batch
             larger than either bound still commits, alone.)
@@ -117,10 +136,15 @@ class NodeConfig:
     insecure: bool = False
     partitions: int = DEFAULT_PARTITIONS
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_address: int = DEFAULT_MAX_CONNECTIONS_PER_ADDRESS
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     heartbeat_interval: float = 0.5
     failure_timeout: float = 3.0
     peer_expiry: float = DEFAULT_PEER_EXPIRY
     engine: str | EngineOptions = DEFAULT_ENGINE
+    max_tables: int = DEFAULT_MAX_TABLES
     max_group_rows: int = DEFAULT_MAX_GROUP_ROWS
     max_group_bytes: int = DEFAULT_MAX_GROUP_BYTES
     min_commit_interval: float = 0.0
@@ -146,6 +170,10 @@ class NodeConfig:
             raise UsageError("partitions must be between 1 and 65536")
         if self.max_frame_bytes < 64 * 1024:
             raise UsageError("max_frame_bytes must be at least 64 KiB")
+        if not 1 <= self.max_connections_per_address <= self.max_connections:
+            raise UsageError("max_connections_per_address must be between 1 and max_connections")
+        if not (self.header_timeout > 0 and self.idle_timeout > 0):
+            raise UsageError("header_timeout and idle_timeout must be > 0")
         if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
             raise UsageError(
                 f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
@@ -164,6 +192,8 @@ class NodeConfig:
         if self.peer_expiry <= self.failure_timeout:
             raise UsageError("peer_expiry must exceed failure_timeout")
         self.engine_settings()  # checks them
+        if not (isinstance(self.max_tables, int) and self.max_tables >= 1):
+            raise UsageError(f"max_tables must be at least 1, got {self.max_tables!r}")
         if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
             raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
         if not self.side_input_lease >= 0.3:

@@ -92,12 +92,22 @@ def _settings() -> tuple[Setting, ...]:
           node["partitions"]),
         S("engine", "str", "the table engine", DEFAULT_ENGINE, choices=ENGINE_NAMES),
         S("max_frame_bytes", "int", "largest frame accepted, bytes", node["max_frame_bytes"]),
+        S("max_connections", "int", "open connections of the node at most (kept below the "
+          "open-file limit)", node["max_connections"]),
+        S("max_connections_per_address", "int", "open connections from one remote address at "
+          "most", node["max_connections_per_address"]),
+        S("header_timeout", "float", "seconds a connection has to send a request's headers",
+          node["header_timeout"]),
+        S("idle_timeout", "float", "seconds a kept-alive connection may wait for its next "
+          "request", node["idle_timeout"]),
         S("heartbeat_interval", "float", "seconds between peer liveness polls",
           node["heartbeat_interval"]),
         S("failure_timeout", "float", "seconds of silence after which a peer is dead",
           node["failure_timeout"]),
         S("peer_expiry", "float", "seconds of silence after which a peer has left (more than "
           "failure_timeout)", node["peer_expiry"]),
+        S("max_tables", "int", "tables this node writes at most (a write to one more is "
+          "refused)", node["max_tables"]),
         S("max_group_rows", "int", "largest group commit, rows", node["max_group_rows"]),
         S("max_group_bytes", "int", "largest group commit, bytes of Arrow data",
           node["max_group_bytes"]),

@@ -12,7 +12,9 @@ A peer whose poll fails is suspected and polled faster; two refused connections 
 down before ``failure_timeout``. A peer that drains (:meth:`Membership.leave`) is taken out at
 once, once a poll of its own confirms it. A node learns of peers beyond ``peers`` only from
 their proven polls, and of at most ``MAX_LEARNED_PEERS``; every such change is logged at
-WARNING with the node that asked. The HTTP calls themselves are :mod:`.peers`'.
+WARNING with the node that asked. A peer counts as a member only if its answer is signed with
+the key the warehouse holds for the node id it names: the peer secret alone cannot answer as a
+node. The HTTP calls themselves are :mod:`.peers`'.
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ import enum
 import logging
 import ssl
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from ..logs import event
 from ..partitioning import PartitionMap
-from .identity import Candidate, NodeIdentity, decide, refusal_message
+from .identity import (
+    NODE_KEYS_DIR,
+    Candidate,
+    NodeIdentity,
+    NodeKey,
+    PeerKeys,
+    decide,
+    refusal_message,
+)
+from .members import DOWN_BECAUSE, Member, PeerState, record
 from .peers import Answer, PeerClient, Silence
 
 __all__ = ["DEFAULT_PEER_EXPIRY", "MAX_LEARNED_PEERS", "Member", "Membership", "PeerState"]
@@ -50,42 +60,10 @@ REFUSALS_APART: Final = 0.1
 MAX_LEARNED_PEERS: Final = 32
 
 
-class PeerState(enum.StrEnum):
-    LIVE = "live"
-    DEAD = "dead"  # no answer for failure_timeout
-    LEFT = "left"  # no answer for peer_expiry
-    REFUSED = "refused"  # answers, but its identity lost (or it says it was refused)
-    DRAINING = "draining"  # answers, but is leaving: it handed its partitions over
-
-
 class _Status(enum.Enum):
     JOINING = "joining"  # before the first round of polls
     ADMITTED = "admitted"
     REFUSED = "refused"
-
-
-@dataclass(slots=True)
-class Member:
-    """A peer as this node knows it (updated after each round of polls)."""
-
-    address: str
-    configured: bool = True  # given in ``peers``, rather than learned from its own polls
-    node_id: str | None = None
-    claimed: str | None = None  # the address its answer says it is reached at
-    identity: NodeIdentity | None = None
-    serving: bool = False
-    own_refusal: str | None = None  # the peer's own ``refused`` message
-    conflict: str | None = None  # why this node does not count it, when it answers
-    proven: bool = True  # its last answer proved it holds the cluster token
-    draining: bool = False  # it said it is leaving (its answer, confirming its leave call)
-    receivers: tuple[str, ...] | None = None  # the receivers it serves, as it last said
-    map_wire: Any = None
-    last_seen: float = 0.0  # monotonic seconds of its last answer; 0 = never
-    asked: float = 0.0  # monotonic seconds the poll whose answer is recorded was sent
-    since: float = 0.0  # monotonic seconds this node began (or began again) polling it
-    suspected: float = 0.0  # monotonic seconds its polls began failing; 0 = not suspected
-    first_refusal: float = 0.0  # of the connections refused since it was suspected; 0 = none
-    down: float = 0.0  # when refused connections confirmed it down; 0 = not confirmed
 
 
 class Membership:
@@ -104,6 +82,10 @@ class Membership:
         certificates: without a secret, peers prove themselves by a certificate with the
             peer role (mutual TLS).
         tls: the SSL context peers are polled over (``https``); None: plain ``http``.
+        signer: this node's signing key: its polls and leaves are signed with it.
+        keys: the warehouse's node keys: a peer whose answer is not signed with the key of
+            the node id it names owns no partition, and (with a secret or certificates) has
+            no say in which cluster identity wins; None: answers are not checked.
     """
 
     def __init__(
@@ -120,6 +102,8 @@ class Membership:
         certificates: bool = False,
         tls: ssl.SSLContext | None = None,
         receivers: Sequence[str] = (),
+        signer: NodeKey | None = None,
+        keys: PeerKeys | None = None,
     ) -> None:
         self.node_id = node_id
         self.address = address
@@ -136,7 +120,13 @@ class Membership:
             certificates=certificates,
             tls=tls,
             timeout=max(heartbeat_interval * 2, 1.0),
+            signer=signer,
+            keys=keys,
         )
+        self._keys_checked = keys is not None
+        # With a peer credential, an unsigned answer cannot even refuse this node: an open
+        # loopback cluster hears a node on another warehouse (whose key it cannot read) so.
+        self._signed_only = keys is not None and (secret is not None or certificates)
         now = time.monotonic()
         self._peers = {a: Member(a, since=now) for a in peers if a != address}
         self._map = PartitionMap.build(_now_ms(), {node_id: address}, self.partitions)
@@ -146,6 +136,8 @@ class Membership:
         self._refused_by: NodeIdentity | None = None
         self._refusal: str | None = None
         self._changed = asyncio.Event()
+        #: Called with the new map on each change (a committer checks groups against it).
+        self.map_listeners: list[Callable[[PartitionMap], None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -246,7 +238,9 @@ class Membership:
         """
         now = time.monotonic()
         live = [m for m in self._peers.values() if self._state(m, now) is PeerState.LIVE]
-        told = await asyncio.gather(*(self._peer_client.tell_leaving(m.address) for m in live))
+        told = await asyncio.gather(
+            *(self._peer_client.tell_leaving(m.address, m.node_id) for m in live)
+        )
         self._leaving = True
         self._decide(time.monotonic())
         return [str(m.node_id) for m, ok in zip(live, told, strict=True) if ok]
@@ -265,12 +259,18 @@ class Membership:
         asked = time.monotonic()
         answer = await self._peer_client.poll(address)
         now = time.monotonic()
-        if not (isinstance(answer, Answer) and answer.proven and answer.node_id == node_id):
+        # Confirmed by that node: an answer in its name without its key's signature is not it.
+        if not (
+            isinstance(answer, Answer)
+            and answer.proven
+            and answer.node_id == node_id
+            and (answer.signed or not self._keys_checked)
+        ):
             event(log, "refusal", f"refused a leave for {node_id} at {address}: its answer "
                   "did not confirm it", level=logging.WARNING, code="LEAVE_REFUSED",
                   peer=node_id, address=address)  # fmt: skip
             return False
-        _record(member, answer, asked, now)
+        record(member, answer, asked, now)
         if not answer.draining:
             event(log, "refusal", f"refused a leave for {node_id} at {address}: its own "
                   "answer says it does not drain", level=logging.WARNING, code="LEAVE_REFUSED",
@@ -339,7 +339,7 @@ class Membership:
         now = time.monotonic()
         for member, answer in zip(targets, answers, strict=True):
             if isinstance(answer, Answer):
-                _record(member, answer, asked, now)
+                record(member, answer, asked, now)
             else:
                 self._suspect(member, answer, now)
         self._decide(now)
@@ -362,7 +362,7 @@ class Membership:
         elif now - member.first_refusal >= REFUSALS_APART:
             member.down = now
             event(log, "member.down", f"peer {member.node_id} at {member.address} is down: "
-                  f"{_DOWN_BECAUSE[silence]} for {now - member.first_refusal:.2f}s, "
+                  f"{DOWN_BECAUSE[silence]} for {now - member.first_refusal:.2f}s, "
                   f"{now - member.last_seen:.2f}s after its last answer", level=logging.WARNING,
                   peer=member.node_id, address=member.address,
                   silent_seconds=round(now - member.last_seen, 3))  # fmt: skip
@@ -392,7 +392,13 @@ class Membership:
         before = (self._status, self._map)
         answered = [m for m in self._peers.values() if self._answered(m, now)]
         comparable = [
-            m for m in answered if m.identity is not None and m.node_id not in (None, self.node_id)
+            m
+            for m in answered
+            if m.identity is not None
+            and m.node_id not in (None, self.node_id)
+            # Another identity's keys are in its own warehouse, out of reach: its proven
+            # answer may refuse this node (as a drain could), never hand out its map.
+            and (m.signed or not self._signed_only or m.identity != self.identity)
         ]
         verdict = decide(
             Candidate(self.node_id, self.identity, self.serving),
@@ -408,12 +414,17 @@ class Membership:
         if (self._status, self._map) != before:
             changed, self._changed = self._changed, asyncio.Event()
             changed.set()
+            for listener in self.map_listeners:
+                listener(self._map)
 
     def _judge(self, answered: list[Member], winner: NodeIdentity) -> None:
         """Set each answering peer's ``conflict``; log it once if this node wins."""
         winners = sorted(str(m.node_id) for m in answered if m.identity == winner)
         witness = self.node_id if winner == self.identity else (winners or ["?"])[0]
         for m in answered:
+            # This warehouse holds the keys of its own cluster's nodes only (open clusters
+            # still hear, unsigned, the cluster that refuses this node).
+            own = m.identity == self.identity
             if not m.proven:
                 conflict: str | None = (
                     f"node {m.node_id} at {m.address} did not prove it holds the peer secret; "
@@ -438,6 +449,13 @@ class Membership:
                 )
             elif m.identity != winner:
                 conflict = refusal_message(str(m.node_id), m.identity, witness, winner)
+            elif not m.signed and self._keys_checked and (self._signed_only or own):
+                conflict = (
+                    f"the node at {m.address} did not prove it is node {m.node_id}: no key of "
+                    f"{m.node_id} in the warehouse matches its answer's signature (each node "
+                    f"publishes its key in {NODE_KEYS_DIR}/ at start; the peer token alone "
+                    "cannot answer as a node)"
+                )
             else:
                 conflict = None
             if conflict and conflict != m.conflict and winner == self.identity:
@@ -479,40 +497,17 @@ class Membership:
         # Hand out the winners' map, so a client that reached this node finds the owners.
         maps: list[PartitionMap] = []
         for m in winners:
-            if m.own_refusal is None and isinstance(m.map_wire, dict):
+            if (
+                m.own_refusal is None
+                and isinstance(m.map_wire, dict)
+                and (m.signed or not self._signed_only)
+            ):
                 with contextlib.suppress(ValueError):
                     maps.append(PartitionMap.from_wire(m.map_wire))
         newest = max(maps, key=lambda p: p.version, default=None)
         if newest is not None and (self._own_map or newest.version != self._map.version):
             self._own_map = False
             self._map = newest
-
-
-#: Why a peer counts as down, by what its polls met.
-_DOWN_BECAUSE: Final = {
-    Silence.REFUSED: "connections refused",
-    Silence.STARTING: "a restarted process answers that it is starting",
-    Silence.NO_ANSWER: "no answer",
-}
-
-
-def _record(member: Member, answer: Answer, asked: float, now: float) -> None:
-    if asked < member.asked:
-        # A poll sent before the one already recorded (a leave's confirming poll overtook
-        # it): its answer is older news, e.g. "not draining" from before the drain.
-        return
-    member.asked = asked
-    member.node_id = answer.node_id
-    member.claimed = answer.address
-    member.identity = answer.identity
-    member.serving = answer.serving
-    member.own_refusal = answer.refused
-    member.map_wire = answer.map_wire
-    member.proven = answer.proven
-    member.draining = answer.draining
-    member.receivers = answer.receivers
-    member.last_seen = now
-    member.suspected = member.first_refusal = member.down = 0.0
 
 
 def _now_ms() -> int:

@@ -8,6 +8,13 @@ the writers. Their buckets are disjoint, so their actions do not overlap; a grou
 longer fits the table (a later commit replaced one of its files or changed the schema, or a
 lane of it moved to another writer and was applied there) is sent back to be prepared again.
 
+A group from another node is committed only if its writer owns, in a map this committer held
+of late (:class:`Ownership`), the partition of every lane it marks and a partition placed in
+the bucket of every file it adds or removes; what cannot be checked (a file outside the
+bucket layout, a lane without a partition) is refused too. A refusal is a ``retry``: the
+committer first waits a while for its own map to change, so a map that lags the writer's
+after a failover heals instead of failing the group.
+
 The commit is fenced as every deltaflow commit is: it holds the table's commit atomicity, it
 lands at exactly the version after the one whose lane marks it checked (create-if-absent), and
 it records every group's lane marks. A committer that paused and lost its place, or two nodes
@@ -20,7 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import re
 import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from .._faults import fault_point
@@ -30,12 +42,18 @@ from .committer import CheckpointWriter, finish, hold_table
 from .marks import LaneMarks, Mark
 from .prepared import Outcome, OutcomeKind, PreparedCommit
 from .sequence import merged_deletes
-from .settings import CHECKPOINT_INTERVAL, PROP_CHECKPOINT_INTERVAL
+from .settings import (
+    BUCKET_COLUMN,
+    CHECKPOINT_INTERVAL,
+    PROP_CHECKPOINT_INTERVAL,
+    TableSettings,
+)
 
 if TYPE_CHECKING:
+    from ..partitioning import PartitionMap
     from .table_writer import Engine
 
-__all__ = ["MAX_COMBINED", "TableCoordinator"]
+__all__ = ["MAX_COMBINED", "NotOwned", "Ownership", "TableCoordinator", "foreign"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +65,129 @@ HISTORY: Final = 1000
 #: Versions a combined commit tries before its groups are sent back (another writer, outside
 #: the coordinator, kept taking the next version).
 COMMIT_ATTEMPTS: Final = 20
+
+
+#: A data file's bucket directory, as the writers name it.
+_BUCKET_DIR: Final = re.compile(rf"{BUCKET_COLUMN}=(0|[1-9][0-9]*)/")
+#: A lane's partition: the number after its last ``/`` (``stream/[owner/]partition``).
+_LANE_PARTITION: Final = re.compile(r".*/(0|[1-9][0-9]{0,5})")
+
+
+@dataclass(frozen=True, slots=True)
+class NotOwned(Outcome):
+    """A ``retry``: the group names a lane or a file outside its writer's partitions in the
+    maps the committer holds (of version ``map_version`` when checked)."""
+
+    map_version: int = 0
+
+
+class Ownership:
+    """Which partitions each node owns, by the maps this committer held in the last ``grace``
+    seconds: a writer's group prepared just before its partition moved is still its own.
+
+    Args:
+        current: the committer's map now.
+        grace: seconds a replaced map still counts.
+        wait: seconds a refused group waits for the committer's map to change before it is
+            answered (the writer's map may be newer).
+    """
+
+    def __init__(
+        self,
+        current: Callable[[], PartitionMap],
+        *,
+        grace: float,
+        wait: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._current = current
+        self.grace = grace
+        self.wait = wait
+        self._clock = clock
+        self._last = current()
+        self._replaced: deque[tuple[float, PartitionMap]] = deque(maxlen=64)
+        self._changed = asyncio.Event()
+
+    def moved(self, new: PartitionMap) -> None:
+        """The committer's map changed to ``new`` (call it on every change)."""
+        if new.version == self._last.version:
+            return
+        self._replaced.append((self._clock(), self._last))
+        self._last = new
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def maps(self) -> tuple[PartitionMap, ...]:
+        """The current map, then the ones replaced within ``grace`` seconds."""
+        self.moved(self._current())  # a change not told (yet) counts as well
+        now = self._clock()
+        return (self._last, *(m for at, m in reversed(self._replaced) if now - at <= self.grace))
+
+    async def changed_since(self, version: int, timeout: float) -> bool:
+        """Whether the map is not of ``version`` any more, waiting up to ``timeout`` s."""
+        self.moved(self._current())
+        if self._last.version != version:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._changed.wait()
+                return True
+        return False
+
+
+def foreign(
+    prepared: PreparedCommit, maps: Sequence[PartitionMap], layout: TableSettings | None
+) -> str | None:
+    """Why ``prepared`` names a lane or a file outside the partitions its writer owns in
+    ``maps`` (or one this cannot tell of); None when it does not. ``layout``: the table's."""
+    writer = prepared.writer
+    owned = {p for m in maps for p, owner in enumerate(m.owners) if owner == writer}
+    partitions = maps[0].partitions
+    for lane in prepared.lanes:
+        found = _LANE_PARTITION.fullmatch(lane)
+        if found is None or int(found[1]) >= partitions:
+            return f"lane {lane!r} names no partition of this cluster's {partitions}"
+        if int(found[1]) not in owned:
+            return f"node {writer} does not own partition {found[1]} (lane {lane!r})"
+    if layout is None:
+        return "the committer cannot read the table's layout"
+    buckets = _buckets(layout, owned, partitions) if layout.buckets else None
+    for action in prepared.actions:
+        [(kind, body)] = action.items()
+        path = body["path"]
+        found = _BUCKET_DIR.match(path)
+        if buckets is None:
+            # Without buckets every file may hold keys of every partition: the table is one
+            # bucket that holds them all, any owner's to write.
+            if found is not None:
+                return f"{kind} {path!r}: a bucket directory in a table without buckets"
+            if not owned:
+                return f"{kind} {path!r}: node {writer} owns no partition"
+            continue
+        if found is None:
+            return f"{kind} {path!r}: a file outside the table's bucket directories"
+        if int(found[1]) not in buckets:
+            return f"{kind} {path!r}: bucket {found[1]} holds no partition of node {writer}"
+        values = body.get("partitionValues")
+        if kind == "add" and values != {BUCKET_COLUMN: found[1]}:
+            return f"add {path!r}: its partition values are not its directory's bucket"
+    return None
+
+
+def _buckets(layout: TableSettings, owned: Iterable[int], partitions: int) -> frozenset[int]:
+    """The bucket values (every level) that hold keys of a partition in ``owned``."""
+    count = layout.buckets
+    # Key k is in partition crc(k) % partitions and bucket crc(k) % count: a partition and
+    # a bucket share keys when they agree modulo the greatest common divisor.
+    common = math.gcd(count, partitions)
+    residues = {p % common for p in owned}
+    tops = [b for b in range(count) if b % common in residues]
+    levels = layout.levels
+    if levels is None:
+        return frozenset(tops)
+    return frozenset(
+        (1 << (size - 1).bit_length()) + b % size for size in levels.sizes for b in tops
+    )
 
 
 class TableCoordinator:
@@ -67,6 +208,9 @@ class TableCoordinator:
         self._arrived = asyncio.Event()
         self._released_at: float | None = None
         self._interval: int | None = None  # the table's checkpoint interval, 0: the default
+        self._layout: TableSettings | None = None  # read with the interval
+        #: The maps other nodes' groups are checked against (None: they are not checked).
+        self.ownership: Ownership | None = None
         self._checkpoint_due: int | None = None
         self.checkpoints = CheckpointWriter(engine, table)
         self.version: int | None = None  # the last version this committer committed
@@ -81,12 +225,33 @@ class TableCoordinator:
         """Prepared groups that arrived and wait for the next commit."""
         return len(self._pending)
 
-    async def submit(self, prepared: PreparedCommit) -> Outcome:
-        """Commit ``prepared`` with the others that arrive meanwhile; its outcome."""
-        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._pending.append((prepared, future))
-        self._arrived.set()
-        return await asyncio.shield(future)  # a caller that gives up leaves the commit be
+    async def submit(self, prepared: PreparedCommit, ownership: Ownership | None = None) -> Outcome:
+        """Commit ``prepared`` with the others that arrive meanwhile; its outcome.
+        ``ownership``: the maps a group of another node is checked against (kept for every
+        later group; without one ever given, no group is checked)."""
+        if ownership is not None:
+            self.ownership = ownership
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        while True:
+            future: asyncio.Future[Outcome] = loop.create_future()
+            self._pending.append((prepared, future))
+            self._arrived.set()
+            outcome = await asyncio.shield(future)  # a caller that gives up leaves it be
+            if not isinstance(outcome, NotOwned) or self.ownership is None:
+                return outcome
+            # This committer's map may lag the writer's: check again once it changes.
+            if deadline is None:
+                deadline = loop.time() + self.ownership.wait
+            moved = await self.ownership.changed_since(outcome.map_version, deadline - loop.time())
+            if not moved:
+                log.warning(
+                    "table %s: refused a group of node %s: %s", self.name, prepared.writer,
+                    outcome.reason,
+                )  # fmt: skip
+                return Outcome(
+                    OutcomeKind.RETRY, reason=outcome.reason, committer=outcome.committer
+                )
 
     async def stop(self) -> None:
         self.task.cancel()
@@ -124,9 +289,10 @@ class TableCoordinator:
         self, batch: list[tuple[PreparedCommit, asyncio.Future[Outcome]]]
     ) -> list[Outcome]:
         held = await hold_table(self.engine, self.name, self._released_at)
+        maps = self.ownership.maps() if self.ownership is not None else None
         try:
             return await finish(
-                self.engine.in_thread(self._commit, [prepared for prepared, _ in batch])
+                self.engine.in_thread(self._commit, [prepared for prepared, _ in batch], maps)
             )
         finally:
             held.__exit__(None, None, None)
@@ -135,18 +301,23 @@ class TableCoordinator:
             if due is not None:
                 self.checkpoints.start(due)
 
-    def _commit(self, batch: list[PreparedCommit]) -> list[Outcome]:
+    def _commit(
+        self, batch: list[PreparedCommit], maps: Sequence[PartitionMap] | None = None
+    ) -> list[Outcome]:
         """Blocking, with the table held: commit every group of ``batch`` that still fits the
-        table in one version; each group's outcome."""
+        table in one version; each group's outcome. ``maps``: the maps other nodes' groups
+        are checked against (None: not checked)."""
         node = self.engine.node_id
         for _ in range(COMMIT_ATTEMPTS):
             scanned = self.marks.scanned
             stale = not self._current or any(p.read_version > scanned for p in batch)
             if (stale and self.marks.refresh()) or self._interval is None:
                 # (A metadata change also shows in ``changed_since`` for groups read before.)
-                configured = self.engine.describe(self.name, self.path).properties
+                described = self.engine.describe(self.name, self.path)
+                configured = described.properties
                 self._interval = int(configured.get(PROP_CHECKPOINT_INTERVAL) or 0)
-            outcomes, chosen = self._sort(batch)
+                self._layout = TableSettings.from_table(configured, described.schema.names)
+            outcomes, chosen = self._sort(batch, maps)
             if not chosen:
                 return outcomes
             lanes: dict[str, Mark] = LaneMarks.highest(
@@ -206,7 +377,9 @@ class TableCoordinator:
             for _ in batch
         ]
 
-    def _sort(self, batch: list[PreparedCommit]) -> tuple[list[Outcome], list[int]]:
+    def _sort(
+        self, batch: list[PreparedCommit], maps: Sequence[PartitionMap] | None = None
+    ) -> tuple[list[Outcome], list[int]]:
         """Each group's outcome if it is not committed now, and the groups that are."""
         node = self.engine.node_id
         outcomes: list[Outcome] = []
@@ -214,6 +387,14 @@ class TableCoordinator:
         taken: set[str] = set()  # files the chosen groups replace
         applying: set[str] = set()  # lanes the chosen groups apply
         for i, prepared in enumerate(batch):
+            # A node's own groups are its own; another's must stay within its partitions.
+            if maps and prepared.writer != node:
+                refused = foreign(prepared, maps, self._layout)
+                if refused is not None:
+                    outcomes.append(
+                        NotOwned(OutcomeKind.RETRY, None, refused, node, maps[0].version)
+                    )
+                    continue
             held = self.marks.applied
             if prepared.lanes and all(held(lane, m) for lane, m in prepared.lanes.items()):
                 outcomes.append(Outcome(OutcomeKind.APPLIED, committer=node))

@@ -9,8 +9,8 @@ of many writers as one version. Nothing in a :class:`PreparedCommit` is rows: on
 lane marks and counts, a few hundred bytes per file.
 
 Prepared commits travel between nodes (``POST /v1/peer/commit``), so :meth:`PreparedCommit.
-from_wire` reads one as hostile input: every field typed and bounded, every file path relative
-to the table and inside it.
+from_wire` reads one as hostile input: every field typed and bounded, every file path one the
+writers of a deltaflow table produce (a bucket directory and a parquet file, nothing encoded).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from .deletion_vectors import z85decode
 from .marks import Mark
 
 __all__ = [
@@ -42,10 +43,16 @@ MAX_DELETED: Final = 1_000_000
 _LANE: Final = re.compile(r"[\x21-\x7e]{1,300}")
 _TABLE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
 _NODE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-#: A data file's path in the log: relative, inside the table, no scheme, no parent step.
-_FILE: Final = re.compile(r"(?!/)(?!.*(?:^|/)\.\.(?:/|$))[A-Za-z0-9_.=%/+-]{1,1000}")
+#: A data file's path in the log, as deltaflow's, delta-rs's and Spark's writers name them in a
+#: deltaflow table: an optional bucket directory, then a parquet file name. No ``%`` (readers
+#: URL-decode paths: ``%2E%2E/`` climbs out), no ``..``, no other directory, no scheme.
+_FILE: Final = re.compile(
+    r"(?:_deltaflow_bucket=(?:0|[1-9][0-9]{0,5})/)?(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\.parquet"
+)
 _ACTION_KINDS: Final = frozenset({"add", "remove"})
 _DV_PREFIX: Final = re.compile(r"[A-Za-z0-9]{0,64}")
+#: A ``u`` vector's file is named by the UUID its last characters encode (Z85), never by them.
+_DV_ID_CHARS: Final = 20
 _MAX_STRING: Final = 1 << 20  # a file's statistics (JSON) may be long with many columns
 
 
@@ -199,7 +206,10 @@ def _action(action: Any) -> dict[str, Any]:
         raise WireError(f"an action is add or remove, not {str(kind)[:20]!r}")
     path = body.get("path")
     if not (isinstance(path, str) and _FILE.fullmatch(path)):
-        raise WireError(f"{kind}: a data file path relative to the table, inside it")
+        raise WireError(
+            f"{kind}: a data file inside the table's own layout "
+            "([_deltaflow_bucket=N/]NAME.parquet, without '%' or '..')"
+        )
     checked: dict[str, Any] = {}
     for name, value in body.items():
         if name in ("path",):
@@ -254,9 +264,24 @@ def _deletion_vector(kind: str, value: Any) -> dict[str, Any]:
     where = out.get("pathOrInlineDv", "")
     # Stored beside the table: a 20-character encoded id after an optional prefix of letters
     # and digits (the prefix is a directory: nothing in it may climb out of the table).
-    if out["storageType"] == "u" and not _DV_PREFIX.fullmatch(where[:-20]):
-        raise WireError(f"{kind}.deletionVector.pathOrInlineDv: a prefix of letters and digits")
+    if out["storageType"] == "u" and not (
+        len(where) >= _DV_ID_CHARS
+        and _DV_PREFIX.fullmatch(where[:-_DV_ID_CHARS])
+        and _is_z85(where[-_DV_ID_CHARS:])
+    ):
+        raise WireError(
+            f"{kind}.deletionVector.pathOrInlineDv: a prefix of letters and digits, then a "
+            "vector id in Z85"
+        )
     return out
+
+
+def _is_z85(text: str) -> bool:
+    try:
+        z85decode(text)
+    except ValueError:
+        return False
+    return True
 
 
 class OutcomeKind(enum.StrEnum):
