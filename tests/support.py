@@ -543,3 +543,25 @@ def memory_mib(pid: int, field: str) -> float:
 def reset_peak(pid: int) -> None:
     """Start a new peak of ``memory_mib(pid, "VmHWM")`` from now."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+async def echo_node_process(
+    tmp_path: Path, token: str, *extra: str, prefix: tuple[str, ...] = ()
+) -> NodeProcess:
+    """A ``deltaflow serve`` process (delta-rs, the Echo receiver) whose clients must hold
+    ``token``; ``extra`` flags, and ``prefix`` before the command (``prlimit ...``)."""
+    (tmp_path / "token").write_text(token)
+    return await NodeProcess(
+        "n1",
+        tmp_path / "warehouse",
+        prefix=prefix,
+        extra=[
+            "--engine",
+            "delta-rs",
+            "--token-file",
+            str(tmp_path / "token"),
+            "--receiver",
+            "deltaflow.testing.Echo",
+            *extra,
+        ],
+    ).start()

@@ -30,7 +30,7 @@ from deltaflow.server.connection import (
 )
 from deltaflow.testing import NodeProcess
 
-from .support import HealthWatch, StartCluster, Within, memory_mib, reset_peak
+from .support import HealthWatch, StartCluster, Within, echo_node_process, memory_mib, reset_peak
 
 TOKEN = "s3cret-token"
 HELLO = {"t": "hello", "v": [1], "caps": [], "client": "raw-client", "token": TOKEN}
@@ -79,19 +79,7 @@ async def streams(address: str) -> None:
 
 
 async def node_process(tmp_path: Path) -> NodeProcess:
-    (tmp_path / "token").write_text(TOKEN)
-    return await NodeProcess(
-        "n1",
-        tmp_path / "warehouse",
-        extra=[
-            "--engine",
-            "delta-rs",
-            "--token-file",
-            str(tmp_path / "token"),
-            "--receiver",
-            "deltaflow.testing.Echo",
-        ],
-    ).start()
+    return await echo_node_process(tmp_path, TOKEN)
 
 
 @pytest.mark.slow

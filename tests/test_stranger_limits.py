@@ -34,7 +34,15 @@ from deltaflow.server.connection import (
 from deltaflow.server.listening import connection_caps
 from deltaflow.testing import NodeProcess
 
-from .support import Eventually, HealthWatch, StartCluster, Within, memory_mib, reset_peak
+from .support import (
+    Eventually,
+    HealthWatch,
+    StartCluster,
+    Within,
+    echo_node_process,
+    memory_mib,
+    reset_peak,
+)
 
 TOKEN = "stranger-test-token"
 HELLO = {"t": "hello", "v": [1], "caps": [], "client": "raw-client", "token": TOKEN}
@@ -124,21 +132,7 @@ async def streams(address: str, rows: int = 200) -> deltaflow.StreamSummary:
 
 
 async def node_process(tmp_path: Path, *extra: str, prefix: tuple[str, ...] = ()) -> NodeProcess:
-    (tmp_path / "token").write_text(TOKEN)
-    return await NodeProcess(
-        "n1",
-        tmp_path / "warehouse",
-        prefix=prefix,
-        extra=[
-            "--engine",
-            "delta-rs",
-            "--token-file",
-            str(tmp_path / "token"),
-            "--receiver",
-            "deltaflow.testing.Echo",
-            *extra,
-        ],
-    ).start()
+    return await echo_node_process(tmp_path, TOKEN, *extra, prefix=prefix)
 
 
 @pytest.fixture
