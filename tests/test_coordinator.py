@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 
 from deltaflow.partitioning import partition_of
-from deltaflow.tables.engine import TableEngine
-from deltaflow.tables.prepared import (
+from deltaflow.tables.commit.prepared import (
     MAX_ACTIONS,
     Outcome,
     OutcomeKind,
     PreparedCommit,
     WireError,
 )
+from deltaflow.tables.engine import TableEngine
 from deltaflow.tables.settings import DEFAULT_BUCKETS
 from deltaflow.testing import at_fault_point
 
@@ -50,7 +50,7 @@ class Through:
 
     async def submit(self, prepared: PreparedCommit) -> Outcome:
         self.sent.append(prepared)
-        outcome = await self.committer.coordinator(prepared.table).submit(prepared)
+        outcome = await self.committer.committer(prepared.table).submit(prepared)
         self.outcomes.append(outcome)
         return outcome
 
@@ -91,7 +91,7 @@ async def test_groups_of_two_writers_land_in_one_version(
             # Each writer updates the keys of its own buckets, as partition owners do.
             two = await _stage(second, [{"id": i, "v": 2} for i in EVEN], "b/0", 0)
             three = await _stage(third, [{"id": i, "v": 3} for i in ODD], "c/0", 0)
-            coordinator = first.coordinator("t")
+            coordinator = first.committer("t")
             await eventually(lambda: coordinator.waiting == 2, "both groups arrived")
             release.set()
             await asyncio.wait_for(asyncio.gather(one, two, three), 60)
@@ -175,12 +175,12 @@ async def test_a_late_committer_finds_the_group_applied(engine: str, warehouse: 
                 release.wait(30)
 
         with at_fault_point("before_combined_commit", pause):
-            first = asyncio.ensure_future(late.coordinator("t").submit(prepared))
+            first = asyncio.ensure_future(late.committer("t").submit(prepared))
             assert await asyncio.to_thread(reached.wait, 60), (
                 "the first committer never paused",
                 first.result() if first.done() else "pending",
             )
-            second = await next_.coordinator("t").submit(prepared)
+            second = await next_.committer("t").submit(prepared)
             release.set()
             late_outcome = await asyncio.wait_for(first, 30)
         captured.answer(second)
@@ -211,7 +211,7 @@ async def test_two_groups_of_one_lane_in_a_commit_apply_it_once(
     ):
         await (await writer.stage("t", [], [{"id": -1}], frozenset(), mark=("a/0", (0, 0))))
         prepared = await _captured(writer, 1, range(10))
-        coordinator = committer.coordinator("t")
+        coordinator = committer.committer("t")
         outcomes = await asyncio.gather(coordinator.submit(prepared), coordinator.submit(prepared))
     assert sorted(o.kind for o in outcomes) == [OutcomeKind.COMMITTED, OutcomeKind.RETRY]
     assert sorted(r["id"] for r in read_all(warehouse / "t")) == list(range(-1, 10))
@@ -242,7 +242,7 @@ async def test_a_group_whose_lane_was_partly_applied_meanwhile_is_sent_back(
             rows=20,
             batches=2,
         )
-        coordinator = committer.coordinator("t")
+        coordinator = committer.committer("t")
         assert (await coordinator.submit(one)).kind is OutcomeKind.COMMITTED
         late = await coordinator.submit(both)
     assert late.kind is OutcomeKind.RETRY, late

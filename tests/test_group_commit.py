@@ -19,7 +19,7 @@ from deltaflow import Delete, StreamerOptions
 from deltaflow.engines.delta_rs import DeltaRsTableEngine
 from deltaflow.errors import ServerError, UsageError
 from deltaflow.server import Node, NodeConfig
-from deltaflow.tables import staging
+from deltaflow.tables.commit import staging
 from deltaflow.tables.flock import table_lock
 from deltaflow.testing import at_fault_point
 
@@ -275,9 +275,9 @@ async def test_min_commit_interval_spaces_commits_but_a_whole_group_goes_at_once
             await asyncio.gather(*futures)
     async with table_engine("delta-rs", warehouse, min_commit_interval=0.3) as eng:
         await upsert(eng, "spaced", [{"id": 0, "v": 0.0}])
-        first = eng._tables["spaced"].queue.last_taken_at
+        first = eng._owners["spaced"].queue.last_taken_at
         await upsert(eng, "spaced", [{"id": 1, "v": 1.0}])  # the interval had not passed
-        second = eng._tables["spaced"].queue.last_taken_at
+        second = eng._owners["spaced"].queue.last_taken_at
         assert first is not None and second is not None and second - first >= 0.3
     assert [r["id"] for r in read_all(warehouse / "capped")] == [0, 1, 2, 3]
     with pytest.raises(UsageError, match="min_commit_interval must be between 0 and 600"):

@@ -29,7 +29,7 @@ from deltaflow.security import answer_proof, call_proof
 from deltaflow.server import Node, NodeConfig
 from deltaflow.server.identity import NodeKey
 from deltaflow.server.local_cluster import start_local_nodes
-from deltaflow.tables.prepared import PreparedCommit, WireError
+from deltaflow.tables.commit.prepared import PreparedCommit, WireError
 from deltaflow.testing import free_port
 
 from .support import Eventually, StartCluster, engine_options, open_table

@@ -25,7 +25,7 @@ from deltaflow.security import NodeTls, call_proof
 from deltaflow.server import Node, NodeConfig, NodeState
 from deltaflow.server.identity import NodeKey
 from deltaflow.server.peer_gate import call_message
-from deltaflow.tables.prepared import PreparedCommit
+from deltaflow.tables.commit.prepared import PreparedCommit
 from deltaflow.testing import free_port
 from deltaflow.testing.certificates import CertificateAuthority
 

@@ -21,7 +21,7 @@ import deltaflow
 from deltaflow import DataStreamerError
 from deltaflow.errors import OverloadedError
 from deltaflow.server.peers import PeerClient
-from deltaflow.tables import staging
+from deltaflow.tables.commit import staging
 from deltaflow.testing import at_fault_point
 
 from .support import StartCluster, Within, open_table, read_delta

@@ -123,16 +123,16 @@ BREAKS: dict[str, Break] = {
         ("tests/test_guarantees.py::test_a_full_result_buffer_makes_its_reader_wait",),
     ),
     "no_one_by_one": Break(
-        "deltaflow/tables/committer.py",
-        "            sent_back += await self._commit_group([staged], coordinated=coordinated)\n",
+        "deltaflow/tables/commit/owner.py",
+        "            sent_back += await self._commit_group([staged], has_committer=has_committer)\n",
         "            settle(staged.future, exc)\n",
         ("tests/test_guarantees.py::test_a_group_whose_commit_fails_is_committed_write_by_write",),
     ),
     # A group's writes are isolated as the group was committed: the one that creates the
     # table goes on through the table's committer instead of failing as TableCreated.
     "isolated_creation_fails": Break(
-        "deltaflow/tables/committer.py",
-        "            sent_back += await self._commit_group([staged], coordinated=coordinated)\n",
+        "deltaflow/tables/commit/owner.py",
+        "            sent_back += await self._commit_group([staged], has_committer=has_committer)\n",
         "            sent_back += await self._commit_group([staged])\n",
         (
             "tests/test_table_bounds.py::test_a_badly_typed_batch_fails_alone_in_the_group_that_creates_its_table",
@@ -199,7 +199,7 @@ BREAKS: dict[str, Break] = {
     ),
     # A table's committer: the marks and the files a group replaces are checked again.
     "committer_ignores_marks": Break(
-        "deltaflow/tables/coordinator.py",
+        "deltaflow/tables/commit/committer.py",
         "            held = self.marks.applied\n",
         "            held = lambda lane, mark: False  # noqa: E731\n",
         (
@@ -208,7 +208,7 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "committer_ignores_lane_starts": Break(
-        "deltaflow/tables/coordinator.py",
+        "deltaflow/tables/commit/committer.py",
         "            some = [lane for lane, first in prepared.starts.items() if held(lane, first)]\n",
         "            some: list[str] = []\n",
         (
@@ -216,7 +216,7 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "committer_one_lane_twice": Break(
-        "deltaflow/tables/coordinator.py",
+        "deltaflow/tables/commit/committer.py",
         "            elif not applying.isdisjoint(prepared.lanes):\n",
         "            elif False:\n",
         ("tests/test_coordinator.py::test_two_groups_of_one_lane_in_a_commit_apply_it_once",),
@@ -269,25 +269,25 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "committer_ignores_ownership": Break(
-        "deltaflow/tables/coordinator.py",
+        "deltaflow/tables/commit/committer.py",
         "            if maps and prepared.writer != node:\n",
         "            if False:\n",
         ("tests/test_peer_identity.py::test_a_group_outside_its_writers_partitions_is_sent_back",),
     ),
     "encoded_paths_allowed": Break(
-        "deltaflow/tables/prepared.py",
+        "deltaflow/tables/commit/prepared.py",
         '    r"(?:_deltaflow_bucket=(?:0|[1-9][0-9]{0,5})/)?(?!.*\\.\\.)[A-Za-z0-9][A-Za-z0-9_.-]{0,250}\\.parquet"\n',
         '    r"(?!/)(?!.*(?:^|/)\\.\\.(?:/|$))[A-Za-z0-9_.=%/+-]{1,1000}"\n',
         ("tests/test_peer_identity.py::test_a_path_outside_the_tables_own_layout_is_refused",),
     ),
     "commit_call_any_table": Break(
         "deltaflow/tables/engine.py",
-        "        if table not in self._coordinators and not await self.in_thread(\n",
+        "        if table not in self._committers and not await self.in_thread(\n",
         "        if False and not await self.in_thread(\n",
         ("tests/test_peer_identity.py::test_a_commit_is_proven_in_headers_over_its_body",),
     ),
     "committer_ignores_replaced_files": Break(
-        "deltaflow/tables/coordinator.py",
+        "deltaflow/tables/commit/committer.py",
         "                reason = self.marks.changed_since(prepared.read_version, prepared.removes)\n",
         "                reason = None\n",
         (
@@ -305,8 +305,8 @@ BREAKS: dict[str, Break] = {
     # A node that finds a table created as it creates it hands its rows to the committer
     # rather than racing it for the next versions.
     "creation_loser_races_committer": Break(
-        "deltaflow/tables/table_writer.py",
-        "                if self._coordinated:\n                    self.engine.stats.creation_races += 1\n",
+        "deltaflow/tables/commit/owner_writes.py",
+        "                if self._has_committer:\n                    self.engine.stats.creation_races += 1\n",
         "                if False:\n                    self.engine.stats.creation_races += 1\n",
         (
             "tests/test_coordinator.py::test_a_writer_that_loses_a_table_s_creation_hands_its_rows_to_the_committer",
@@ -346,7 +346,7 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "superseded_group_merged": Break(
-        "deltaflow/tables/table_writer.py",
+        "deltaflow/tables/commit/owner_writes.py",
         "        if not data.num_rows:  # every change superseded: no MERGE, a commit of its marks\n            footprint = None\n        elif key:\n",
         "        if key:\n",
         (
@@ -591,7 +591,7 @@ BREAKS: dict[str, Break] = {
     ),
     # sequence_by: within a group the highest sequence of a key wins, not the last arrival.
     "sequence_last_arrival_wins": Break(
-        "deltaflow/tables/table_state.py",
+        "deltaflow/tables/commit/owner_state.py",
         "            return newest_per_key(data, self.key, self.sequence_by)\n",
         "            return last_per_key(data, self.key)\n",
         ("tests/test_cdc.py::test_changes_apply_by_sequence_and_deletes_stay_deleted[delta-rs]",),
@@ -669,7 +669,7 @@ BREAKS: dict[str, Break] = {
     ),
     # ... and within a group a key's changes fold.
     "merge_mode_not_folded": Break(
-        "deltaflow/tables/table_state.py",
+        "deltaflow/tables/commit/owner_state.py",
         "        if rule.folds:\n            return fold(data, self.key, self.sequence_by, rule)\n",
         "        if False:\n            return fold(data, self.key, self.sequence_by, rule)\n",
         ("tests/test_cdc.py::test_merge_modes_partial_first_and_aggregate[delta-rs]",),
@@ -745,7 +745,7 @@ BREAKS: dict[str, Break] = {
         ("tests/test_probes.py::test_a_draining_node_is_not_ready_and_its_peer_is",),
     ),
     "table_metrics_unlabelled": Break(
-        "deltaflow/tables/committer.py",
+        "deltaflow/tables/commit/owner.py",
         "        for counted in (stats, table):\n",
         "        for counted in (stats,):\n",
         ("tests/test_observability.py::test_metrics_say_what_each_table_and_receiver_did",),

@@ -6,7 +6,7 @@ node with the same map agrees without asking anyone, and a table's committer cha
 when that node joins or leaves. A writer sends each group it prepared
 (:class:`.PreparedCommit`) to the committer (``POST /v1/peer/commit``, proven like every peer
 call) and waits for its outcome; the committer of a table this node commits is its own
-:class:`.TableCoordinator`.
+:class:`.TableCommitter`.
 
 When the committer dies, the map changes within the failure timeout and the writer resends
 the group to the next one; when the committer cannot be reached for longer than that while
@@ -30,8 +30,8 @@ import aiohttp
 from ..errors import UsageError
 from ..partitioning import PartitionMap
 from ..receivers.base import check_table_name
-from ..tables.coordinator import Ownership
-from ..tables.prepared import Outcome, PreparedCommit, WireError
+from ..tables.commit.ownership import Ownership
+from ..tables.commit.prepared import Outcome, PreparedCommit, WireError
 from .peers import PeerClient
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class CommitRouter:
 
     Args:
         node_id: this node.
-        engine: its table engine, whose coordinators commit the tables this node commits.
+        engine: its table engine, whose committers commit the tables this node commits.
         peers: the client for commit calls to other nodes.
         partition_map: the node's current map.
         failure_timeout: how long a committer the map still names may stay unreachable
@@ -91,7 +91,7 @@ class CommitRouter:
         self._peers = peers
         self._map = partition_map
         self._failure_timeout = failure_timeout
-        # Groups of other nodes are checked against this node's maps (its coordinators).
+        # Groups of other nodes are checked against this node's maps (its committers).
         self.ownership = Ownership(
             partition_map,
             grace=max(OWNERSHIP_GRACE, 4 * failure_timeout),
@@ -115,7 +115,7 @@ class CommitRouter:
         while True:
             node_id, address = self.committer(prepared.table)
             if node_id == self.node_id:
-                return await self._engine.coordinator(prepared.table).submit(
+                return await self._engine.committer(prepared.table).submit(
                     prepared, self.ownership
                 )
             now = time.monotonic()
@@ -129,7 +129,7 @@ class CommitRouter:
                     node_id,
                     now - since,
                 )
-                return await self._engine.coordinator(prepared.table).submit(
+                return await self._engine.committer(prepared.table).submit(
                     prepared, self.ownership
                 )
             tried = True

@@ -278,7 +278,7 @@ class Node:
             keys=self._peer_keys,
         )
         await self._membership.start()
-        # Prepared groups go to each table's committer (a peer, or this node's coordinator).
+        # Prepared groups go to each table's committer (a peer, or this node's own).
         self._commit_peers = PeerClient(
             node_id=self.node_id,
             address=self.address,
@@ -486,13 +486,13 @@ class Node:
             )
         if self.state is not NodeState.RUNNING and self.state is not NodeState.DRAINING:
             return web.json_response({"error": f"node {self.node_id} stopped"}, status=503)
-        coordinator = await self.engine.existing_coordinator(prepared.table)
-        if coordinator is None:
+        committer = await self.engine.existing_committer(prepared.table)
+        if committer is None:
             return web.json_response(
                 {"error": f"no table {prepared.table!r} in this node's warehouse"}, status=404
             )
         assert self._commit_router is not None
-        outcome = await coordinator.submit(prepared, self._commit_router.ownership)
+        outcome = await committer.submit(prepared, self._commit_router.ownership)
         return self._peer_gate.answer(caller, {"node": self.node_id, "outcome": outcome.to_wire()})
 
     async def _drain_handler(self, request: web.Request) -> web.Response:

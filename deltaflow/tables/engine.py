@@ -31,9 +31,11 @@ from ..columnar import DELETE_COLUMN
 from ..errors import OverloadedError, SchemaError, UsageError
 from ..storage.paths import Location, StorePath, location
 from .atomicity import CommitAtomicity, atomicity_for
-from .committer import TableCommitter
+from .commit.committer import TableCommitter
+from .commit.owner import TableOwner
+from .commit.prepared import CommitSink
+from .commit.staging import Staged
 from .constraints import check_constraints
-from .coordinator import TableCoordinator
 from .engine_settings import EngineSettings
 from .group import GroupWrite
 from .log import commit_log_entry, delta_table, is_table
@@ -47,7 +49,6 @@ from .merge_on_read import (
     vectors_at,
     write_merge_on_read,
 )
-from .prepared import CommitSink
 from .rewrite import Rewrite, RewriteUnsupported, write_files
 from .rows import to_arrow_rows
 from .settings import (
@@ -56,7 +57,6 @@ from .settings import (
     PROP_EXPIRED_LOG_CLEANUP,
     TableSettings,
 )
-from .staging import Staged
 from .statistics import EngineStatistics
 
 __all__ = ["DEFAULT_MAX_TABLES", "DELETE_COLUMN", "GroupWrite", "TableDescription", "TableEngine"]
@@ -110,7 +110,7 @@ class TableEngine:
     #: Whether the engine creates tables with deletion vectors that every engine can read.
     creates_deletion_vectors: ClassVar[bool] = False
     #: Whether this engine's groups go to the table's committer as prepared files (see
-    #: :mod:`.coordinator`); an engine that applies them another way (the Spark SQL writer's
+    #: :mod:`.commit.committer`); an engine that applies them another way (the Spark SQL writer's
     #: MERGE) commits them itself.
     prepares_groups: bool = True
     #: Bytes of key columns kept per table for merge-on-read (:class:`.KeyColumns`).
@@ -152,7 +152,7 @@ class TableEngine:
             else self.warehouse / ".deltaflow" / "staging" / node_id
         )
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=f"deltaflow-{self.name}")
-        self._tables: dict[str, TableCommitter] = {}
+        self._owners: dict[str, TableOwner] = {}
         self._key_columns: dict[Location, KeyColumns] = {}  # merge-on-read, per table
         # Tables whose last commit reached their checkpoint interval: the version to write a
         # checkpoint at, once the table is released (set by the engine's commit).
@@ -161,7 +161,7 @@ class TableEngine:
         #: :class:`~deltaflow.server.commits.CommitRouter`); None: each group is committed by
         #: this node itself while it holds the table (an engine without a node).
         self.commit_sink: CommitSink | None = None
-        self._coordinators: dict[str, TableCoordinator] = {}
+        self._committers: dict[str, TableCommitter] = {}
 
     async def start(self) -> None:
         """Prepare the warehouse and the engine (Spark takes seconds on first use)."""
@@ -296,35 +296,35 @@ class TableEngine:
         if memory is not None:
             memory.forget(done.removed)
 
-    def coordinator(self, table: str) -> TableCoordinator:
+    def committer(self, table: str) -> TableCommitter:
         """The committer of ``table`` on this node (made on first use): it commits the groups
-        writers prepared (:mod:`.coordinator`)."""
-        coordinator = self._coordinators.get(table)
-        if coordinator is None:
-            coordinator = self._coordinators[table] = TableCoordinator(self, table)
-        return coordinator
+        writers prepared (:mod:`.commit.committer`)."""
+        committer = self._committers.get(table)
+        if committer is None:
+            committer = self._committers[table] = TableCommitter(self, table)
+        return committer
 
     def tables(self, limit: int = _MAX_LISTED_TABLES) -> dict[str, dict[str, Any]]:
         """The tables this node writes or commits, the first ``limit`` by name: for each, the
         last version it committed for writers (None: it commits none of them)."""
-        names = sorted({*self._tables, *self._coordinators})[:limit]
+        names = sorted({*self._owners, *self._committers})[:limit]
         return {
             name: {
                 "committed_version": (
-                    self._coordinators[name].version if name in self._coordinators else None
+                    self._committers[name].version if name in self._committers else None
                 )
             }
             for name in names
         }
 
-    async def existing_coordinator(self, table: str) -> TableCoordinator | None:
-        """:meth:`coordinator`, for a table that exists (None for one that does not): a
+    async def existing_committer(self, table: str) -> TableCommitter | None:
+        """:meth:`committer`, for a table that exists (None for one that does not): a
         peer's commit call cannot make this node keep a committer for any name it sends."""
-        if table not in self._coordinators and not await self.in_thread(
+        if table not in self._committers and not await self.in_thread(
             is_table, self.warehouse / table
         ):
             return None
-        return self.coordinator(table)
+        return self.committer(table)
 
     def write_group_files(self, group: GroupWrite, target: Any) -> MergeOnRead | Rewrite:
         """Blocking: write the data files (and deletion vectors) that apply ``group`` to the
@@ -383,8 +383,8 @@ class TableEngine:
     def statistics(self) -> EngineStatistics:
         """A snapshot of the counters, with each table's batches in flight."""
         snapshot = self.stats.snapshot()
-        for name, committer in self._tables.items():
-            snapshot.table(name).in_flight_batches += committer.in_flight()
+        for name, owner in self._owners.items():
+            snapshot.table(name).in_flight_batches += owner.in_flight()
         return snapshot
 
     def landed(self, path: Location, done: MergeOnRead | Rewrite) -> None:
@@ -395,30 +395,30 @@ class TableEngine:
 
     async def stop(self) -> None:
         # The writers first: one told "the committer stopped" would prepare its group again
-        # and make a coordinator that nothing stops.
-        for committer in self._tables.values():
-            committer.task.cancel()
-        for committer in self._tables.values():
+        # and make a committer that nothing stops.
+        for owner in self._owners.values():
+            owner.task.cancel()
+        for owner in self._owners.values():
             with contextlib.suppress(asyncio.CancelledError):
-                await committer.task
-            await committer.checkpoints.wait()  # finishes on its thread
-            committer.fail_queued("node stopped before commit")
-        for coordinator in self._coordinators.values():
-            await coordinator.stop()
+                await owner.task
+            await owner.checkpoints.wait()  # finishes on its thread
+            owner.fail_queued("node stopped before commit")
+        for committer in self._committers.values():
+            await committer.stop()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
     def release(self) -> None:
         """Some ``held`` writes may have become committable (their receiver returned)."""
-        for committer in self._tables.values():
-            if committer.queue:
-                committer.queue.ready.set()
-                committer.queue.wake_if_whole()
+        for owner in self._owners.values():
+            if owner.queue:
+                owner.queue.ready.set()
+                owner.queue.wake_if_whole()
 
     def _check_room(self, table: str) -> None:
-        """Refuse a table beyond ``max_tables`` (each keeps its committer until the node stops)."""
-        if len(self._tables) >= self.max_tables:
+        """Refuse a table beyond ``max_tables`` (each keeps its owner's queue and task until the node stops)."""
+        if len(self._owners) >= self.max_tables:
             raise OverloadedError(
-                f"node {self.node_id} writes {len(self._tables)} tables, its max_tables: table "
+                f"node {self.node_id} writes {len(self._owners)} tables, its max_tables: table "
                 f"{table!r} is refused, the others are written as before. Raise max_tables "
                 "(--max-tables, DELTAFLOW_MAX_TABLES or the config file's max_tables) if the "
                 "node has the memory (about 70 KB a table), or write fewer tables (a node "
@@ -478,21 +478,21 @@ class TableEngine:
             raise SchemaError(
                 f"table {table!r} is written by appends; deletes need a key", node=self.node_id
             )
-        committer = self._tables.get(table)
-        if committer is None:
+        owner = self._owners.get(table)
+        if owner is None:
             self._check_room(table)
-            committer = self._tables[table] = TableCommitter(self, table)
-        with committer.queue.arriving():
-            await committer.load()
+            owner = self._owners[table] = TableOwner(self, table)
+        with owner.queue.arriving():
+            await owner.load()
             for attempt in (1, 2):
-                settings = committer.plan(key, sequence)
+                settings = owner.plan(key, sequence)
                 try:
                     converted = await asyncio.to_thread(
                         to_arrow_rows,
                         rows,
                         deletes,
                         key,
-                        committer.schema,
+                        owner.schema,
                         table=table,
                         node=self.node_id,
                         evolve=settings.schema_evolution,
@@ -505,16 +505,16 @@ class TableEngine:
                     # since (a column added, evolution allowed), check once more against it.
                     if attempt == 2 or "column" not in exc.details:
                         raise
-                    if not await self.in_thread(committer.describe_if_newer):
+                    if not await self.in_thread(owner.describe_if_newer):
                         raise
-        constraints = committer.constraints
+        constraints = owner.constraints
         if constraints and settings.merge == "last" and settings.history == "none":
             # Named here, a row breaking a CHECK constraint fails its batch alone (a partial
             # or folded row is only whole in the commit, which enforces them all).
             await asyncio.to_thread(
                 check_constraints, converted, constraints, table=table, node=self.node_id
             )
-        await committer.queue.wait_for_room()
+        await owner.queue.wait_for_room()
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committer.put(Staged(converted, fut, abandoned, mark, settings.buckets, held))
+        owner.put(Staged(converted, fut, abandoned, mark, settings.buckets, held))
         return fut

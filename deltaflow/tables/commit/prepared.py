@@ -4,7 +4,7 @@ add them, pinned to the table version it read, and what the committer answers.
 A writer (the owner of some partitions) applies a group in two halves. It prepares it alone:
 drops the writes the table holds, writes the data files (and deletion vectors) that apply the
 rest, and describes them as Delta ``add``/``remove`` actions checked against version
-``read_version``. The table's committer (:mod:`.coordinator`) then commits the prepared groups
+``read_version``. The table's committer (:mod:`.committer`) then commits the prepared groups
 of many writers as one version. Nothing in a :class:`PreparedCommit` is rows: only actions,
 lane marks and counts, a few hundred bytes per file.
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
-from .deletion_vectors import z85decode
-from .marks import Mark
+from ..deletion_vectors import z85decode
+from ..marks import Mark
 
 __all__ = [
     "MAX_ACTIONS",

@@ -3,7 +3,7 @@ already holds are dropped, the table is created or given new columns if needed, 
 lands in one commit that also records the group's lane marks (:mod:`.marks`). What the node
 knows of the table is :class:`.TableState`'s.
 
-:class:`.TableCommitter` adds when groups are taken and committed, and their retries.
+:class:`.TableOwner` adds when groups are taken and committed, and their retries.
 """
 
 from __future__ import annotations
@@ -12,24 +12,25 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .._faults import fault_point
-from ..columnar import DELETE_COLUMN
-from ..errors import CommitConflictError, SchemaError, TableSettingsError, UsageError
-from .data_files import DataFile, RewriteUnsupported
-from .footprint import Footprint
-from .group import GroupWrite, PreparedGroup
-from .log import is_table, log_dir
-from .marks import LaneMarks, Mark
-from .merging import internal
-from .rows import INTERNAL_COLUMNS
-from .sequence import check_sequence_type
-from .table_state import Engine, TableState
+from ..._faults import fault_point
+from ...columnar import DELETE_COLUMN
+from ...errors import CommitConflictError, SchemaError, TableSettingsError, UsageError
+from ..data_files import DataFile, RewriteUnsupported
+from ..footprint import Footprint
+from ..group import GroupWrite, PreparedGroup
+from ..log import is_table, log_dir
+from ..marks import LaneMarks, Mark
+from ..merging import internal
+from ..rows import INTERNAL_COLUMNS
+from ..sequence import check_sequence_type
+from .owner_state import TableState
 
 if TYPE_CHECKING:
+    from .engine import OwnerEngine
     from .prepared import PreparedCommit
     from .staging import Staged
 
-__all__ = ["Engine", "ReadyCommit", "TableWriter"]
+__all__ = ["ReadyCommit", "TableCreated", "TableWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class TableWriter(TableState):
     """One table on this node: the blocking calls that apply a group to it while held (from a
     worker thread), on what :class:`.TableState` knows of it."""
 
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: OwnerEngine, name: str) -> None:
         super().__init__(engine, name)
         self._checking: list[Staged] = []  # the writes of the commit under way, see _commit
 
@@ -240,7 +241,7 @@ class TableWriter(TableState):
                     )
                 return 0  # only deletes, and no table: nothing exists to delete
             self._create(data)
-            if self._coordinated:
+            if self._has_committer:
                 raise TableCreated(self.name)
         settings = self.settings
         assert settings is not None
@@ -334,8 +335,8 @@ class TableWriter(TableState):
         return self.marks.scanned
 
     @property
-    def _coordinated(self) -> bool:
-        """Whether the table's groups go to its committer (:mod:`.coordinator`)."""
+    def _has_committer(self) -> bool:
+        """Whether the table's groups go to its committer (:mod:`.committer`)."""
         return self.engine.commit_sink is not None and self.engine.prepares_groups
 
     def _create(self, data: Any) -> None:
@@ -361,7 +362,7 @@ class TableWriter(TableState):
             # commit not there yet): on a store no lock kept them apart. Read it, and go on.
             optimistic = self.engine.atomicity.optimistic
             if is_table(self.path) or (optimistic and log_dir(self.path).is_dir()):
-                if self._coordinated:
+                if self._has_committer:
                     self.engine.stats.creation_races += 1
                     raise TableCreated(self.name) from exc
                 raise CommitConflictError(

@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .._faults import fault_point
-from .engine_settings import EngineSettings
-from .marks import Mark
+from ..._faults import fault_point
+from ..engine_settings import EngineSettings
+from ..marks import Mark
 
 __all__ = ["GATHER_SECONDS", "Staged", "StagingQueue", "settle"]
 

@@ -15,13 +15,10 @@ defaults, in a commit of its own before the group's write.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Final
 
 from tenacity import (
     AsyncRetrying,
@@ -31,27 +28,26 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from .._faults import fault_point
-from ..errors import CommitConflictError, LaneFailedError, ServerError
-from ..logs import event
-from .atomicity import MAX_CONFLICT_WAIT
-from .footprint import Footprint
-from .group import PreparedGroup
-from .merge_on_read import write_group
+from ..._faults import fault_point
+from ...errors import CommitConflictError, LaneFailedError, ServerError
+from ...logs import event
+from ..atomicity import MAX_CONFLICT_WAIT
+from ..footprint import Footprint
+from ..group import PreparedGroup
+from ..merge_on_read import write_group
+from ..settings import BUCKET_COLUMN
+from ..statistics import TableStatistics
+from .holding import CheckpointWriter, finish, hold_table
+from .owner_writes import TableCreated, TableWriter
 from .prepared import OutcomeKind
-from .settings import BUCKET_COLUMN
 from .staging import Staged, StagingQueue, settle
-from .statistics import TableStatistics
-from .table_writer import Engine, TableCreated, TableWriter
 
 if TYPE_CHECKING:
-    pass
+    from .engine import OwnerEngine
 
-__all__ = ["COMMITTER_RETRY_SECONDS", "Engine", "TableCommitter", "finish", "hold_table"]
+__all__ = ["COMMITTER_RETRY_SECONDS", "TableOwner"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 #: A committer that failed before taking a group (a bug) tries again after this pause.
 COMMITTER_RETRY_SECONDS: Final = 1.0
@@ -62,18 +58,18 @@ SEND_BACK_LIMIT: Final = 20
 SLOW_COMMIT_SECONDS: Final = 10.0
 
 
-class TableCommitter(TableWriter):
+class TableOwner(TableWriter):
     """Owns one table on this node: its staging queue and commit task (what it knows of the
     table, and how a group is applied, are :class:`.TableWriter`'s)."""
 
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: OwnerEngine, name: str) -> None:
         super().__init__(engine, name)
         self.queue = StagingQueue(engine.settings)
         self.taken: list[Staged] | None = None  # the group being committed, until settled
         self.loaded = False
         self.released_at: float | None = None  # when this node last released the table
         self.checkpoints = CheckpointWriter(engine, name)
-        self.task = asyncio.create_task(self._run(), name=f"deltaflow-commit-{name}")
+        self.task = asyncio.create_task(self._run(), name=f"deltaflow-owner-{name}")
 
     async def load(self) -> None:
         if not self.loaded:
@@ -144,11 +140,11 @@ class TableCommitter(TableWriter):
         can be prepared for it, else holding the table here. A held commit that loses the
         race for its version (another node created the table first, say) goes back to the
         committer rather than racing it again."""
-        coordinated = self._coordinated
+        has_committer = self._has_committer
         for attempt in range(self.engine.atomicity.conflict_attempts):
             if attempt:  # a random pause, as between racing commits (a group held each time)
                 await asyncio.sleep(random.uniform(0, min(MAX_CONFLICT_WAIT, 0.02 * 2**attempt)))
-            if coordinated and await self._through_committer(group, prepared):
+            if has_committer and await self._through_committer(group, prepared):
                 return
             try:
                 held = await hold_table(self.engine, self.name, self.released_at)
@@ -161,7 +157,7 @@ class TableCommitter(TableWriter):
             try:
                 # A commit under way finishes (and settles its batches) even when the node
                 # stops, so the table is never released under a running commit.
-                sent_back = await finish(self._commit_group(group, prepared, coordinated))
+                sent_back = await finish(self._commit_group(group, prepared, has_committer))
             finally:
                 held.__exit__(None, None, None)  # does not block: on the loop
                 self.released_at = time.monotonic()
@@ -211,7 +207,7 @@ class TableCommitter(TableWriter):
         return live
 
     async def _through_committer(self, group: list[Staged], prepared: PreparedGroup | None) -> bool:
-        """Apply ``group`` through the table's committer (:mod:`.coordinator`): prepare its
+        """Apply ``group`` through the table's committer (:mod:`.committer`): prepare its
         files here, send them, settle the writes by the answer. False when this group needs
         the table held instead (the table must be created or given columns, or its writes
         need a MERGE); the caller then commits it itself."""
@@ -286,29 +282,29 @@ class TableCommitter(TableWriter):
             settle(staged.future, None)
 
     async def _commit_group(
-        self, group: list[Staged], prepared: PreparedGroup | None = None, coordinated: bool = False
+        self, group: list[Staged], prepared: PreparedGroup | None = None, has_committer: bool = False
     ) -> list[Staged]:
         """Commit ``group`` with the table held; the writes that must go to the table's
-        committer instead (nothing settled for them): with ``coordinated``, the group lost
+        committer instead (nothing settled for them): with ``has_committer``, the group lost
         the race for its version, or the table was created (here or by another node) and
         exists now. The others are settled, each with its own error if it failed."""
         group = self._live(group)
         if not group:
             return []
         try:
-            await self._commit_with_retries(group, prepared, once=coordinated)
+            await self._commit_with_retries(group, prepared, once=has_committer)
         except (CommitConflictError, TableCreated) as exc:
-            if coordinated:
+            if has_committer:
                 return group
-            return await self._commit_failed(group, exc, coordinated)
+            return await self._commit_failed(group, exc, has_committer)
         # Whatever the commit raised settles the batches' futures (or isolates the culprit).
         except Exception as exc:  # noqa: BLE001
-            return await self._commit_failed(group, exc, coordinated)
+            return await self._commit_failed(group, exc, has_committer)
         self._settle(group)
         return []
 
     async def _commit_failed(
-        self, group: list[Staged], exc: Exception, coordinated: bool = False
+        self, group: list[Staged], exc: Exception, has_committer: bool = False
     ) -> list[Staged]:
         """Settle a failed group's writes with its error, or if it held several commit them
         one by one; the writes that must go to the table's committer instead, as
@@ -327,8 +323,8 @@ class TableCommitter(TableWriter):
             len(group),
         )
         sent_back: list[Staged] = []
-        for staged in group:  # coordinated too: one that creates the table goes on through it
-            sent_back += await self._commit_group([staged], coordinated=coordinated)
+        for staged in group:  # has_committer too: one that creates the table goes on through it
+            sent_back += await self._commit_group([staged], has_committer=has_committer)
         return sent_back
 
     async def _commit_with_retries(
@@ -440,79 +436,3 @@ class TableCommitter(TableWriter):
         return PreparedGroup(
             len(group), data, settings, schema, written, time.monotonic() - started, footprint
         )
-
-
-async def hold_table(
-    engine: Engine, table: str, released_at: float | None
-) -> contextlib.AbstractContextManager[float]:
-    """The table's commit atomicity, entered on a worker thread (the caller leaves it, on the
-    loop). Cancelled while waiting for it: released as soon as it is taken.
-
-    Raises:
-        Exception: entering failed (the lock's timeout, for instance).
-    """
-    held = engine.atomicity.hold(table, released_at=released_at)
-    entering = asyncio.ensure_future(engine.in_thread(held.__enter__))
-    try:
-        await asyncio.shield(entering)
-    except asyncio.CancelledError:
-        entering.add_done_callback(functools.partial(_release_if_taken, held=held))
-        raise
-    return held
-
-
-async def finish(work: Awaitable[T]) -> T:
-    """``work``'s result, awaited to its end even if the caller is cancelled meanwhile (then
-    the cancellation is raised once it ended): a commit that started is never abandoned
-    half-way, and the table it holds is released only after it."""
-    running = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            await running
-        raise
-
-
-class CheckpointWriter:
-    """Writes the checkpoints a table's commits made due, on a thread of its own: after the
-    commit landed and its batches were acknowledged, and outside the table's atomicity, so
-    neither this node's next commits nor another node's wait for it. One at a time: a
-    checkpoint due while one is written is skipped (readers replay a few more commits until
-    the next)."""
-
-    def __init__(self, engine: Engine, table: str) -> None:
-        self.engine = engine
-        self.table = table
-        self.path = engine.warehouse / table
-        self.running: asyncio.Future[None] | None = None
-
-    def start(self, version: int) -> None:
-        if self.running is None or self.running.done():
-            self.running = asyncio.ensure_future(self._checkpoint(version))
-
-    async def wait(self) -> None:
-        """Until the checkpoint being written (if any) is (it finishes on its thread)."""
-        if self.running is not None:
-            await asyncio.wait([self.running])
-
-    async def _checkpoint(self, version: int) -> None:
-        """The checkpoint at ``version``; a failure is logged (a checkpoint only speeds readers
-        up; the next interval tries again)."""
-        started = time.monotonic()
-        try:
-            await asyncio.to_thread(self._write, version)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("table %s: checkpoint at version %d failed: %s", self.table, version, exc)
-            return
-        self.engine.stats.checkpoints += 1
-        self.engine.stats.checkpoint_seconds += time.monotonic() - started
-
-    def _write(self, version: int) -> None:
-        fault_point("checkpointing")
-        self.engine.checkpoint(self.table, self.path, version)
-
-
-def _release_if_taken(entering: asyncio.Future[Any], held: Any) -> None:
-    if not entering.cancelled() and entering.exception() is None:
-        held.__exit__(None, None, None)

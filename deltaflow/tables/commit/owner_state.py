@@ -2,67 +2,34 @@
 lane marks and tombstones its log holds, and a group's rows as they apply to it (one per key,
 conformed to its columns, without the changes its tombstones make old).
 
-:class:`.TableWriter` applies groups on it; :class:`.TableCommitter` adds when they are taken
+:class:`.TableWriter` applies groups on it; :class:`.TableOwner` adds when they are taken
 and committed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from ..errors import SchemaError, TableSettingsError
-from .constraints import CONSTRAINT_PREFIX
-from .grouping import conform, last_per_key
-from .layout import live_rows
-from .log import latest_version
-from .marks import LaneMarks
-from .merging import MergeRule, fold, internal
-from .rows import INTERNAL_COLUMNS, no_evolution_text
-from .sequence import Tombstones, newest_per_key, recorded
-from .settings import BUCKET_COLUMN, TableSettings
+from ...errors import SchemaError, TableSettingsError
+from ..constraints import CONSTRAINT_PREFIX
+from ..grouping import conform, last_per_key
+from ..layout import live_rows
+from ..log import latest_version
+from ..marks import LaneMarks
+from ..merging import MergeRule, fold, internal
+from ..rows import INTERNAL_COLUMNS, no_evolution_text
+from ..sequence import Tombstones, newest_per_key, recorded
+from ..settings import BUCKET_COLUMN, TableSettings
 
 if TYPE_CHECKING:
-    from ..storage.paths import Location
-    from .atomicity import CommitAtomicity
-    from .engine_settings import EngineSettings
-    from .group import GroupWrite
-    from .log_reader import LogReader
-    from .prepared import CommitSink
+    from .engine import OwnerEngine
     from .staging import Staged
-    from .statistics import EngineStatistics
 
-__all__ = ["Engine", "TableState"]
+__all__ = ["TableState"]
 
 log = logging.getLogger(__name__)
-
-
-class Engine(Protocol):
-    """What a committer needs of its table engine (:class:`.TableEngine` is one)."""
-
-    warehouse: Location
-    node_id: str
-    settings: EngineSettings
-    stats: EngineStatistics
-    atomicity: CommitAtomicity
-    log: LogReader
-    checkpoints_due: dict[Location, int]
-    commit_sink: CommitSink | None
-    prepares_groups: bool
-
-    def in_thread(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]: ...
-    def describe(self, table: str, path: Location) -> Any: ...
-    def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None: ...
-    def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None: ...
-    def checkpoint(self, table: str, path: Location, version: int) -> None: ...
-    def merges_on_read(self, settings: TableSettings) -> bool: ...
-    def write(self, group: GroupWrite) -> None: ...
-    def write_group_files(self, group: GroupWrite, target: Any) -> Any: ...
-    def commit_actions(
-        self, table: str, path: Location, version: int, actions: list[dict[str, Any]], metadata: str
-    ) -> int: ...
-    def landed(self, path: Location, done: Any) -> None: ...
 
 
 def _sequence_mismatch(table: str, settings: TableSettings, sequence: Sequence[str]) -> str:
@@ -82,7 +49,7 @@ class TableState:
     """One table on this node: what it knows of it (read from the table, blocking: from a
     worker thread) and how a group's rows apply to it."""
 
-    def __init__(self, engine: Engine, name: str) -> None:
+    def __init__(self, engine: OwnerEngine, name: str) -> None:
         self.engine = engine
         self.name = name
         self.path = engine.warehouse / name
