@@ -115,9 +115,7 @@ class CommitRouter:
         while True:
             node_id, address = self.committer(prepared.table)
             if node_id == self.node_id:
-                return await self._engine.committer(prepared.table).submit(
-                    prepared, self.ownership
-                )
+                return await self._engine.committer(prepared.table).submit(prepared, self.ownership)
             now = time.monotonic()
             since, last_try = self._unreachable.get(node_id, (now, now))
             if now - since > self._failure_timeout and (
@@ -129,9 +127,7 @@ class CommitRouter:
                     node_id,
                     now - since,
                 )
-                return await self._engine.committer(prepared.table).submit(
-                    prepared, self.ownership
-                )
+                return await self._engine.committer(prepared.table).submit(prepared, self.ownership)
             tried = True
             call = asyncio.ensure_future(self._call(address, prepared))
             moved = False

@@ -415,7 +415,7 @@ class TableEngine:
                 owner.queue.wake_if_whole()
 
     def _check_room(self, table: str) -> None:
-        """Refuse a table beyond ``max_tables`` (each keeps its owner's queue and task until the node stops)."""
+        """Refuse a table beyond ``max_tables`` (each keeps its owner until the node stops)."""
         if len(self._owners) >= self.max_tables:
             raise OverloadedError(
                 f"node {self.node_id} writes {len(self._owners)} tables, its max_tables: table "

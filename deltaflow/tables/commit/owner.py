@@ -282,7 +282,10 @@ class TableOwner(TableWriter):
             settle(staged.future, None)
 
     async def _commit_group(
-        self, group: list[Staged], prepared: PreparedGroup | None = None, has_committer: bool = False
+        self,
+        group: list[Staged],
+        prepared: PreparedGroup | None = None,
+        has_committer: bool = False,
     ) -> list[Staged]:
         """Commit ``group`` with the table held; the writes that must go to the table's
         committer instead (nothing settled for them): with ``has_committer``, the group lost
