@@ -216,17 +216,27 @@ def _show(args: argparse.Namespace) -> int:
     name, warehouse = _table_name(args), warehouse_of(args)
     count, rows = maintenance.show(warehouse, name, limit=args.limit, all_columns=True)
     settings = read_table_settings(warehouse, name)
+    compacted = maintenance.last_compaction(warehouse, name)
+    last = {k: _jsonable(v) for k, v in compacted.items()} if compacted else None
     columns = [c for c in (rows[0] if rows else {}) if args.all_columns or not _internal(c)]
     if args.json:
         print_json({
             "table": name,
             "rows": count,
             "settings": dataclasses.asdict(settings),
+            "last_compaction": last,
             "sample": [{c: _jsonable(r[c]) for c in columns} for r in rows],
         })  # fmt: skip
         return 0
     print(f"table {name}: {count} rows")
     print(f"settings: {plain(settings.describe())}")  # column names are data too
+    if compacted is None:
+        print("last compacted: not in its last 1,000 versions")
+    else:
+        print(
+            f"last compacted: version {compacted['version']} at {readable(compacted['time'])}"
+            f" ({compacted['files_removed']} files into {compacted['files_added']})"
+        )
     if rows:
         print_table(columns, ([readable(r[c]) for c in columns] for r in rows))
     return 0

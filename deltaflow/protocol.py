@@ -44,7 +44,10 @@ __all__ = [
     "MAX_CLIENT_ID",
     "MAX_DEPTH",
     "MAX_HELLO_BYTES",
+    "MAX_ORDINAL",
+    "MAX_SEQ",
     "PROTOCOL_VERSION",
+    "RANDOM_LANE_PREFIX",
     "STREAM_ID",
     "SUPPORTED_VERSIONS",
     "WS_PATH",
@@ -100,6 +103,13 @@ _SHOWN_CHARS: Final = 64
 #: <= seq < base + LANE_WINDOW``, and a client sends none outside it: a lane never has more
 #: than this many batches in flight or waiting for their turn.
 LANE_WINDOW: Final = 64
+#: A batch's sequence number is below this: a table keeps a lane's mark as a Delta ``txn``
+#: version, the sequence number above 20 bits of the write's ordinal in a signed 64-bit long.
+MAX_SEQ: Final = 1 << 43
+#: The most writes one batch may make to one table (the ordinal in its lane marks).
+MAX_ORDINAL: Final = 1 << 20
+#: A lane of a stream whose id the client made up starts with this (``open``'s ``random``).
+RANDOM_LANE_PREFIX: Final = "~"
 
 # Field table: frame type -> {field: accepted python types}. Fields not listed are rejected,
 # so a frame can never smuggle data a handler does not expect.
@@ -107,7 +117,13 @@ _OPTIONAL = "?"
 _FIELDS: Final[dict[str, dict[str, tuple[type, ...]]]] = {
     "hello": {"v": (list,), "caps": (list,), "client": (str,), "token?": (str, type(None))},
     "welcome": {"v": (int,), "caps": (list,), "node": (str,), "map": (dict,), "max": (int,)},
-    "open": {"sid": (str,), "receiver": (str,), "key": (bytes,), "args?": (object,)},
+    "open": {
+        "sid": (str,),
+        "receiver": (str,),
+        "key": (bytes,),
+        "args?": (object,),
+        "random?": (bool,),
+    },
     "opened": {"sid": (str,)},
     "close": {"sid": (str,)},
     "batch": {

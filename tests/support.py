@@ -85,6 +85,10 @@ WRITE_PATHS = tuple(e for e in LOCAL_ENGINES if e != "spark-sql-dv")
 #: on tables with deletion vectors there differs from ``spark-s3`` only in the files the node
 #: writes, which ``delta-rs-s3-dv`` covers: left out for the suite's time.)
 ON_S3 = frozenset({"delta-rs-s3", "delta-rs-s3-dv", "spark-s3"})
+#: The engines whose SQL MERGE (or INSERT) cannot add ``txn`` actions: each group's lane marks
+#: follow it in a commit of their own (``SparkTableEngine._carry_marks``), so a group that
+#: writes rows is two versions there.
+MARKS_FOLLOW = frozenset({"spark-sql", "spark-sql-dv", "spark-connect"})
 #: The Spark settings of engines on servers the tests start (``"connect"``: the Spark Connect
 #: server), filled in by the fixtures that start them.
 SPARK_SERVERS: dict[str, SparkConfig] = {}

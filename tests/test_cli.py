@@ -83,6 +83,10 @@ async def test_table_commands_print_json(
 
     compacted = await asyncio.to_thread(as_json, "table", "optimize", "t", *w)
     assert compacted["files_removed"] > compacted["files_added"] >= 1
+    # `table show` says when the table was last compacted: that optimize.
+    last = (await asyncio.to_thread(as_json, "table", "show", "t", *w))["last_compaction"]
+    assert last["version"] == open_table(warehouse / "t").version()
+    assert last["files_removed"] == compacted["files_removed"]
     vacuumed = await asyncio.to_thread(
         as_json, "table", "vacuum", "t", *w, "--dry-run", "--retention-hours", "0"
     )
@@ -115,7 +119,8 @@ async def test_the_table_is_positional_and_the_warehouse_comes_from_the_environm
     text = (await asyncio.to_thread(deltaflow_cli, "table", "show", "t", env=env)).stdout
     lines = text.splitlines()
     assert lines[0] == "table t: 300 rows"
-    assert lines[2].split() == ["id", "v", "ts", "note"]  # internal columns hidden
+    assert lines[2] == "last compacted: not in its last 1,000 versions"
+    assert lines[3].split() == ["id", "v", "ts", "note"]  # internal columns hidden
     assert "1700000000" in text and "1.7E9" not in text.upper()
     every = await asyncio.to_thread(deltaflow_cli, "table", "show", "t", "--all-columns", env=env)
     assert "_deltaflow_bucket" in every.stdout

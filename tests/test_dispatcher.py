@@ -442,7 +442,7 @@ async def test_a_batch_of_an_unknown_stream_is_refused_with_what_to_do(
     assert dispatcher.stats.batches_received == 1
 
 
-@pytest.mark.parametrize(("p", "seq"), [(4, 0), (-1, 0), (0, -1), (4, -1)])
+@pytest.mark.parametrize(("p", "seq"), [(4, 0), (-1, 0), (0, -1), (4, -1), (0, 2**43)])
 async def test_a_batch_outside_the_partitions_or_sequence_is_a_bad_frame(
     dispatcher: Dispatcher, p: int, seq: int
 ) -> None:
@@ -450,7 +450,9 @@ async def test_a_batch_outside_the_partitions_or_sequence_is_a_bad_frame(
     dispatcher.submit(peer, batch(seq, p=p), OWNER)
     err = await peer.wait_for("error", seq)
     assert (err["code"], err["retriable"], err["node"], err["p"]) == ("BAD_FRAME", False, "n1", p)
-    assert err["msg"] == f"partition {p} / sequence {seq} out of range (partitions: 4)"
+    assert err["msg"] == (
+        f"partition {p} / sequence {seq} out of range (partitions: 4, sequences below 2**43)"
+    )
     assert Recorder.applied == []
     dispatcher.submit(peer, batch(0, p=3), OWNER)  # the last partition is in range
     await peer.wait_for("ack", 0)

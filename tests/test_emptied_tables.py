@@ -86,7 +86,9 @@ async def test_changes_older_than_the_deletes_that_emptied_a_table_are_supersede
         # Older than the stored rows: every row of the group loses to them.
         await apply(eng, [change(0, 5, "late"), change(1, 24, "late")])
         landed, _, lanes, _ = last_commit(path)
-        assert (landed, lanes) == (version + 3, {"s/0": [seq, 0]})
+        # (The SQL writer's MERGE is followed by its marks' txn actions: two versions.)
+        merges = 2 if engine == "spark-sql" else 1
+        assert (landed, lanes) == (version + 1 + 2 * merges, {"s/0": [seq, 0]})
     assert table_of(path) == {0: (25, "new"), 1: (25, "new")}
 
 

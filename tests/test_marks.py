@@ -13,12 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from deltaflow.tables.marks import (
-    LaneMarks,
-    Mark,
-    checkpoint_vectors,
-    commit_vectors,
-)
+from deltaflow.tables.checkpoints import checkpoint_vectors
+from deltaflow.tables.marks import LaneMarks, Mark, commit_vectors
 
 
 def commit(
@@ -27,12 +23,13 @@ def commit(
     *actions: dict[str, Any],
     lanes: dict[str, Mark] | None = None,
     node: str = "n1",
+    timestamp: int = 0,
 ) -> Path:
     """Write commit ``version`` of ``table``: a commitInfo recording ``lanes`` (as a node
     writes it), then ``actions``."""
     log = table / "_delta_log"
     log.mkdir(parents=True, exist_ok=True)
-    info: dict[str, Any] = {"timestamp": 0, "operation": "WRITE"}
+    info: dict[str, Any] = {"timestamp": timestamp, "operation": "WRITE"}
     if lanes is not None:
         info["userMetadata"] = LaneMarks.user_metadata(node, lanes)
     lines = [json.dumps({"commitInfo": info}), *(json.dumps(a) for a in actions)]

@@ -154,7 +154,8 @@ def test_table_show_prints_any_row_literally(tmp_path: Path) -> None:
         r"a\nb\tc\u2028d\x9b",
     ]:
         assert shown.rstrip() in out, (shown, out)
-    assert len(out.splitlines()) == 3 + len(HOSTILE_ROWS)  # count, settings, header, rows
+    # count, settings, last compaction, header, rows
+    assert len(out.splitlines()) == 4 + len(HOSTILE_ROWS)
 
 
 #: commitInfo values any writer can put in a commit file.

@@ -36,7 +36,7 @@ class FakeConnection:
         return True
 
     async def open_stream(
-        self, sid: str, receiver: str, args: Any, results: Any, *, key: bytes
+        self, sid: str, receiver: str, args: Any, results: Any, *, key: bytes, random: bool = False
     ) -> None:
         return None
 

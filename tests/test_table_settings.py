@@ -191,7 +191,7 @@ async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(
     shown = await asyncio.to_thread(cli, "show", "--table", "pairs")
     assert "table pairs: 5 rows" in shown
     assert "settings: key ['region', 'id'], 64 buckets, schema evolution off" in shown
-    assert shown.splitlines()[2].split() == ["region", "id", "note"]
+    assert shown.splitlines()[3].split() == ["region", "id", "note"]
     assert BUCKET_COLUMN not in shown
     assert BUCKET_COLUMN in await asyncio.to_thread(
         cli, "show", "--table", "pairs", "--all-columns"

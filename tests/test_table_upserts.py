@@ -20,6 +20,7 @@ from deltaflow.tables import BUCKET_COLUMN
 
 from .support import (
     EVERY_ENGINE,
+    MARKS_FOLLOW,
     OPTIONS,
     StartCluster,
     assert_table,
@@ -179,8 +180,10 @@ async def _touches_only_owned_buckets(
     grown = False
     for version in range(1, open_table(path).version() + 1):
         nodes, files = commit_actions(path, version)
-        if not files and not nodes:
-            continue  # the table's creation (deletion vectors enabled in a commit of its own)
+        if not files and (not nodes or engine in MARKS_FOLLOW):
+            # The table's creation (deletion vectors enabled in a commit of its own), or the
+            # commit of a SQL MERGE's marks.
+            continue
         assert set(nodes) <= {"node-1", "node-2"}
         writers.update(nodes)
         # A version holds the groups of the nodes it names (a committer combines several):

@@ -903,6 +903,102 @@ BREAKS: dict[str, Break] = {
             "tests/test_dispatcher.py::test_a_batch_frame_that_makes_no_sense_is_refused_as_a_bad_frame",
         ),
     ),
+    # Lane marks a checkpoint carries (txn actions): a node that starts from the checkpoint
+    # still skips a replay whose commits are gone.
+    "txn_marks_not_written_by_the_committer": Break(
+        "deltaflow/tables/commit/committer.py",
+        "            actions += self.marks.carrying(lanes)  # where a checkpoint keeps them\n",
+        "",
+        (
+            "tests/test_long_lived_tables.py::test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay",
+        ),
+    ),
+    "txn_marks_not_written_by_an_owner": Break(
+        "deltaflow/tables/commit/owner_writes.py",
+        "                self.marks.carrying(lanes),\n",
+        "                [],\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_replay_after_a_restart_is_skipped_when_its_marks_are_only_in_a_checkpoint[upsert-delta-rs]",
+            "tests/test_long_lived_tables.py::test_a_replay_after_a_restart_is_skipped_when_its_marks_are_only_in_a_checkpoint[upsert-spark]",
+        ),
+    ),
+    "sql_writer_marks_not_carried": Break(
+        "deltaflow/engines/spark.py",
+        "        if group.transactions:\n            self._carry_marks(group)\n",
+        "",
+        (
+            "tests/test_long_lived_tables.py::test_a_replay_after_a_restart_is_skipped_when_its_marks_are_only_in_a_checkpoint[upsert-spark-sql]",
+        ),
+    ),
+    # A checkpoint of a table written before txn marks carries none of its marks.
+    "any_checkpoint_trusted": Break(
+        "deltaflow/tables/marks.py",
+        '        if not parts or not any(t.get("appId") == CARRIED_APP for t in txns):\n',
+        "        if not parts:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_table_written_before_txn_marks_is_read_whole_and_carried_once",
+        ),
+    ),
+    # A commitInfo mark no txn carries (the SQL writer's) must reach the next commit's txns.
+    "uncarried_marks_forgotten": Break(
+        "deltaflow/tables/marks.py",
+        "                self._uncarried[lane] = mark\n",
+        "                pass\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_starting_node_reads_the_checkpoint_and_the_commits_from_it_on",
+        ),
+    ),
+    "checkpoint_commit_not_read": Break(
+        "deltaflow/tables/marks.py",
+        "        self._scanned = version - 1\n",
+        "        self._scanned = version\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_starting_node_reads_the_checkpoint_and_the_commits_from_it_on",
+        ),
+    ),
+    # Memory bounded by retention, and a stream's lanes kept for theirs.
+    "lanes_never_expire": Break(
+        "deltaflow/tables/marks.py",
+        "        if clock - self._expiry_checked < _EXPIRY_CHECK:\n            return\n",
+        "        if True:\n            return\n",
+        (
+            "tests/test_long_lived_tables.py::test_idle_lanes_leave_memory_after_their_retention_and_not_before",
+        ),
+    ),
+    "stream_lanes_expire_as_random_ones": Break(
+        "deltaflow/tables/marks.py",
+        "            if now - (held & _MINUTES) <= (random if lane.startswith(prefix) else durable)\n",
+        "            if now - (held & _MINUTES) <= random\n",
+        (
+            "tests/test_long_lived_tables.py::test_idle_lanes_leave_memory_after_their_retention_and_not_before",
+        ),
+    ),
+    "random_ids_not_marked": Break(
+        "deltaflow/receivers/base.py",
+        '        random = RANDOM_LANE_PREFIX if self.random_id else ""\n',
+        '        random = ""\n',
+        (
+            "tests/test_long_lived_tables.py::test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay",
+        ),
+    ),
+    # Compaction by the committer rewrites exactly the rows the files' vectors keep, and
+    # removes what it rewrote.
+    "compaction_ignores_vectors": Break(
+        "deltaflow/tables/commit/compaction.py",
+        '        vector = f["deletionVector"]\n        if vector is None:\n',
+        "        vector = None\n        if vector is None:\n",
+        (
+            "tests/test_compaction.py::test_the_committer_compacts_small_files_beside_three_writers[delta-rs-dv]",
+        ),
+    ),
+    "compaction_keeps_the_old_files": Break(
+        "deltaflow/tables/commit/compaction.py",
+        '            actions.append(_unchanged(remove_action(gone, now, f["deletionVector"])))\n',
+        "            pass\n",
+        (
+            "tests/test_compaction.py::test_the_committer_compacts_small_files_beside_three_writers[delta-rs]",
+        ),
+    ),
 }
 
 

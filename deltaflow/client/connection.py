@@ -222,10 +222,18 @@ class Connection:
             transport.abort()
 
     async def open_stream(
-        self, sid: str, receiver: str, args: Any, results: ResultSink | None, *, key: bytes
+        self,
+        sid: str,
+        receiver: str,
+        args: Any,
+        results: ResultSink | None,
+        *,
+        key: bytes,
+        random: bool = False,
     ) -> None:
         """Declare a stream on this connection (once), under its secret ``key``: the node lets
-        only connections that opened it with that key feed or close it. Raises what the node
+        only connections that opened it with that key feed or close it (``random``: the id was
+        made up here, so no other client can resend its batches). Raises what the node
         reports."""
         if results is not None:
             self._result_sinks[sid] = results
@@ -236,9 +244,10 @@ class Connection:
             fut = asyncio.get_running_loop().create_future()
             self._opening[sid] = fut
             try:
-                await self._send(
-                    {"t": "open", "sid": sid, "receiver": receiver, "args": args, "key": key}
-                )
+                frame = {"t": "open", "sid": sid, "receiver": receiver, "args": args, "key": key}
+                if random:
+                    frame["random"] = True
+                await self._send(frame)
             except BaseException as exc:
                 if self._opening.get(sid) is fut:
                     del self._opening[sid]

@@ -94,6 +94,7 @@ class DeadLetters:
                 on_acked=self._acked,
                 on_failed=self._failed,
                 results=None,
+                random=True,
             )
         code = getattr(exc, "code", type(exc).__name__)
         rows = [

@@ -110,10 +110,12 @@ class Sender:
         on_acked: Callable[[Batch], None],
         on_failed: Callable[[Batch, BaseException], None],
         results: ResultSink | None,
+        random: bool = False,
     ) -> None:
         self._routes = routes
         self._sid = sid
         self._key = key
+        self._random = random  # the id was made up here: see ``open_stream``
         self._receiver = receiver
         self._options = options
         self._on_acked = on_acked
@@ -412,7 +414,9 @@ class Sender:
             if there is not None and there != conn.node_id:
                 # Later batches are out at ``there``, which may wait for this one.
                 conn = self._routes.connection_to(there) or conn
-            await conn.open_stream(self._sid, *self._receiver, self._results, key=self._key)
+            await conn.open_stream(
+                self._sid, *self._receiver, self._results, key=self._key, random=self._random
+            )
             if self._handoff.try_claim(p, batch.seq, conn.node_id):
                 break
             if self._handoff.waits_for(p, batch.seq) in (None, there):  # else: follow them now

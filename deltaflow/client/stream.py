@@ -89,6 +89,7 @@ class StreamRun:
             on_acked=self._acked,
             on_failed=self._failed,
             results=self.results.put if self.results is not None else None,
+            random=stream_id is None,
         )
         self.accumulator = Accumulator(
             batch_creator=options.batch_creator

@@ -226,7 +226,9 @@ class DeltaRsTableEngine(TableEngine):
         # one its lane marks were checked at, or not at all: delta-rs must not rebase it.
         retries = None if group.read_version is None else 0
         props = CommitProperties(
-            custom_metadata={"userMetadata": group.metadata}, max_commit_retries=retries
+            custom_metadata={"userMetadata": group.metadata},
+            max_commit_retries=retries,
+            app_transactions=group.app_transactions() or None,
         )
         # The checkpoint is written after the lock is released (see TableEngine.checkpoint).
         hooks = PostCommitHookProperties(create_checkpoint=False)
@@ -240,7 +242,7 @@ class DeltaRsTableEngine(TableEngine):
                 if has_deletion_vectors(target):
                     try:
                         done = self._merge_on_read(group, target, planned)
-                        return self._commit_merge_on_read(path, done, group.metadata, planned)
+                        return self._commit_merge_on_read(path, done, group, planned)
                     except RewriteUnsupported as exc:
                         log.debug("table %s: merging this group (%s)", group.table, exc)
             target = self.log.latest(path)
@@ -331,7 +333,7 @@ class DeltaRsTableEngine(TableEngine):
             super().checkpoint(table, path, version)
 
     def _commit_merge_on_read(
-        self, path: Location, done: MergeOnRead, metadata: str, planned: int
+        self, path: Location, done: MergeOnRead, group: GroupWrite, planned: int
     ) -> int:
         """Commit a group applied by merge-on-read (:mod:`~deltaflow.tables.merge_on_read`) on
         table version ``planned`` by writing the next log entry directly (delta-rs's
@@ -343,10 +345,11 @@ class DeltaRsTableEngine(TableEngine):
             "operationParameters": {"mode": "merge-on-read"},
             "readVersion": planned,
             "isBlindAppend": False,
-            "userMetadata": metadata,
+            "userMetadata": group.metadata,
             "engineInfo": f"deltaflow {self.name}",
         }
         fault_point("before_commit")
-        commit_log_entry(path, version, [{"commitInfo": info}, *done.actions()])
+        actions = [{"commitInfo": info}, *done.actions(), *group.transactions]
+        commit_log_entry(path, version, actions)
         self.landed(path, done)
         return version

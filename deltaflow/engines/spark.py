@@ -41,7 +41,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
 from .._faults import fault_point
-from ..columnar import NULLS_COLUMN
 from ..errors import (
     CommitConflictError,
     DeltaflowError,
@@ -58,16 +57,16 @@ from ..spark_integration.session import (
 )
 from ..storage.paths import Location, StorePath
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
-from ..tables.footprint import Footprint
-from ..tables.merging import LAST, REPLACE_COLUMN, MergeRule, internal, matched_clauses
+from ..tables.log import latest_version
+from ..tables.merging import internal
 from ..tables.rewrite import RewriteUnsupported
 from ..tables.settings import (
-    BUCKET_COLUMN,
     PROP_CHECKPOINT_INTERVAL,
     TableSettings,
     with_layout,
 )
 from .options import SPARK_WRITERS
+from .spark_sql import literal, merge_sql, quote
 
 __all__ = ["SparkTableEngine", "create_delta_table", "map_spark_errors"]
 
@@ -104,17 +103,6 @@ def map_spark_errors(table: str, node: str) -> Iterator[None]:
                 f"table {table!r} rejected the rows: {text[:800]}", node=node
             ) from exc
         raise ServerError(f"commit to table {table!r} failed: {text[:800]}", node=node) from exc
-
-
-def _quote(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def _literal(value: Any) -> str:
-    """A key value as a Spark SQL literal (backslash escapes, Spark's default parsing)."""
-    if isinstance(value, str):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return str(int(value))
 
 
 def _spark_type(arrow_type: Any) -> Any:
@@ -163,12 +151,12 @@ def create_delta_table(
         schema: the data columns (Arrow); the bucket column is added for a bucketed table.
     """
     full, partition_by = with_layout(schema, settings)
-    columns = ", ".join(f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in full)
-    sql = f"CREATE TABLE delta.{_quote(str(path))} ({columns}) USING DELTA"
+    columns = ", ".join(f"{quote(f.name)} {_spark_type(f.type).simpleString()}" for f in full)
+    sql = f"CREATE TABLE delta.{quote(str(path))} ({columns}) USING DELTA"
     if partition_by:
-        sql += f" PARTITIONED BY ({', '.join(_quote(c) for c in partition_by)})"
+        sql += f" PARTITIONED BY ({', '.join(quote(c) for c in partition_by)})"
     properties = ", ".join(
-        f"{_literal(name)} = {_literal(value)}" for name, value in settings.properties().items()
+        f"{literal(name)} = {literal(value)}" for name, value in settings.properties().items()
     )
     if properties:
         sql += f" TBLPROPERTIES ({properties})"
@@ -232,7 +220,7 @@ class SparkTableEngine(TableEngine):
         scratch = self.staging_dir / f"warm-up-{uuid.uuid4().hex}"
         try:
             self.spark.sql(
-                f"CREATE TABLE delta.{_quote(str(scratch))} (id BIGINT) USING DELTA "
+                f"CREATE TABLE delta.{quote(str(scratch))} (id BIGINT) USING DELTA "
                 f"TBLPROPERTIES ('{PROP_CHECKPOINT_INTERVAL}' = '1')"
             )
             self._commit_files(self.spark, "warm-up", scratch, [], "{}", 0)
@@ -275,7 +263,7 @@ class SparkTableEngine(TableEngine):
         session = self._session(table)
         with map_spark_errors(table, self.node_id):
             schema = session.read.format("delta").load(str(path)).schema
-            detail = session.sql(f"DESCRIBE DETAIL delta.{_quote(str(path))}").collect()[0]
+            detail = session.sql(f"DESCRIBE DETAIL delta.{quote(str(path))}").collect()[0]
         return TableDescription(
             schema=to_arrow_schema(schema),
             partition_columns=tuple(detail["partitionColumns"] or ()),
@@ -288,12 +276,10 @@ class SparkTableEngine(TableEngine):
         )
 
     def add_columns(self, table: str, path: Location, fields: Sequence[Any]) -> None:
-        columns = ", ".join(
-            f"{_quote(f.name)} {_spark_type(f.type).simpleString()}" for f in fields
-        )
+        columns = ", ".join(f"{quote(f.name)} {_spark_type(f.type).simpleString()}" for f in fields)
         with map_spark_errors(table, self.node_id):
             self._session(table).sql(
-                f"ALTER TABLE delta.{_quote(str(path))} ADD COLUMNS ({columns})"
+                f"ALTER TABLE delta.{quote(str(path))} ADD COLUMNS ({columns})"
             )
 
     def write(self, group: GroupWrite) -> None:
@@ -330,7 +316,12 @@ class SparkTableEngine(TableEngine):
             done = self.write_group_files(group, target)
             fault_point("before_commit")
             version = self._commit_files(
-                session, table, path, done.actions(), group.metadata, target.version()
+                session,
+                table,
+                path,
+                [*done.actions(), *group.transactions],
+                group.metadata,
+                target.version(),
             )
             self._note_checkpoint(path, version)
             self.landed(path, done)
@@ -435,6 +426,12 @@ class SparkTableEngine(TableEngine):
                 "from nodes with the delta-rs engine or the Spark engine's direct writer",
                 node=self.node_id,
             )
+        if not data.num_rows and group.transactions:
+            # Nothing to MERGE (every change superseded): the marks alone, in one commit.
+            read = group.read_version if group.read_version is not None else latest_version(path)
+            with map_spark_errors(table, self.node_id):
+                self.commit_actions(table, path, read, group.transactions, group.metadata)
+            return
         import pyarrow.parquet as pq
 
         staging = self.staging_dir / f"{uuid.uuid4().hex}.parquet"
@@ -446,10 +443,10 @@ class SparkTableEngine(TableEngine):
             with map_spark_errors(table, self.node_id):
                 session.conf.set(_USER_METADATA_CONF, group.metadata)
                 try:
-                    source = f"parquet.{_quote(str(staging))}"
+                    source = f"parquet.{quote(str(staging))}"
                     if group.footprint is not None:
                         session.sql(
-                            _merge_sql(
+                            merge_sql(
                                 path,
                                 group.key,
                                 source,
@@ -460,61 +457,36 @@ class SparkTableEngine(TableEngine):
                             )
                         )
                     else:
-                        cols = ", ".join(_quote(c) for c in columns)
+                        cols = ", ".join(quote(c) for c in columns)
                         session.sql(
-                            f"INSERT INTO delta.{_quote(str(path))} ({cols}) "
-                            f"SELECT {cols} FROM {source} WHERE NOT {_quote(DELETE_COLUMN)}"
+                            f"INSERT INTO delta.{quote(str(path))} ({cols}) "
+                            f"SELECT {cols} FROM {source} WHERE NOT {quote(DELETE_COLUMN)}"
                         )
                 finally:
                     session.conf.unset(_USER_METADATA_CONF)
         finally:
             staging.unlink(missing_ok=True)
+        if group.transactions:
+            self._carry_marks(group)
+
+    def _carry_marks(self, group: GroupWrite) -> None:
+        """A SQL MERGE or INSERT cannot add ``txn`` actions: the group's lane marks follow it
+        in a commit of their own, where a checkpoint keeps them. If that commit fails (or the
+        node dies first), the marks are still in the MERGE's ``commitInfo``, and the table's
+        next commit carries them (:mod:`deltaflow.tables.marks`)."""
+        try:
+            version = latest_version(group.path)
+            self.commit_actions(
+                group.table, group.path, version, group.transactions, group.metadata
+            )
+        except Exception as exc:  # noqa: BLE001 - the next commit carries them
+            log.info("table %s: its lane marks wait for the next commit (%s)", group.table, exc)
 
 
 def _action_json(actions: list[dict[str, Any]]) -> dict[str, str]:
-    """Log actions (``{"add": ...}``, ``{"remove": ...}``) as JSON arrays of Delta's
-    ``AddFile`` and ``RemoveFile``, by class name."""
+    """Log actions (``{"add": ...}``, ``{"remove": ...}``, ``{"txn": ...}``) as JSON arrays of
+    Delta's ``AddFile``, ``RemoveFile`` and ``SetTransaction``, by class name."""
     return {
         cls: json.dumps([a[kind] for a in actions if kind in a])
-        for kind, cls in (("add", "AddFile"), ("remove", "RemoveFile"))
+        for kind, cls in (("add", "AddFile"), ("remove", "RemoveFile"), ("txn", "SetTransaction"))
     }
-
-
-def _merge_sql(
-    path: Location,
-    key: Sequence[str],
-    source: str,
-    columns: Sequence[str],
-    footprint: Footprint,
-    sequence: Sequence[str] = (),
-    rule: MergeRule = LAST,
-) -> str:
-    data = [c for c in columns if not internal(c)]
-    # Delta prunes a MERGE's target files by the literal predicates on target columns in its
-    # ON clause, not by the join: the footprint names the group's buckets and key ranges.
-    on = footprint.merge_condition(key, _quote, _literal)
-    cols = ", ".join(_quote(c) for c in data)
-    vals = ", ".join(f"s.{_quote(c)}" for c in data)
-    flag = f"s.{_quote(DELETE_COLUMN)}"
-    # A stored row of a sequence not lower stays; the merge mode says what the others become.
-    matched = []
-    for condition, sets in matched_clauses(
-        [c for c in data if c != BUCKET_COLUMN and c not in key],
-        rule,
-        sequence,
-        _quote,
-        replacing=REPLACE_COLUMN in columns,
-        nulls=NULLS_COLUMN in columns,
-        moved=footprint.levels is not None,
-    ):
-        when = "WHEN MATCHED" + (f" AND {condition}" if condition else "")
-        if sets is None:
-            matched.append(f"{when} THEN DELETE")
-        else:
-            assignments = ", ".join(f"t.{_quote(c)} = {v}" for c, v in sets.items())
-            matched.append(f"{when} THEN UPDATE SET {assignments}")
-    return (
-        f"MERGE INTO delta.{_quote(str(path))} AS t USING {source} AS s ON {on} "
-        + " ".join(matched)
-        + f" WHEN NOT MATCHED AND NOT {flag} THEN INSERT ({cols}) VALUES ({vals})"
-    )

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from ..columnar import ArrowRows
-from ..errors import SchemaError, TableSettingsError
+from ..errors import ReceiverError, SchemaError, TableSettingsError
+from ..protocol import MAX_ORDINAL, RANDOM_LANE_PREFIX
 
 __all__ = [
     "Receiver",
@@ -87,6 +88,8 @@ class ReceiverContext:
             stream is ``(stream_id, stream_owner)``: key effects outside the node's tables by
             ``(stream_id, stream_owner, partition, seq)``, or another client's stream of the
             same id could pass for this one.
+        random_id: the client made the stream's id up (no ``stream_id=``): only that client
+            can resend its batches.
         partition: the partition this batch belongs to (all its items hash there).
         seq: the batch's sequence number within (stream, partition).
         node_id: the node applying the batch.
@@ -105,6 +108,7 @@ class ReceiverContext:
     deletes: frozenset[int] = frozenset()
     attempt: int = 1
     stream_owner: str = ""
+    random_id: bool = False
     _failed: dict[int, str] = field(default_factory=dict)
     _size: int = 0
     _writer: TableWriter | None = None
@@ -119,9 +123,18 @@ class ReceiverContext:
         is named by the stream's owner too, so a batch under another key can never mark,
         skip or be skipped as one of the owner's, also after a node restart."""
         k = self._writes.get(table, 0)
+        if k >= MAX_ORDINAL:
+            raise ReceiverError(
+                f"batch {self.seq} of stream {self.stream_id!r} wrote table {table!r} "
+                f"{MAX_ORDINAL:,} times: a batch may write one table at most that often "
+                "(write a batch's rows in one call)",
+                node=self.node_id,
+            )
         self._writes[table] = k + 1
         owner = f"{self.stream_owner}/" if self.stream_owner else ""
-        return f"{self.stream_id}/{owner}{self.partition}", (self.seq, k)
+        # A random id's lanes are marked as such: their marks expire sooner (tables.marks).
+        random = RANDOM_LANE_PREFIX if self.random_id else ""
+        return f"{random}{self.stream_id}/{owner}{self.partition}", (self.seq, k)
 
     def side_input(self, name: str, *, parse: Callable[[bytes], Any] | None = None) -> Any:
         """The current value of the side input ``name`` (see ``docs/side-inputs.md``).

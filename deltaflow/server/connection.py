@@ -363,7 +363,10 @@ class ClientConnection:
         elif ftype == "open":
             sid = frame["sid"]
             try:
-                owner = dispatcher.open(sid, frame["receiver"], frame.get("args"), frame["key"])
+                owner = dispatcher.open(
+                    sid, frame["receiver"], frame.get("args"), frame["key"],
+                    frame.get("random", False),
+                )  # fmt: skip
             except (UnknownReceiverError, ServerError) as err:
                 self._refused(err, stream=sid[:160])
                 await self.send(error_frame(err, sid=sid[:160]))  # a refused id may be long

@@ -49,7 +49,7 @@ from ..errors import (
     UnknownStreamError,
     is_retriable,
 )
-from ..protocol import Frame
+from ..protocol import MAX_SEQ, Frame
 from ..receivers.base import ReceiverContext, SideInputReader, TableWriter
 from ..receivers.registry import ReceiverRegistry
 from .frames import ack_frame, batch_items, error_frame, result_frames
@@ -123,8 +123,9 @@ class Dispatcher:
 
     # -- stream lifecycle (synchronous) ---------------------------------------------------
 
-    def open(self, sid: str, receiver: str, args: Any, key: bytes) -> str:
-        """Declare stream ``sid`` opened with ``key``, and return its owner.
+    def open(self, sid: str, receiver: str, args: Any, key: bytes, random: bool = False) -> str:
+        """Declare stream ``sid`` opened with ``key``, and return its owner (``random``: the
+        client made its id up).
 
         The same id and key again, on any connection (a client that reconnected, or a replay
         after a restart of either side), is the same stream: it keeps its lanes. The same id
@@ -137,7 +138,7 @@ class Dispatcher:
             UnknownReceiverError: ``receiver`` is not on the allow-list.
             ReceiverError: the receiver could not be created.
         """
-        owner = self.streams.open(sid, receiver, args, key).owner
+        owner = self.streams.open(sid, receiver, args, key, random).owner
         self.stats.streams = len(self.streams)
         return owner
 
@@ -213,11 +214,12 @@ class Dispatcher:
         stream = self.streams.get(sid, owner)
         if stream is None:  # the id comes back in the answer: no longer than a valid one
             return self._reply_error(peer, self.not_open(sid), {**frame, "sid": sid[:160]})
-        if not 0 <= p < self._partitions or seq < 0:
+        if not 0 <= p < self._partitions or not 0 <= seq < MAX_SEQ:
             return self._reply_error(
                 peer,
                 BadFrameError(
-                    f"partition {p} / sequence {seq} out of range (partitions: {self._partitions})",
+                    f"partition {p} / sequence {seq} out of range (partitions: "
+                    f"{self._partitions}, sequences below 2**{MAX_SEQ.bit_length() - 1})",
                     node=self.node_id,
                 ),
                 frame,
@@ -368,6 +370,7 @@ class Dispatcher:
         ctx = ReceiverContext(
             stream_id=stream.sid,
             stream_owner=stream.owner,
+            random_id=stream.random,
             partition=p,
             seq=seq,
             node_id=self.node_id,

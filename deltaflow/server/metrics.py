@@ -268,6 +268,16 @@ TABLE_COUNTERS: Final = (
      "Commits that lost the race for their version and were tried again.", "commit_conflicts"),
     ("deltaflow_table_combined_commits",
      "Versions this node committed as the table's committer.", "combined_commits"),
+    ("deltaflow_table_compactions", "Compactions this node committed as the table's "
+     "committer.", "compactions"),
+    ("deltaflow_table_compacted_files", "Files those compactions rewrote.", "compacted_files"),
+    ("deltaflow_table_compacted_bytes", "Bytes of the files those compactions rewrote.",
+     "compacted_bytes"),
+    ("deltaflow_table_compactions_dropped", "Compactions dropped because a writer's group "
+     "replaced one of their files first.", "compactions_dropped"),
+    ("deltaflow_table_groups_sent_back_by_compaction", "Writers' groups sent back to be "
+     "prepared again because a compaction replaced one of their files.",
+     "groups_sent_back_by_compaction"),
 )  # fmt: skip
 TABLE_GAUGES: Final = (
     ("deltaflow_table_queued_rows", "Rows staged for the table, not yet taken for a commit.",
@@ -276,6 +286,10 @@ TABLE_GAUGES: Final = (
      "in_flight_batches"),
     ("deltaflow_table_last_commit_timestamp_seconds",
      "When this node's rows last landed in the table (Unix time; 0: never).", "last_commit_at"),
+    ("deltaflow_table_live_files", "The table's live files, as its committer last counted "
+     "them (0 on nodes that do not commit it).", "live_files"),
+    ("deltaflow_table_last_compaction_timestamp_seconds", "When this node last compacted the "
+     "table (Unix time; 0: never).", "last_compacted_at"),
 )  # fmt: skip
 TABLE_HISTOGRAMS: Final = (
     ("deltaflow_table_commit_seconds", "Seconds each commit of this node's rows took.",

@@ -15,11 +15,15 @@ from ..security import NODE_ID, NodeTls, is_loopback
 from ..storage.paths import StorePath
 from ..tables.engine import DEFAULT_MAX_TABLES
 from ..tables.engine_settings import (
+    DEFAULT_COMPACT_INTERVAL,
+    DEFAULT_COMPACT_MIN_FILES,
     DEFAULT_MAX_GROUP_BYTES,
     DEFAULT_MAX_GROUP_ROWS,
+    CompactionSettings,
     EngineSettings,
 )
 from ..tables.layout import DEFAULT_BUCKET_ROWS
+from ..tables.marks import DEFAULT_RANDOM_RETENTION
 from ..tables.settings import default_buckets
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,
@@ -108,6 +112,14 @@ class NodeConfig:
             from the first row. Default 4,096.
         schema_evolution: tables this node creates on first write allow new columns. Default
             False.
+        auto_compact: the tables this node commits for their writers are compacted between
+            commits: a bucket's small files rewritten into one (docs/tables.md). Default True.
+        compact_min_files: small files a bucket must hold before it is compacted. Default 8.
+        compact_interval: seconds between two compactions of a table, at least. Default 30.
+        random_marks_seconds: seconds this node keeps the lane marks of a stream whose id its
+            client made up, after the lane's last commit: at least as long as that client may
+            resend one batch. Default 3,600. Other streams' marks are kept for the table's
+            ``delta.setTransactionRetentionDuration`` (7 days on the tables deltaflow creates).
         deletion_vectors: tables this node creates on first write get Delta deletion vectors
             (with the delta-rs engine, their groups are applied by merge-on-read; see
             ``docs/tables.md``). Default False.
@@ -152,6 +164,10 @@ class NodeConfig:
     table_bucket_rows: int = DEFAULT_BUCKET_ROWS
     schema_evolution: bool = False
     deletion_vectors: bool = False
+    random_marks_seconds: float = DEFAULT_RANDOM_RETENTION
+    auto_compact: bool = True
+    compact_min_files: int = DEFAULT_COMPACT_MIN_FILES
+    compact_interval: float = DEFAULT_COMPACT_INTERVAL
     side_inputs: Sequence[str] = ()
     side_input_timeout: float = DEFAULT_SIDE_INPUT_TIMEOUT
     side_input_lease: float = DEFAULT_SIDE_INPUT_LEASE
@@ -255,4 +271,10 @@ class NodeConfig:
             table_bucket_rows=self.table_bucket_rows,
             schema_evolution=self.schema_evolution,
             deletion_vectors=self.deletion_vectors,
+            random_marks_seconds=self.random_marks_seconds,
+            compaction=CompactionSettings(
+                enabled=self.auto_compact,
+                min_files=self.compact_min_files,
+                interval=self.compact_interval,
+            ),
         )

@@ -121,6 +121,14 @@ def _settings() -> tuple[Setting, ...]:
           False),
         S("deletion_vectors", "bool", "tables created on first write get deletion vectors",
           False),
+        S("auto_compact", "bool", "compact the tables this node commits between commits",
+          node["auto_compact"]),
+        S("compact_min_files", "int", "small files a bucket holds before it is compacted",
+          node["compact_min_files"]),
+        S("compact_interval", "float", "seconds between two compactions of a table, at least",
+          node["compact_interval"]),
+        S("random_marks_seconds", "float", "seconds a node keeps the lane marks of a stream "
+          "with a random id after its last commit", node["random_marks_seconds"]),
         S("side_inputs", "list", "side input classes (module.Class) served to the receivers "
           "(repeatable)", [], flag="--side-input", metavar="module.Class"),
         S("side_input_timeout", "float", "seconds to wait at start for every side input's "

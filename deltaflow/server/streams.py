@@ -61,6 +61,9 @@ class Stream:
     limit: asyncio.Semaphore | contextlib.nullcontext[None]
     lanes: dict[int, Lane] = field(default_factory=dict)
     holders: int = 0  # connections that opened it and are still open
+    #: Its id was made up by the client (no ``stream_id=``): no other client can resend its
+    #: batches, so its lanes' marks are needed only while its own client may (``tables.marks``).
+    random: bool = False
 
     def idle(self) -> bool:
         """No connection holds it and none of its lanes has a batch running or waiting."""
@@ -98,9 +101,9 @@ class StreamTable:
         """Stream ``sid`` of ``owner`` (None: the asker opened no such stream)."""
         return self._streams.get((sid, owner)) if owner is not None else None
 
-    def open(self, sid: str, receiver: str, args: Any, key: bytes) -> Stream:
+    def open(self, sid: str, receiver: str, args: Any, key: bytes, random: bool = False) -> Stream:
         """Stream ``sid`` opened with ``key``: the one already open (it keeps its lanes), or a
-        new one.
+        new one (``random``: its id was made up by the client).
 
         Raises:
             BadFrameError: the id or the key is not allowed, or this stream is open with
@@ -148,7 +151,9 @@ class StreamTable:
                 f"receiver {receiver} could not be created: {type(exc).__name__}: {exc}",
                 node=self._node_id,
             ) from exc
-        stream = Stream(sid, owner, receiver, instance, args, self._limit(receiver, cls))
+        stream = Stream(
+            sid, owner, receiver, instance, args, self._limit(receiver, cls), random=random
+        )
         self._streams[sid, owner] = stream
         return stream
 

@@ -120,7 +120,7 @@ def write_buckets(
         for part in (new, *alone)
         if part.num_rows
     ]
-    adds = FILE_POOL.map(lambda p: _write_file(path, p[1], p[0], key), parts)
+    adds = FILE_POOL.map(lambda p: write_file(path, p[1], p[0], key), parts)
     return [(added, rows) for added, (_, rows) in zip(adds, parts, strict=True)]
 
 
@@ -208,7 +208,7 @@ def _files_per_bucket(
     return out
 
 
-def _write_file(path: Location, rows: Any, bucket: str | None, key: str | None) -> DataFile:
+def write_file(path: Location, rows: Any, bucket: str | None, key: str | None) -> DataFile:
     """Write ``rows`` as a new data file of the table at ``path``."""
     import pyarrow.parquet as pq
 

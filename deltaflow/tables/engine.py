@@ -20,7 +20,6 @@ import contextlib
 import functools
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from .commit.staging import Staged
 from .constraints import check_constraints
 from .engine_settings import EngineSettings
 from .group import GroupWrite
-from .log import commit_log_entry, delta_table, is_table
+from .log import commit_info, commit_log_entry, delta_table, is_table
 from .log_reader import LogReader
 from .marks import Mark
 from .merge_on_read import (
@@ -367,16 +366,7 @@ class TableEngine:
         Raises:
             CommitConflictError: another writer committed version ``version + 1`` first.
         """
-        removes = any("remove" in a for a in actions)
-        info = {
-            "timestamp": int(time.time() * 1000),
-            "operation": "MERGE" if removes else "WRITE",
-            "operationParameters": {"mode": "deltaflow committer"},
-            "readVersion": version,
-            "isBlindAppend": not removes,
-            "userMetadata": metadata,
-            "engineInfo": f"deltaflow {self.name}",
-        }
+        info = commit_info(version, actions, metadata, f"deltaflow {self.name}")
         commit_log_entry(path, version + 1, [{"commitInfo": info}, *actions])
         return version + 1
 

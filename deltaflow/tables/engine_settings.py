@@ -9,13 +9,17 @@ from typing import Final
 
 from ..errors import UsageError
 from .layout import DEFAULT_BUCKET_ROWS
+from .marks import DEFAULT_RANDOM_RETENTION
 from .settings import DEFAULT_BUCKETS, MAX_BUCKETS, TableSettings
 
 __all__ = [
+    "DEFAULT_COMPACT_INTERVAL",
+    "DEFAULT_COMPACT_MIN_FILES",
     "DEFAULT_MAX_GROUP_BYTES",
     "DEFAULT_MAX_GROUP_ROWS",
     "DEFAULT_MAX_QUEUED_ROWS",
     "MAX_COMMIT_INTERVAL",
+    "CompactionSettings",
     "EngineSettings",
 ]
 
@@ -24,6 +28,38 @@ DEFAULT_MAX_GROUP_BYTES: Final = 256 * 1024 * 1024
 DEFAULT_MAX_QUEUED_ROWS: Final = 1_000_000
 #: The longest ``min_commit_interval`` (seconds): batches wait up to this for their commit.
 MAX_COMMIT_INTERVAL: Final = 600.0
+#: A bucket is compacted once it holds this many small files (``compact_min_files``) ...
+DEFAULT_COMPACT_MIN_FILES: Final = 8
+#: ... at most once per this many seconds per table (``compact_interval``).
+DEFAULT_COMPACT_INTERVAL: Final = 30.0
+#: The shortest ``random_marks_seconds``: longer than a client's resends of one batch last.
+MIN_RANDOM_RETENTION: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionSettings:
+    """How a table's committer keeps the table's files in shape (:mod:`.commit.compaction`).
+
+    Attributes:
+        enabled: compact at all (``auto_compact``).
+        min_files: small files one bucket must hold to be compacted.
+        small_bytes: a file below this size is small.
+        max_bytes: the most bytes of files one compaction reads.
+        interval: seconds between two compactions of a table, at least.
+    """
+
+    enabled: bool = True
+    min_files: int = DEFAULT_COMPACT_MIN_FILES
+    small_bytes: int = 32 * 1024 * 1024
+    max_bytes: int = 256 * 1024 * 1024
+    interval: float = DEFAULT_COMPACT_INTERVAL
+
+    def __post_init__(self) -> None:
+        if self.min_files < 2 or self.interval <= 0:
+            raise UsageError(
+                f"compact_min_files must be at least 2 and compact_interval above 0, got "
+                f"{self.min_files} and {self.interval!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,6 +80,10 @@ class EngineSettings:
             from the first row; :mod:`.layout`).
         schema_evolution: tables the node creates on first write allow schema evolution.
         deletion_vectors: tables the node creates on first write have deletion vectors.
+        compaction: how the tables this node commits are compacted between commits.
+        random_marks_seconds: seconds the node keeps the lane marks of a stream whose id the
+            client made up after the lane's last commit (:mod:`.marks`); at least as long as a
+            client may resend one batch.
 
     Raises:
         UsageError: a bound below 1, or a setting out of its range.
@@ -57,6 +97,8 @@ class EngineSettings:
     table_bucket_rows: int = DEFAULT_BUCKET_ROWS
     schema_evolution: bool = False
     deletion_vectors: bool = False
+    random_marks_seconds: float = DEFAULT_RANDOM_RETENTION
+    compaction: CompactionSettings = CompactionSettings()
 
     def __post_init__(self) -> None:
         if min(self.max_group_rows, self.max_group_bytes, self.max_queued_rows) < 1:
@@ -70,6 +112,11 @@ class EngineSettings:
             raise UsageError(f"table_buckets must be between 0 and {MAX_BUCKETS}")
         if self.table_bucket_rows < 0:
             raise UsageError("table_bucket_rows must be 0 or more")
+        if not self.random_marks_seconds >= MIN_RANDOM_RETENTION:
+            raise UsageError(
+                f"random_marks_seconds must be at least {MIN_RANDOM_RETENTION:g} (a client "
+                f"resends a batch for longer), got {self.random_marks_seconds!r}"
+            )
 
     @property
     def group_rows(self) -> int:

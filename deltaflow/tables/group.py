@@ -3,7 +3,7 @@ handed to the engine as one typed write."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..storage.paths import Location
@@ -47,6 +47,9 @@ class GroupWrite:
             every row does.
         rule: the table's merge mode (:mod:`.merging`): how a row of ``data`` merges with the
             stored row of its key.
+        transactions: the commit's Delta ``txn`` actions (``{"txn": {...}}``): the lane marks
+            where a checkpoint keeps them (:meth:`.LaneMarks.carrying`); they must land in the
+            same commit as the data, or in the next one (an engine that cannot add them).
     """
 
     table: str
@@ -59,6 +62,16 @@ class GroupWrite:
     read_version: int | None = None
     sequence: tuple[str, ...] = ()
     rule: MergeRule = LAST
+    transactions: list[dict[str, Any]] = field(default_factory=list)
+
+    def app_transactions(self) -> list[Any]:
+        """:attr:`transactions` as delta-rs takes them (``CommitProperties``)."""
+        from deltalake import Transaction
+
+        return [
+            Transaction(t["appId"], t["version"], t["lastUpdated"])
+            for t in (a["txn"] for a in self.transactions)
+        ]
 
 
 @dataclass(frozen=True, slots=True)

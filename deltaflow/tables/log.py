@@ -10,6 +10,7 @@ import collections
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
@@ -21,6 +22,7 @@ from ..storage.paths import Location, StorePath, create_exclusive, storage_optio
 __all__ = [
     "DELTA_LOG",
     "FETCH_AHEAD",
+    "commit_info",
     "commit_log_entry",
     "commit_text",
     "commit_versions",
@@ -173,6 +175,25 @@ def forget_commits(path: Location) -> None:
     with _kept_lock:
         for name in [n for n in _kept_commits if n.startswith(prefix)]:
             del _kept_commits[name]
+
+
+def commit_info(
+    read: int, actions: list[dict[str, Any]], metadata: str, engine: str
+) -> dict[str, Any]:
+    """The ``commitInfo`` of a version deltaflow writes itself after version ``read``, with
+    ``actions`` and the ``userMetadata`` ``metadata``."""
+    removes = any("remove" in a for a in actions)
+    # A version of a compaction alone changes no rows: readers of changes skip it.
+    moved = removes and not any(b.get("dataChange", True) for a in actions for b in a.values())
+    return {
+        "timestamp": int(time.time() * 1000),
+        "operation": "OPTIMIZE" if moved else "MERGE" if removes else "WRITE",
+        "operationParameters": {"mode": f"deltaflow {'compaction' if moved else 'committer'}"},
+        "readVersion": read,
+        "isBlindAppend": not removes,
+        "userMetadata": metadata,
+        "engineInfo": engine,
+    }
 
 
 def commit_log_entry(path: Location, version: int, actions: list[dict[str, Any]]) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_RETENTION_HOURS",
     "INTERNAL_PREFIXES",
     "history",
+    "last_compaction",
     "optimize",
     "read_rows",
     "show",
@@ -89,8 +90,9 @@ def vacuum(
 def _vector_files(path: Location) -> set[Location]:
     """Every deletion vector file the table's log names, in the commits and checkpoints still
     there: those of live files, and of removed ones a reader of an older version may need."""
+    from .checkpoints import checkpoint_vectors
     from .deletion_vectors import file_of
-    from .marks import checkpoint_vectors, commit_vectors
+    from .marks import commit_vectors
 
     log_dir = delta_log_dir(path)
     descriptors = [dv for commit in log_dir.glob("*.json") for dv in commit_vectors(commit)]
@@ -158,6 +160,32 @@ def history(warehouse: Location, table: str, *, limit: int = 20) -> list[dict[st
             }
         )
     return out
+
+
+def last_compaction(
+    warehouse: Location, table: str, *, within: int = 1000
+) -> dict[str, Any] | None:
+    """The latest compaction among the last ``within`` commits (a version whose removes and
+    adds all say ``dataChange: false``: the committer's, an OPTIMIZE's): its ``version``,
+    ``time``, ``files_removed`` and ``files_added``; None if there is none."""
+    path = table_path(warehouse, table)
+    for version in reversed(commit_versions(path)[-within:]):
+        actions = _actions(path, version)
+        moved = [a[k] for a in actions for k in ("add", "remove") if isinstance(a.get(k), dict)]
+        if not moved or any(m.get("dataChange", True) for m in moved):
+            continue
+        if not any(isinstance(a.get("remove"), dict) for a in actions):
+            continue
+        info: dict[str, Any] = next(
+            (a["commitInfo"] for a in actions if isinstance(a.get("commitInfo"), dict)), {}
+        )
+        return {
+            "version": version,
+            "time": _time(info.get("timestamp")),
+            "files_removed": sum(isinstance(a.get("remove"), dict) for a in actions),
+            "files_added": sum(isinstance(a.get("add"), dict) for a in actions),
+        }
+    return None
 
 
 #: The characters of a commit's text value (operation, node) that :func:`history` keeps.

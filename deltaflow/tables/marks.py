@@ -1,10 +1,25 @@
 """Lane marks: which batches a Delta table already holds, recorded in the table's own commits.
 
-Every commit deltaflow makes carries, in its ``commitInfo``, the highest *mark* it applied for
-each lane (one (stream, partition)): ``[seq, k]``, the batch's sequence number and the ordinal
-of the write within that batch (a receiver may write one table several times per batch). The
-marks are in the same commit file as the data, so they land or vanish with it: atomic by
-construction, surviving node restarts and visible to whichever node owns the partition next.
+Every commit deltaflow makes carries the highest *mark* it applied for each lane (one (stream,
+partition)): ``[seq, k]``, the batch's sequence number and the ordinal of the write within
+that batch (a receiver may write one table several times per batch). The marks are in the same
+commit file as the data, so they land or vanish with it: atomic by construction, surviving
+node restarts and visible to whichever node owns the partition next.
+
+Each mark is written twice in its commit: in the ``commitInfo`` (``userMetadata``, readable by
+people and by deltaflow before this format) and as a Delta ``txn`` action (SetTransaction),
+``appId`` ``deltaflow:<lane>`` and ``version`` ``seq << 20 | k``, which every Delta checkpoint
+keeps (the newest per ``appId``) until ``delta.setTransactionRetentionDuration`` expires it. So
+a node that starts reads the last checkpoint and the commits from it on, never the whole log.
+A table is read that way once a commit carries the ``txn`` ``deltaflow`` (version 1): every
+lane whose mark was only in a ``commitInfo`` (a table written before this format, or a commit
+of Spark's SQL writer) is carried into the next commit's ``txn`` actions, and that commit says
+so. Until then a node reads the whole log, as before.
+
+A node keeps a lane's mark in memory until the lane has been idle for its retention: the
+table's ``delta.setTransactionRetentionDuration`` (7 days on the tables deltaflow creates), or,
+for a stream whose id the client made up (its lanes start with ``~``), ``random_marks_seconds``
+(an hour): only that client could resend its batches, and it stops long before.
 
 Before a commit, while holding the table's lock, a node reads the commits it has not seen yet
 and drops every staged write whose mark the table already holds. A batch resent after its
@@ -18,15 +33,35 @@ from __future__ import annotations
 import collections
 import json
 import logging
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
-from ..storage.paths import Location, open_input
+from ..protocol import MAX_ORDINAL, RANDOM_LANE_PREFIX
+from ..storage.paths import Location
+from .checkpoints import (
+    checkpoint_files,
+    checkpoint_txns,
+    checkpoint_vectors,
+    last_checkpoint,
+    vectors_of_last_checkpoint,
+)
 from .deletion_vectors import descriptor_id
 from .log import FETCH_AHEAD, commit_text, commit_versions, fetch_commits, log_dir
 from .sequence import Tombstones
 
-__all__ = ["METADATA_KEY", "LaneMarks", "Mark", "checkpoint_vectors", "commit_vectors"]
+__all__ = [
+    "CARRIED_APP",
+    "METADATA_KEY",
+    "TXN_PREFIX",
+    "LaneMarks",
+    "Mark",
+    "MarkRetention",
+    "commit_vectors",
+    "mark_of",
+    "txn_version",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +70,98 @@ METADATA_KEY: Final = "deltaflow"
 #: (seq, k): the batch's sequence number and the write's ordinal within the batch.
 Mark = tuple[int, int]
 
+#: A lane's ``txn`` action: this ``appId`` prefix and the lane.
+TXN_PREFIX: Final = "deltaflow:"
+#: The ``txn`` whose presence says every lane's mark is carried by a ``txn`` action.
+CARRIED_APP: Final = "deltaflow"
+CARRIED_VERSION: Final = 1
+_ORDINAL_BITS: Final = MAX_ORDINAL.bit_length() - 1
+#: A lane's kept mark packs its ``txn`` version above the minute it was last marked in.
+_MINUTE_BITS: Final = 32
+_MINUTES: Final = (1 << _MINUTE_BITS) - 1
+#: Seconds a table's lanes are kept by default (``delta.setTransactionRetentionDuration``).
+DEFAULT_LANE_RETENTION: Final = 7 * 86_400
+#: Seconds the lanes of a stream with a random id are kept (``random_marks_seconds``).
+DEFAULT_RANDOM_RETENTION: Final = 3600
+#: How often, at most, kept marks are checked for expiry (seconds).
+_EXPIRY_CHECK: Final = 60.0
+
+
+def txn_version(mark: Mark) -> int:
+    """A mark as the ``version`` of its lane's ``txn`` action (ordered as the marks are)."""
+    return mark[0] << _ORDINAL_BITS | mark[1]
+
+
+def mark_of(version: int) -> Mark:
+    """The mark a ``txn`` action's ``version`` records (:func:`txn_version`'s inverse)."""
+    return version >> _ORDINAL_BITS, version & (MAX_ORDINAL - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class MarkRetention:
+    """How long a node keeps a lane's mark after the lane's last commit, in seconds: a
+    stream's (``durable``, the table's txn retention) and a random id's (``random``)."""
+
+    durable: float = DEFAULT_LANE_RETENTION
+    random: float = DEFAULT_RANDOM_RETENTION
+
+    def of(self, lane: str) -> float:
+        return self.random if lane.startswith(RANDOM_LANE_PREFIX) else self.durable
+
+    @classmethod
+    def of_table(cls, properties: Mapping[str, str], random: float) -> MarkRetention:
+        """A table's: its ``delta.setTransactionRetentionDuration`` (none: no end) and
+        ``random``."""
+        from .sequence import parse_interval
+
+        configured = properties.get("delta.setTransactionRetentionDuration")
+        try:
+            durable = float(parse_interval(configured)) if configured else float("inf")
+        except ValueError:
+            durable = DEFAULT_LANE_RETENTION
+        return cls(durable, random)
+
+
+def _minute(ms: float) -> int:
+    return min(int(ms // 60_000), _MINUTES)
+
 
 class LaneMarks:
-    """The highest mark per lane found in a table's commits, read incrementally.
+    """The highest mark per lane found in a table's commits (and its last checkpoint), read
+    incrementally.
 
     Blocking (file reads): use from a worker thread, under the table's commit lock.
     """
 
     def __init__(
-        self, table_path: Location, *, history: int = 0, tombstones: Tombstones | None = None
+        self,
+        table_path: Location,
+        *,
+        history: int = 0,
+        tombstones: Tombstones | None = None,
+        retention: MarkRetention | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._table = table_path
+        self._clock = clock  # wall-clock seconds: lanes expire by commit times
         #: The deletes the commits record (``sequence_by`` tables), when kept.
         self.tombstones = tombstones
+        #: Read the whole log, not from the last checkpoint: the table's tombstones are in its
+        #: commits only (a ``sequence_by`` table; its reader says so).
+        self.whole_log = False
         self._log_dir = log_dir(table_path)
-        self._marks: dict[str, Mark] = {}
+        # lane -> txn_version(mark) << _MINUTE_BITS | the minute it was last marked in
+        self._marks: dict[str, int] = {}
         self._scanned = -1
+        #: How long idle lanes are kept (the table's txn retention is set by its reader).
+        self.retention = retention or MarkRetention()
+        self._expiry_checked = clock()
+        #: Lanes whose mark no ``txn`` action carries yet (see the module): the next commit's.
+        self._uncarried: dict[str, Mark] = {}
+        #: Whether the table's marks are all carried by ``txn`` actions (see the module).
+        self.carried = False
+        #: Where the last refresh started reading: the checkpoint's version (None: the log).
+        self.started_at: int | None = None
         #: The deletion vector of every live file that has one (path -> descriptor), for a
         #: commit that replaces it (merge-on-read): a ``remove`` must name it.
         self.vectors: dict[str, dict[str, Any]] = {}
@@ -61,6 +172,10 @@ class LaneMarks:
             collections.OrderedDict()
         )
 
+    def __len__(self) -> int:
+        """Lanes kept."""
+        return len(self._marks)
+
     @property
     def scanned(self) -> int:
         """The last log version read (-1 before any)."""
@@ -68,7 +183,7 @@ class LaneMarks:
 
     def applied(self, lane: str, mark: Mark) -> bool:
         held = self._marks.get(lane)
-        return held is not None and mark <= held
+        return held is not None and txn_version(mark) <= held >> _MINUTE_BITS
 
     def refresh(self, latest: int | None = None) -> bool:
         """Read the commits written since the last refresh (by any process); ``latest``: up
@@ -81,22 +196,23 @@ class LaneMarks:
             OSError: a commit could not be read; the marks stay at the one before it (its
                 marks are read next time, never skipped: a batch it applied must not look new).
         """
+        vectors_after = -1
+        if self._scanned < 0 and latest is None and not self.whole_log:
+            vectors_after = self._from_checkpoint()
         if latest is None:
             versions = commit_versions(self._table, self._scanned)
         else:
             versions = list(range(self._scanned + 1, latest + 1))
-        vectors_after = -1
         if self._scanned < 0 and versions and versions[0] > 0:
             # The first commits are gone: the vectors of older commits are in a checkpoint.
-            vectors_after = _checkpoint_vectors(self._log_dir, self.vectors)
+            vectors_after = vectors_of_last_checkpoint(self._log_dir, self.vectors)
         changed = False
         for i, version in enumerate(versions):
             if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
                 fetch_commits(self._log_dir, versions[i:])
-            lanes, metadata, removed, added, deleted = _read_commit(
-                self._log_dir / f"{version:020d}.json", self._history > 0
-            )
-            self.absorb(lanes)
+            commit = _read_commit(self._log_dir / f"{version:020d}.json", self._history > 0)
+            lanes, metadata, removed, added, deleted = commit[:5]
+            self._absorb_commit(lanes, commit[5], commit[6])
             if deleted is not None and self.tombstones is not None:
                 self.tombstones.absorb(*deleted)
             if self._history:
@@ -116,7 +232,109 @@ class LaneMarks:
                 self.vectors.update(added)
             changed = changed or metadata
             self._scanned = version
+        self._expire()
         return changed
+
+    def _from_checkpoint(self) -> int:
+        """Start from the last checkpoint when it carries every lane's mark: its ``txn``
+        actions and live files' vectors read, the commits from its version on left to read.
+        The checkpoint's version, or -1 (the whole log is read)."""
+        last = last_checkpoint(self._log_dir)
+        if last is None:
+            return -1
+        version = int(last["version"])
+        parts = checkpoint_files(self._log_dir, last)
+        txns: list[dict[str, Any]] = []
+        vectors: _Vectors = {}
+        try:
+            for part in parts:
+                txns += checkpoint_txns(part)
+                vectors.update(checkpoint_vectors(part, ("add",)))
+        except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint: read the log
+            log.warning(
+                "cannot read the checkpoint at version %d of %s: %s", version, self._table, exc
+            )
+            return -1
+        if not parts or not any(t.get("appId") == CARRIED_APP for t in txns):
+            return -1  # its marks are not all carried: the whole log is read
+        self.carried = True
+        now = self._minute()
+        for txn in txns:
+            app, at = txn.get("appId"), txn.get("lastUpdated")
+            if isinstance(app, str) and app.startswith(TXN_PREFIX):
+                lane = app[len(TXN_PREFIX) :]
+                minute = _minute(at) if isinstance(at, int) else now
+                if (now - minute) * 60 <= self.retention.of(lane):
+                    self._keep(lane, int(txn["version"]), minute)
+        self.vectors.update(vectors)
+        self.started_at = version
+        # The checkpoint's own commit is read as well: a commitInfo mark no txn carried.
+        self._scanned = version - 1
+        return version
+
+    def _minute(self) -> int:
+        return _minute(self._clock() * 1000)
+
+    def _keep(self, lane: str, version: int, minute: int) -> None:
+        held = self._marks.get(lane)
+        if held is None or version >= held >> _MINUTE_BITS:
+            self._marks[lane] = version << _MINUTE_BITS | minute
+        elif minute > held & _MINUTES:
+            self._marks[lane] = held & ~_MINUTES | minute
+
+    def _absorb_commit(
+        self, lanes: Mapping[str, Mark], txns: Mapping[str, Mark], info: tuple[int | None, bool]
+    ) -> None:
+        """One commit's marks: its ``commitInfo``'s ``lanes`` and its ``txn`` actions'."""
+        at, carried = info
+        minute = self._minute() if at is None else _minute(at)
+        for lane, mark in txns.items():
+            self._keep(lane, txn_version(mark), minute)
+            pending = self._uncarried.get(lane)
+            if pending is not None and pending <= mark:
+                del self._uncarried[lane]
+        for lane, mark in lanes.items():
+            self._keep(lane, txn_version(mark), minute)
+            if txns.get(lane, (-1, -1)) < mark and self._uncarried.get(lane, (-1, -1)) < mark:
+                self._uncarried[lane] = mark
+        if carried:
+            self.carried = True
+
+    def _expire(self) -> None:
+        """Forget the lanes idle for longer than their retention (at most once a minute)."""
+        clock = self._clock()
+        if clock - self._expiry_checked < _EXPIRY_CHECK:
+            return
+        self._expiry_checked = clock
+        now = self._minute()
+        random, durable = self.retention.random / 60, self.retention.durable / 60
+        prefix = RANDOM_LANE_PREFIX
+        kept = {
+            lane: held
+            for lane, held in self._marks.items()
+            if now - (held & _MINUTES) <= (random if lane.startswith(prefix) else durable)
+        }
+        if len(kept) < len(self._marks):
+            self._marks = kept  # a new dict: a smaller table, not one with holes
+            self._uncarried = {k: v for k, v in self._uncarried.items() if k in kept}
+
+    def carrying(self, lanes: Mapping[str, Mark]) -> list[dict[str, Any]]:
+        """The ``txn`` actions of a commit that applies ``lanes``: theirs, every mark not yet
+        carried, and the table's ``deltaflow`` one while it is not."""
+        now = int(self._clock() * 1000)
+        marks = dict(self._uncarried)
+        for lane, mark in lanes.items():
+            if marks.get(lane, (-1, -1)) < mark:
+                marks[lane] = mark
+        actions = [
+            {"txn": {"appId": TXN_PREFIX + lane, "version": txn_version(m), "lastUpdated": now}}
+            for lane, m in marks.items()
+        ]
+        if not self.carried:
+            actions.append(
+                {"txn": {"appId": CARRIED_APP, "version": CARRIED_VERSION, "lastUpdated": now}}
+            )
+        return actions
 
     def changed_since(self, version: int, paths: frozenset[str]) -> str | None:
         """Why a group prepared at table ``version``, removing ``paths``, no longer fits the
@@ -135,10 +353,16 @@ class LaneMarks:
                 return f"version {later} replaced a file it replaces"
         return None
 
+    def replaced_at(self, version: int, paths: frozenset[str]) -> bool:
+        """Whether commit ``version`` (remembered, see ``history``) removed one of ``paths``."""
+        change = self._changes.get(version)
+        return change is not None and not paths.isdisjoint(change[0])
+
     def absorb(self, lanes: Mapping[str, Mark]) -> None:
+        """``lanes`` were applied by a commit of this node (read back later)."""
+        minute = self._minute()
         for lane, mark in lanes.items():
-            if lane not in self._marks or mark > self._marks[lane]:
-                self._marks[lane] = mark
+            self._keep(lane, txn_version(mark), minute)
 
     @staticmethod
     def user_metadata(
@@ -174,13 +398,6 @@ class LaneMarks:
         return out
 
 
-def _listdir(path: Location) -> list[str]:
-    try:
-        return [p.name for p in path.iterdir()]
-    except FileNotFoundError:
-        return []
-
-
 _Vectors = dict[str, dict[str, Any]]
 
 
@@ -190,17 +407,28 @@ _Deleted = tuple[Mapping[str, Any], int]
 def _read_commit(
     path: Location, every_remove: bool = False
 ) -> tuple[
-    dict[str, Mark], bool, list[tuple[str, dict[str, Any] | None]], _Vectors, _Deleted | None
+    dict[str, Mark],
+    bool,
+    list[tuple[str, dict[str, Any] | None]],
+    _Vectors,
+    _Deleted | None,
+    dict[str, Mark],
+    tuple[int | None, bool],
 ]:
-    """What one commit file records: its lane marks (empty if it has none); whether it has a
-    ``metaData`` or ``protocol`` action; the files with deletion vectors it removes (with
-    ``every_remove``, every file it removes) and the ones with vectors it adds (path and
-    descriptor); the keys it deletes from a ``sequence_by`` table with the commit's time.
+    """What one commit file records: its ``commitInfo`` lane marks (empty if it has none);
+    whether it has a ``metaData`` or ``protocol`` action; the files with deletion vectors it
+    removes (with ``every_remove``, every file it removes) and the ones with vectors it adds
+    (path and descriptor); the keys it deletes from a ``sequence_by`` table with the commit's
+    time; the marks its ``txn`` actions carry; its time and whether it says every lane is
+    carried (the ``deltaflow`` txn).
 
     Raises:
         OSError: it cannot be read.
     """
     lanes: dict[str, Mark] = {}
+    txns: dict[str, Mark] = {}
+    carried = False
+    at: int | None = None
     deleted: _Deleted | None = None
     metadata = False
     removed: list[tuple[str, dict[str, Any] | None]] = []
@@ -211,6 +439,15 @@ def _read_commit(
             # Each line is one action, an object with one key.
             if line.startswith(('{"metaData"', '{"protocol"')):
                 metadata = True
+            elif line.startswith('{"txn"'):
+                txn = json.loads(line)["txn"]
+                app, version = txn.get("appId"), txn.get("version")
+                if not isinstance(app, str) or not isinstance(version, int):
+                    continue
+                if app.startswith(TXN_PREFIX):
+                    txns[app[len(TXN_PREFIX) :]] = mark_of(version)
+                elif app == CARRIED_APP:
+                    carried = True
             elif (every_remove and line.startswith('{"remove"')) or (
                 '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"'))
             ):
@@ -224,44 +461,17 @@ def _read_commit(
             elif not lanes and '"commitInfo"' in line:
                 info = json.loads(line).get("commitInfo") or {}
                 lanes, deleted = _lanes_of(info)
+                stamp = info.get("timestamp")
+                at = stamp if isinstance(stamp, int) else None
     except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it
         log.warning("cannot read lane marks from %s: %s", path, exc)
-    return lanes, metadata, removed, added, deleted
-
-
-def _checkpoint_vectors(log_dir: Location, into: _Vectors) -> int:
-    """Read the deletion vectors of the live files the last checkpoint lists into ``into``;
-    the checkpoint's version (-1 without one)."""
-    try:
-        last = json.loads((log_dir / "_last_checkpoint").read_text(encoding="utf-8"))
-        version = int(last["version"])
-    except (OSError, ValueError, KeyError):
-        return -1
-    prefix = f"{version:020d}.checkpoint"
-    for name in sorted(n for n in _listdir(log_dir) if n.startswith(prefix)):
-        if name.endswith(".parquet"):
-            into.update(checkpoint_vectors(log_dir / name, ("add",)))
-    return version
+    return lanes, metadata, removed, added, deleted, txns, (at, carried)
 
 
 def commit_vectors(commit: Location) -> list[dict[str, Any]]:
     """The deletion vectors one commit file names, in its adds and its removes."""
-    _, _, removed, added, _ = _read_commit(commit)
+    _, _, removed, added, *_ = _read_commit(commit)
     return [dv for _, dv in removed if dv is not None] + list(added.values())
-
-
-def checkpoint_vectors(checkpoint: Location, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:
-    """The deletion vectors of the actions of ``kinds`` (``add``, ``remove``) a checkpoint
-    file lists: (path, descriptor) pairs."""
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(open_input(checkpoint), columns=list(kinds)).to_pylist()
-    return [
-        (action["path"], {k: v for k, v in action["deletionVector"].items() if v is not None})
-        for row in rows
-        for action in (row.get(kind) for kind in kinds)
-        if action and action.get("deletionVector")
-    ]
 
 
 def _lanes_of(info: Mapping[str, Any]) -> tuple[dict[str, Mark], _Deleted | None]:

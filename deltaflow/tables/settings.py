@@ -16,7 +16,9 @@ every engine) reads the same ones from the table itself:
   of column to function; :mod:`.merging`);
 - ``delta.enableDeletionVectors``: Delta's own switch for deletion vectors;
 - ``delta.checkpointInterval``: 100 (:data:`CHECKPOINT_INTERVAL`), not Spark's 10: deltaflow
-  commits several times a second under load, and a checkpoint costs many commits' time.
+  commits several times a second under load, and a checkpoint costs many commits' time;
+- ``delta.setTransactionRetentionDuration``: 7 days: how long a lane's mark outlives the lane's
+  last commit, in checkpoints and in nodes' memory (:mod:`.marks`).
 
 **The bucket layout.** A keyed table gets the int column ``_deltaflow_bucket``, computed on the
 node as ``partition_of(key, buckets)``: the function the client routes by. The table is
@@ -81,6 +83,10 @@ AGGREGATES: Final = ("sum", "min", "max", "last_non_null")
 PROP_DELETION_VECTORS: Final = "delta.enableDeletionVectors"
 PROP_CHECKPOINT_INTERVAL: Final = "delta.checkpointInterval"
 PROP_EXPIRED_LOG_CLEANUP: Final = "delta.enableExpiredLogCleanup"
+#: How long Delta keeps a ``txn`` action (a lane's mark, :mod:`.marks`) in its snapshots.
+PROP_TXN_RETENTION: Final = "delta.setTransactionRetentionDuration"
+#: The tables deltaflow creates keep a lane's mark this long after its last commit.
+TXN_RETENTION: Final = "interval 7 days"
 #: Commits between two checkpoints of the tables deltaflow creates (delta-rs's default; see
 #: the module docstring). Readers replay at most this many small JSON commits.
 CHECKPOINT_INTERVAL: Final = 100
@@ -189,6 +195,7 @@ class TableSettings:
             PROP_BUCKETS: str(self.buckets),
             PROP_SCHEMA_EVOLUTION: "true" if self.schema_evolution else "false",
             PROP_CHECKPOINT_INTERVAL: str(CHECKPOINT_INTERVAL),
+            PROP_TXN_RETENTION: TXN_RETENTION,
         }
         if self.bucket_rows:
             props[PROP_BUCKET_ROWS] = str(self.bucket_rows)

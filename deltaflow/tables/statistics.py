@@ -184,6 +184,17 @@ class TableStatistics(CommitCounters):
     in_flight_batches: int = 0
     last_version: int | None = None
     last_commit_at: float = 0.0
+    #: As the table's committer: its live files when last counted, the compactions it
+    #: committed (files and bytes they rewrote, when the last landed), the ones dropped (a
+    #: writer's group replaced a file first) and the writers' groups sent back because a
+    #: compaction replaced one of their files.
+    live_files: int = 0
+    compactions: int = 0
+    compacted_files: int = 0
+    compacted_bytes: int = 0
+    compactions_dropped: int = 0
+    groups_sent_back_by_compaction: int = 0
+    last_compacted_at: float = 0.0
     #: The latest commits of this node's rows: (Unix time, rows, batches, seconds, version).
     recent: collections.deque[tuple[float, int, int, float, int | None]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=RECENT_COMMITS)

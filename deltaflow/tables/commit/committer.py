@@ -25,6 +25,7 @@ version taken, reads the marks again and answers ``applied``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -34,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Final
 from ..._faults import fault_point
 from ...errors import CommitConflictError
 from ...logs import event
-from ..marks import LaneMarks, Mark
+from ..marks import LaneMarks, Mark, MarkRetention
 from ..sequence import merged_deletes
 from ..settings import CHECKPOINT_INTERVAL, PROP_CHECKPOINT_INTERVAL, TableSettings
+from .compaction import Compactor
 from .holding import CheckpointWriter, finish, hold_table
 from .ownership import NotOwned, Ownership, foreign
 from .prepared import Outcome, OutcomeKind, PreparedCommit
@@ -87,7 +89,12 @@ class TableCommitter:
         # its own commit they are, and the log is not listed again before the next (a commit
         # it did not see holds the next version, so that commit's write fails and lists).
         self._current = False
+        self.compactor = Compactor(table, self.path, engine.node_id, engine.settings.compaction)
+        self._compactions: set[int] = set()  # ids of the compactions' commits waiting
+        self._committing = False  # a combined commit runs (on its thread)
+        self._compacted: collections.deque[int] = collections.deque(maxlen=HISTORY)
         self.task = asyncio.create_task(self._run(), name=f"deltaflow-committer-{table}")
+        self.maintenance = asyncio.create_task(self._maintain(), name=f"deltaflow-compact-{table}")
 
     @property
     def waiting(self) -> int:
@@ -123,9 +130,10 @@ class TableCommitter:
                 )
 
     async def stop(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        for task in (self.maintenance, self.task):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.checkpoints.wait()
         for _, future in self._pending:
             if not future.done():
@@ -138,6 +146,8 @@ class TableCommitter:
             while self._pending:
                 batch = self._pending[:MAX_COMBINED]
                 del self._pending[:MAX_COMBINED]
+                # A compaction is taken last: a writer's group replacing one of its files wins.
+                batch.sort(key=lambda waiting: id(waiting[0]) in self._compactions)
                 try:
                     outcomes = await self._commit_held(batch)
                 except asyncio.CancelledError:
@@ -154,16 +164,65 @@ class TableCommitter:
                     if not future.done():
                         future.set_result(outcome)
 
+    async def _maintain(self) -> None:
+        """Compact the table between commits, throttled (:mod:`.compaction`)."""
+        compactor = self.compactor
+        stats = self.engine.stats.table(self.name)
+        while compactor.settings.enabled:
+            await asyncio.sleep(compactor.settings.interval)
+            if self._pending or self._committing or self.version is None:
+                continue  # groups wait, or this node committed nothing yet: not now
+            # The marks' version and vectors, read while no commit runs: the files are
+            # listed at that version, and the commit is checked against what came after.
+            version, vectors = self.marks.scanned, dict(self.marks.vectors)
+            try:
+                stats.live_files, compaction = await self.engine.in_thread(
+                    compactor.prepare, version, vectors
+                )
+            except Exception as exc:  # noqa: BLE001 - only the compaction is lost
+                log.warning("table %s: a compaction could not be prepared: %s", self.name, exc)
+                continue
+            if compaction is None:
+                continue
+            self._compactions.add(id(compaction.commit))
+            try:
+                outcome = await self.submit(compaction.commit)
+            finally:
+                self._compactions.discard(id(compaction.commit))
+            if outcome.kind is not OutcomeKind.COMMITTED or outcome.version is None:
+                stats.compactions_dropped += 1
+                log.info("table %s: a compaction was dropped (%s)", self.name, outcome.reason)
+                continue
+            self._compacted.append(outcome.version)
+            stats.compactions += 1
+            stats.compacted_files += compaction.files
+            stats.compacted_bytes += compaction.bytes
+            stats.last_compacted_at = time.time()
+            stats.live_files -= compaction.files - 1
+            event(
+                log,
+                "table.compacted",
+                f"table {self.name}: version {outcome.version} compacts {compaction.files} "
+                f"files ({compaction.bytes} bytes) of bucket {compaction.bucket}",
+                table=self.name,
+                version=outcome.version,
+                files=compaction.files,
+                bytes=compaction.bytes,
+                bucket=compaction.bucket,
+            )
+
     async def _commit_held(
         self, batch: list[tuple[PreparedCommit, asyncio.Future[Outcome]]]
     ) -> list[Outcome]:
         held = await hold_table(self.engine, self.name, self._released_at)
         maps = self.ownership.maps() if self.ownership is not None else None
+        self._committing = True
         try:
             return await finish(
                 self.engine.in_thread(self._commit, [prepared for prepared, _ in batch], maps)
             )
         finally:
+            self._committing = False
             held.__exit__(None, None, None)
             self._released_at = time.monotonic()
             due, self._checkpoint_due = self._checkpoint_due, None
@@ -184,6 +243,9 @@ class TableCommitter:
                 # (A metadata change also shows in ``changed_since`` for groups read before.)
                 described = self.engine.describe(self.name, self.path)
                 configured = described.properties
+                self.marks.retention = MarkRetention.of_table(
+                    configured, self.engine.settings.random_marks_seconds
+                )
                 self._interval = int(configured.get(PROP_CHECKPOINT_INTERVAL) or 0)
                 self._layout = TableSettings.from_table(configured, described.schema.names)
             outcomes, chosen = self._sort(batch, maps)
@@ -194,6 +256,7 @@ class TableCommitter:
             )
             writers = {batch[i].writer for i in chosen}
             actions: list[dict[str, Any]] = [a for i in chosen for a in batch[i].actions]
+            actions += self.marks.carrying(lanes)  # where a checkpoint keeps them
             deleted = merged_deletes(batch[i].deleted for i in chosen)
             metadata = LaneMarks.user_metadata(node, lanes, writers, deleted)
             read = self.marks.scanned
@@ -278,6 +341,8 @@ class TableCommitter:
                 reason = "another group of this commit applies one of its lanes"
             else:
                 reason = self.marks.changed_since(prepared.read_version, prepared.removes)
+                if reason is not None and self._compacted_since(prepared):
+                    self.engine.stats.table(self.name).groups_sent_back_by_compaction += 1
             if reason is None and not taken.isdisjoint(prepared.removes):
                 reason = "another group of this commit replaces one of its files"
             if reason is not None:
@@ -288,6 +353,13 @@ class TableCommitter:
             chosen.append(i)
             outcomes.append(Outcome(OutcomeKind.COMMITTED, committer=node))  # version set after
         return outcomes, chosen
+
+    def _compacted_since(self, prepared: PreparedCommit) -> bool:
+        """Whether a compaction after the group's version replaced one of its files."""
+        return any(
+            v > prepared.read_version and self.marks.replaced_at(v, prepared.removes)
+            for v in self._compacted
+        )
 
     def _count(
         self, batch: list[PreparedCommit], chosen: list[int], seconds: float, version: int

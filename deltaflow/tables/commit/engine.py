@@ -28,6 +28,7 @@ class CommitterEngine(Protocol):
 
     warehouse: Location
     node_id: str
+    settings: EngineSettings
     stats: EngineStatistics
     atomicity: CommitAtomicity
 
@@ -42,7 +43,6 @@ class CommitterEngine(Protocol):
 class OwnerEngine(CommitterEngine, Protocol):
     """What a partition owner's side of a table (:class:`.TableOwner`) uses besides."""
 
-    settings: EngineSettings
     log: LogReader
     checkpoints_due: dict[Location, int]
     commit_sink: CommitSink | None

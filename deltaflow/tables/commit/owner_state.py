@@ -17,7 +17,7 @@ from ..constraints import CONSTRAINT_PREFIX
 from ..grouping import conform, last_per_key
 from ..layout import live_rows
 from ..log import latest_version
-from ..marks import LaneMarks
+from ..marks import LaneMarks, MarkRetention
 from ..merging import MergeRule, fold, internal
 from ..rows import INTERNAL_COLUMNS, no_evolution_text
 from ..sequence import Tombstones, newest_per_key, recorded
@@ -87,6 +87,10 @@ class TableState:
         desc = self.engine.describe(self.name, self.path)
         full = pa.schema(desc.schema)
         self.settings = TableSettings.from_table(desc.properties, full.names)
+        self.marks.whole_log = bool(self.settings.sequence_by)
+        self.marks.retention = MarkRetention.of_table(
+            desc.properties, self.engine.settings.random_marks_seconds
+        )
         self.schema = pa.schema([f for f in full if f.name != BUCKET_COLUMN])
         self.partition_columns = tuple(desc.partition_columns)
         self.constraints = {

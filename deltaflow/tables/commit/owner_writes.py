@@ -305,6 +305,7 @@ class TableWriter(TableState):
                 read_version,
                 self.settings.sequence_by,
                 self.rule,
+                self.marks.carrying(lanes),
             )
         )
         return int(data.num_rows)

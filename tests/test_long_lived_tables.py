@@ -1,0 +1,224 @@
+"""A table that lives for months: a node that starts reads the last checkpoint and the commits
+after it, never the whole log, and still applies no batch twice (``tables/marks.py``, the
+``txn`` actions); lanes idle past their retention leave the node's memory."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deltaflow
+from deltaflow import StreamerOptions
+from deltaflow.tables.engine import TableEngine
+from deltaflow.tables.marks import CARRIED_APP, TXN_PREFIX, LaneMarks, txn_version
+
+from .support import StartCluster, open_table, read_all, table_engine
+from .test_marks import commit
+
+#: The local write paths: delta-rs (appends, MERGE, merge-on-read) and Spark (its direct writer,
+#: and its SQL writer, whose marks follow the MERGE in a commit of their own).
+ENGINES = ("delta-rs", "delta-rs-dv", "spark", "spark-sql")
+
+
+async def write(eng: TableEngine, table: str, lane: str, seqs: range, key: list[str]) -> None:
+    """One commit per batch ``seq`` of ``lane``: rows ``seq * 10 ..`` (ten of them)."""
+    for seq in seqs:
+        rows = [{"id": seq * 10 + i, "v": seq} for i in range(10)]
+        await (await eng.stage(table, key, rows, frozenset(), mark=(lane, (seq, 0))))
+
+
+def forget_the_log_before_a_checkpoint(path: Path) -> int:
+    """A checkpoint at the latest version, and every commit file before it deleted (as log
+    clean-up does after ``delta.logRetentionDuration``); the checkpoint's version."""
+    table = open_table(path)
+    table.create_checkpoint()
+    version = int(table.version())
+    for old in range(version):
+        (path / "_delta_log" / f"{old:020d}.json").unlink()
+    return version
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("key", [[], ["id"]], ids=["append", "upsert"])
+async def test_a_replay_after_a_restart_is_skipped_when_its_marks_are_only_in_a_checkpoint(
+    warehouse: Path, engine: str, key: list[str]
+) -> None:
+    """Batches 0-5 of a lane land; the table is checkpointed and its commit files deleted. A
+    new node (nothing in memory) gets the replay of batches 3-5 and new batches 6-7: the
+    replay is skipped, from the marks the checkpoint carries, and every row lands once."""
+    if engine.startswith("spark") and key == []:
+        pytest.skip("appends take the same commit paths as upserts on Spark")
+    lane = "nightly-1/abc/7"
+    async with table_engine(engine, warehouse) as eng:
+        await write(eng, "kept", lane, range(6), key)
+    checkpointed = forget_the_log_before_a_checkpoint(warehouse / "kept")
+    # Independently of deltaflow: delta-rs reads the lane's mark from the checkpoint.
+    table = open_table(warehouse / "kept")
+    assert table.transaction_version(TXN_PREFIX + lane) == txn_version((5, 0))
+    assert table.transaction_version(CARRIED_APP) == 1
+    async with table_engine(engine, warehouse) as eng:
+        await write(eng, "kept", lane, range(3, 8), key)
+    ids = Counter(r["id"] for r in read_all(warehouse / "kept"))
+    assert ids == Counter(range(80)), (
+        f"{80 - len(ids)} rows lost, {sum(ids.values()) - len(ids)} written twice "
+        f"(checkpoint at version {checkpointed})"
+    )
+
+
+def test_a_starting_node_reads_the_checkpoint_and_the_commits_from_it_on(tmp_path: Path) -> None:
+    """Marks carried by a checkpoint's ``txn`` actions count; commits before the checkpoint
+    are not read (here: they hold a mark the checkpoint does not, which must stay unseen); a
+    commitInfo mark of the checkpoint's own commit, carried by no txn, counts too."""
+    commit(tmp_path, 0, lanes={"old/0": (9, 0)})
+    commit(tmp_path, 1, lanes={"s/0": (1, 0)})
+    write_checkpoint(tmp_path, 2, {"s/0": (1, 0)}, carried=True)
+    commit(tmp_path, 2, lanes={"q/0": (4, 0)})  # its commitInfo only (the SQL writer's)
+    commit(tmp_path, 3, lanes={"s/0": (2, 0)})
+    marks = LaneMarks(tmp_path)
+    marks.refresh()
+    assert marks.started_at == 2 and marks.scanned == 3
+    assert marks.applied("s/0", (2, 0)) and not marks.applied("s/0", (3, 0))
+    assert marks.applied("q/0", (4, 0))
+    assert not marks.applied("old/0", (0, 0)), "a commit before the checkpoint was read"
+    # The mark no txn carries goes into the next commit's txn actions; the table needs no
+    # second "carried" txn.
+    carried = {a["txn"]["appId"]: a["txn"]["version"] for a in marks.carrying({"s/0": (3, 0)})}
+    assert carried == {"deltaflow:q/0": txn_version((4, 0)), "deltaflow:s/0": txn_version((3, 0))}
+
+
+def test_a_table_written_before_txn_marks_is_read_whole_and_carried_once(tmp_path: Path) -> None:
+    """A checkpoint without the ``deltaflow`` txn (a table written before this format): its
+    log is read whole, and the next commit carries every lane's mark and says so; once that
+    commit is read, the table counts as carried."""
+    commit(tmp_path, 0, lanes={"a/0": (3, 1)})
+    commit(tmp_path, 1, lanes={"b/5": (7, 0)})
+    write_checkpoint(tmp_path, 1, {}, carried=False)
+    commit(tmp_path, 2, lanes={"a/0": (4, 0)})
+    marks = LaneMarks(tmp_path)
+    marks.refresh()
+    assert marks.started_at is None and marks.applied("b/5", (7, 0))
+    actions = marks.carrying({})
+    assert {a["txn"]["appId"]: a["txn"]["version"] for a in actions} == {
+        "deltaflow:a/0": txn_version((4, 0)),
+        "deltaflow:b/5": txn_version((7, 0)),
+        CARRIED_APP: 1,
+    }
+    commit(tmp_path, 3, *actions, lanes={})
+    marks.refresh()
+    assert marks.carried and marks.carrying({}) == []
+
+
+def test_idle_lanes_leave_memory_after_their_retention_and_not_before(tmp_path: Path) -> None:
+    """A stream's lane stays for the table's txn retention (7 days here), a random id's lane
+    (``~``) for ``random_marks_seconds`` (an hour): both after their last commit."""
+    day = 86_400.0
+    now = [1_700_000_000.0]
+    ms = int(now[0] * 1000)
+    commit(tmp_path, 0, lanes={"s/0": (1, 0), "~r/0": (1, 0)}, timestamp=ms)
+    marks = LaneMarks(tmp_path, clock=lambda: now[0])
+    marks.refresh()
+    assert len(marks) == 2
+    now[0] += 3599
+    marks.refresh()
+    assert marks.applied("~r/0", (1, 0)), "a random id's lane expired before its hour"
+    now[0] += 120
+    marks.refresh()
+    assert not marks.applied("~r/0", (1, 0)) and marks.applied("s/0", (1, 0))
+    now[0] += 6 * day
+    marks.refresh()
+    assert marks.applied("s/0", (1, 0)), "a stream's lane expired before its 7 days"
+    now[0] += day
+    marks.refresh()
+    assert len(marks) == 0
+    # A checkpoint's txn actions past their retention are not loaded at all.
+    other = tmp_path / "other"
+    commit(other, 0, lanes={})
+    write_checkpoint(other, 0, {"s/0": (1, 0)}, carried=True, last_updated=ms)
+    fresh = LaneMarks(other, clock=lambda: now[0])
+    fresh.refresh()
+    assert fresh.started_at == 0 and len(fresh) == 0
+
+
+def write_checkpoint(
+    table: Path,
+    version: int,
+    lanes: dict[str, tuple[int, int]],
+    *,
+    carried: bool,
+    last_updated: int = 0,
+) -> None:
+    """A classic checkpoint at ``version`` holding only ``txn`` actions, and the
+    ``_last_checkpoint`` that names it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    txns = [
+        {"appId": TXN_PREFIX + lane, "version": txn_version(mark), "lastUpdated": last_updated}
+        for lane, mark in lanes.items()
+    ]
+    if carried:
+        txns.append({"appId": CARRIED_APP, "version": 1, "lastUpdated": last_updated})
+    log = table / "_delta_log"
+    txn_type = pa.struct(
+        [("appId", pa.string()), ("version", pa.int64()), ("lastUpdated", pa.int64())]
+    )
+    add_type = pa.struct([("path", pa.string())])
+    rows = pa.table(
+        {"txn": pa.array(txns, txn_type), "add": pa.array([None] * len(txns), add_type)}
+    )
+    pq.write_table(rows, log / f"{version:020d}.checkpoint.parquet")
+    (log / "_last_checkpoint").write_text(json.dumps({"version": version, "size": len(txns)}))
+
+
+def txn_lanes(path: Path) -> dict[str, int]:
+    """The lane marks the table's snapshot holds as txn actions, by delta-rs."""
+    out: dict[str, int] = {}
+    for name in sorted((path / "_delta_log").glob("*.json")):
+        for line in name.read_text().splitlines():
+            action: dict[str, Any] = json.loads(line)
+            if "txn" in action and action["txn"]["appId"].startswith(TXN_PREFIX):
+                out[action["txn"]["appId"][len(TXN_PREFIX) :]] = action["txn"]["version"]
+    return out
+
+
+async def test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay(
+    start_cluster: StartCluster, warehouse: Path
+) -> None:
+    """Two nodes append 3,000 rows under a stream id (through the table's committer, many
+    groups per version), and a stream with a random id appends 500 more. The table is
+    checkpointed and its commit files deleted; two new nodes get the named stream's replay
+    (the same items, so the same batches) and a new stream's 1,000 rows: each row lands once.
+    The random id's lanes are marked as such."""
+    append = {"receiver": "deltaflow.testing.AppendRows", "receiver_args": {"table": "log"}}
+    options = StreamerOptions(page_size=100, auto_flush_interval=0.0)
+    nodes = await start_cluster(warehouse, engine="delta-rs")
+    async with deltaflow.connect([n.address for n in nodes]) as client:
+        first = [{"id": i} for i in range(3000)]
+        await client.stream_data(first, key="id", options=options, stream_id="orders", **append)
+        other = [{"id": -1 - i} for i in range(500)]
+        await client.stream_data(other, key="id", options=options, **append)
+    for node in nodes:
+        await node.stop()
+    lanes = txn_lanes(warehouse / "log")
+    assert lanes and all(lane.startswith(("orders/", "~")) for lane in lanes), sorted(lanes)[:5]
+    assert any(lane.startswith("~") for lane in lanes) and any(
+        lane.startswith("orders/") for lane in lanes
+    )
+    forget_the_log_before_a_checkpoint(warehouse / "log")
+    nodes = await start_cluster(warehouse, engine="delta-rs")
+    async with deltaflow.connect([n.address for n in nodes]) as client:
+        # The same items under the same id: the same batches, every one held already.
+        replay = await client.stream_data(
+            first, key="id", options=options, stream_id="orders", **append
+        )
+        new = [{"id": 3000 + i} for i in range(1000)]
+        await client.stream_data(new, key="id", options=options, stream_id="orders-2", **append)
+    assert replay.items_acked == 3000
+    ids = Counter(r["id"] for r in read_all(warehouse / "log"))
+    assert ids == Counter([*range(4000), *(-1 - i for i in range(500))]), (
+        f"{4500 - len(ids)} rows lost, {sum(ids.values()) - len(ids)} written twice"
+    )
