@@ -294,6 +294,9 @@ class FakeEngine:
     def release(self) -> None:
         pass
 
+    def forget_lanes(self, lanes: Any) -> None:
+        pass
+
     def commit_all(self) -> None:
         for seq, abandoned, fut in self.entries:
             if abandoned():
@@ -1073,6 +1076,9 @@ class Engine:
     def release(self) -> None:
         self.releases += 1
         self.changed.set()
+
+    def forget_lanes(self, lanes: Any) -> None:
+        pass
 
     async def until(self, condition: Callable[[], bool]) -> None:
         async with asyncio.timeout(ANSWER_WAIT):

@@ -14,6 +14,8 @@ import pytest
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.tables.engine import TableEngine
+from deltaflow.tables.log import commit_versions, latest_version
+from deltaflow.tables.mark_store import MarkStore
 from deltaflow.tables.marks import CARRIED_APP, TXN_PREFIX, LaneMarks, txn_version
 
 from .support import StartCluster, open_table, read_all, table_engine
@@ -143,6 +145,66 @@ def test_idle_lanes_leave_memory_after_their_retention_and_not_before(tmp_path: 
     assert fresh.started_at == 0 and len(fresh) == 0
 
 
+def test_a_node_finds_new_commits_by_name_and_never_lists_a_long_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commits after a known version, and a starting node's commits from the last
+    checkpoint on, are found by name: the cost follows the new commits, not the month of
+    commits a log directory keeps. Only a reader whose version the clean-up passed lists it."""
+    for version in range(8):
+        commit(tmp_path, version, lanes={})
+    write_checkpoint(tmp_path, 5, {}, carried=True)
+    log = tmp_path / "_delta_log"
+    with monkeypatch.context() as listing:
+        listing.setattr(Path, "iterdir", _no_listing)
+        assert commit_versions(tmp_path) == [5, 6, 7]
+        assert latest_version(tmp_path) == 7 and latest_version(tmp_path, 7) == 7
+        assert commit_versions(tmp_path, 2) == [3, 4, 5, 6, 7]
+        assert commit_versions(tmp_path, 7) == []
+        commit(tmp_path, 8, lanes={})
+        assert commit_versions(tmp_path, 7) == [8] and latest_version(tmp_path, 6) == 8
+    # Every kept commit when asked, and a version the clean-up passed: a listing says.
+    assert commit_versions(tmp_path, every=True) == list(range(9))
+    for old in range(4):
+        (log / f"{old:020d}.json").unlink()
+    assert commit_versions(tmp_path, 1) == [4, 5, 6, 7, 8]
+    assert commit_versions(tmp_path, every=True) == [4, 5, 6, 7, 8]
+
+
+def _no_listing(self: Path) -> Any:
+    raise AssertionError(f"{self} was listed")
+
+
+def test_a_node_s_readers_of_a_table_share_one_mark_per_lane(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The owner's side and the committer of one table on a node keep one store of marks: a
+    checkpoint's marks are read once, a lane costs one entry, and a mark only rises whichever
+    reader keeps it (a lower one kept later never hides a batch the table holds)."""
+    import deltaflow.tables.marks as marks_module
+
+    now = 1_700_000_000_000
+    commit(tmp_path, 0, lanes={})
+    write_checkpoint(tmp_path, 0, {"s/0": (5, 0), "~r/1": (7, 1)}, carried=True, last_updated=now)
+    commit(tmp_path, 1, lanes={"s/2": (1, 0)}, timestamp=now)
+    store = MarkStore()
+    owner = LaneMarks(tmp_path, store=store, clock=lambda: now / 1000)
+    owner.refresh()
+    monkeypatch.setattr(marks_module, "checkpoint_txns", _read_twice)
+    committer = LaneMarks(tmp_path, history=8, store=store, clock=lambda: now / 1000)
+    committer.refresh()
+    assert committer.started_at == 0 and committer.scanned == 1
+    assert committer.applied("~r/1", (7, 1)) and committer.applied("s/2", (1, 0))
+    assert len(store) == len(owner) == len(committer) == 3
+    committer.absorb({"s/0": (9, 0)})
+    owner.absorb({"s/0": (6, 0)})
+    assert owner.applied("s/0", (9, 0)) and not owner.applied("s/0", (10, 0))
+
+
+def _read_twice(checkpoint: Path) -> Any:
+    raise AssertionError(f"{checkpoint}'s txn actions were read twice")
+
+
 def write_checkpoint(
     table: Path,
     version: int,
@@ -222,3 +284,103 @@ async def test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay(
     assert ids == Counter([*range(4000), *(-1 - i for i in range(500))]), (
         f"{4500 - len(ids)} rows lost, {sum(ids.values()) - len(ids)} written twice"
     )
+
+
+async def test_tombstones_hold_across_a_restart_whose_log_before_a_checkpoint_is_gone(
+    tmp_path: Path,
+) -> None:
+    """A ``sequence_by`` table's deletes live in its commits only; its owners snapshot them
+    once per checkpoint interval, so a node that starts after the log's clean-up still drops
+    an upsert older than a delete (without the snapshot the key would come back)."""
+    from .test_cdc import apply, change, table_of
+
+    warehouse = tmp_path / "warehouse"
+    path = warehouse / "cdc"
+    async with table_engine("delta-rs", warehouse) as eng:
+        await apply(eng, [change(1, 5, "a"), change(2, 5, "a")])
+    open_table(path).alter.set_table_properties({"delta.checkpointInterval": "4"})
+    async with table_engine("delta-rs", warehouse) as eng:
+        await apply(eng, [change(1, 9, "")], deletes=frozenset({0}))
+        for i in range(4):
+            await apply(eng, [change(100 + i, 1, "x")])
+    snapshots = sorted(p.name for p in (path / "_deltaflow" / "tombstones").iterdir())
+    assert snapshots, "no snapshot of the tombstones was written"
+    forget_the_log_before_a_checkpoint(path)
+    async with table_engine("delta-rs", warehouse, node_id="t2") as eng:
+        await apply(eng, [change(1, 7, "undead"), change(3, 1, "new")])
+    table = table_of(warehouse)
+    assert 1 not in table, "an upsert older than the delete brought the key back"
+    assert table[3] == (1, "new") and table[2] == (5, "a")
+
+
+def test_a_snapshot_keeps_every_tombstone_with_its_time_and_only_the_newest_two_stay(
+    tmp_path: Path,
+) -> None:
+    """Restored deletes expire when the originals would have: after the table's tombstone
+    retention, not before; a writer leaves the newest two snapshots."""
+    from deltaflow.tables.sequence import Tombstones
+    from deltaflow.tables.tombstone_snapshots import newest_snapshot, write_snapshot
+
+    day_ms = 86_400_000
+    held = Tombstones()
+    held.absorb({"keys": [1, [2, "b"]], "seqs": [9, [3, 4]]}, 10 * day_ms)
+    held.absorb({"keys": [1], "seqs": [7]}, 11 * day_ms)
+    for version in (100, 200, 300):
+        assert write_snapshot(tmp_path, version, held)
+    assert not write_snapshot(tmp_path, 300, Tombstones()), "a snapshot was replaced"
+    names = sorted(p.name for p in (tmp_path / "_deltaflow" / "tombstones").iterdir())
+    assert names == [f"{v:020d}.json" for v in (200, 300)]
+    found = newest_snapshot(tmp_path)
+    assert found is not None and found[0] == 300
+    restored = Tombstones()
+    for deleted in found[1]:
+        restored.absorb(deleted, deleted["at"])
+    assert restored.by_time() == held.by_time() and len(restored) == 2
+    restored.expire(7 * 86_400, now=(17 * day_ms - 1000) / 1000)
+    assert len(restored) == 2, "a tombstone expired before its retention"
+    restored.expire(7 * 86_400, now=(18 * day_ms + 61_000) / 1000)
+    assert len(restored) == 0
+
+
+async def test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_stream(
+    warehouse: Path, start_cluster: StartCluster
+) -> None:
+    """Only the client of a stream whose id it made up could resend its batches, and it closes
+    the stream after their answers: the node's marks follow the streams open, not the streams
+    it served. A named stream's marks stay (its batches may be replayed), and skip a replay."""
+    import asyncio
+
+    [node] = await start_cluster(warehouse, count=1, engine="delta-rs", partitions=4)
+    async with deltaflow.connect([node.address]) as client:
+        for i in range(12):
+            await client.stream_data([{"id": i, "v": 1.0}], table="served", key="id")
+        named = [{"id": 100 + i, "v": 2.0} for i in range(8)]
+        await client.stream_data(named, table="served", key="id", stream_id="named")
+    async with asyncio.timeout(10):  # the last close frames are still on their way
+        while node.dispatcher.stats.streams:  # noqa: ASYNC110 - no event says a frame was read
+            await asyncio.sleep(0.01)
+    store = node.engine.mark_stores.of(warehouse / "served")
+    assert store.lanes() and all(lane.startswith("named/") for lane in store.lanes())
+    async with deltaflow.connect([node.address]) as client:
+        replay = [{"id": 100 + i, "v": 3.0} for i in range(8)]
+        summary = await client.stream_data(replay, table="served", key="id", stream_id="named")
+    assert summary.items_acked == 8
+    rows = {r["id"]: r["v"] for r in read_all(warehouse / "served")}
+    assert len(rows) == 20 and all(rows[100 + i] == 2.0 for i in range(8)), "a replay applied"
+
+
+def test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader() -> None:
+    """A reader that reads a closed random stream's last commit after the close does not bring
+    its mark back, for :data:`FORGOTTEN_SECONDS`; after that the lane is a lane again."""
+    import time
+
+    from deltaflow.tables.mark_store import FORGOTTEN_SECONDS
+
+    store = MarkStore()
+    store.keep([("~a/0", 5, 1), ("s/0", 3, 1)])
+    store.forget(["~a/0"])
+    store.keep([("~a/0", 5, 1), ("s/0", 4, 1)])
+    assert store.lanes() == ["s/0"] and store.applied("s/0", 4)
+    store.forget([], now=time.monotonic() + FORGOTTEN_SECONDS + 1)
+    store.keep([("~a/0", 6, 1)])
+    assert store.applied("~a/0", 6)

@@ -933,8 +933,8 @@ BREAKS: dict[str, Break] = {
     # A checkpoint of a table written before txn marks carries none of its marks.
     "any_checkpoint_trusted": Break(
         "deltaflow/tables/marks.py",
-        '        if not parts or not any(t.get("appId") == CARRIED_APP for t in txns):\n',
-        "        if not parts:\n",
+        "        if not pc.any(pc.equal(apps, CARRIED_APP)).as_py():\n",
+        "        if False:\n",
         (
             "tests/test_long_lived_tables.py::test_a_table_written_before_txn_marks_is_read_whole_and_carried_once",
         ),
@@ -966,9 +966,9 @@ BREAKS: dict[str, Break] = {
         ),
     ),
     "stream_lanes_expire_as_random_ones": Break(
-        "deltaflow/tables/marks.py",
-        "            if now - (held & _MINUTES) <= (random if lane.startswith(prefix) else durable)\n",
-        "            if now - (held & _MINUTES) <= random\n",
+        "deltaflow/tables/mark_store.py",
+        "                if now - (held & MINUTES) <= (random if lane.startswith(prefix) else durable)\n",
+        "                if now - (held & MINUTES) <= random\n",
         (
             "tests/test_long_lived_tables.py::test_idle_lanes_leave_memory_after_their_retention_and_not_before",
         ),
@@ -979,6 +979,69 @@ BREAKS: dict[str, Break] = {
         '        random = ""\n',
         (
             "tests/test_long_lived_tables.py::test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay",
+        ),
+    ),
+    # A table's log is read from its last checkpoint and probed by name, never listed whole.
+    "log_listed_whole": Break(
+        "deltaflow/tables/log.py",
+        "    if after < 0:\n        last = None if every else last_checkpoint_version(directory)\n",
+        "    if True:\n        return _listed(directory, after)\n    if after < 0:\n"
+        "        last = None if every else last_checkpoint_version(directory)\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_finds_new_commits_by_name_and_never_lists_a_long_log",
+        ),
+    ),
+    # One store of marks per table on a node: a mark only rises, a checkpoint is read once.
+    "store_lowers_a_mark": Break(
+        "deltaflow/tables/mark_store.py",
+        "            if held is None or version >= held >> MINUTE_BITS:\n",
+        "            if True:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_s_readers_of_a_table_share_one_mark_per_lane",
+        ),
+    ),
+    "checkpoint_marks_read_per_reader": Break(
+        "deltaflow/tables/marks.py",
+        "        txns = self.store.checkpoint != version\n",
+        "        txns = True\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_s_readers_of_a_table_share_one_mark_per_lane",
+        ),
+    ),
+    # A sequence_by table's tombstones are snapshotted, so a start after the log's clean-up
+    # still drops changes older than its deletes.
+    "tombstones_not_snapshotted": Break(
+        "deltaflow/tables/marks.py",
+        "            write_snapshot(self._table, self._scanned, self.tombstones)\n",
+        "            pass\n",
+        (
+            "tests/test_long_lived_tables.py::test_tombstones_hold_across_a_restart_whose_log_before_a_checkpoint_is_gone",
+        ),
+    ),
+    "tombstone_snapshot_not_read": Break(
+        "deltaflow/tables/marks.py",
+        "        snapshot = newest_snapshot(self._table) if self.tombstones is not None else None\n",
+        "        snapshot = None\n",
+        (
+            "tests/test_long_lived_tables.py::test_tombstones_hold_across_a_restart_whose_log_before_a_checkpoint_is_gone",
+        ),
+    ),
+    # A node's marks follow the streams open: a closed random id's lanes go, for good.
+    "random_marks_kept_after_close": Break(
+        "deltaflow/server/dispatcher.py",
+        "        if stream.random and self._writer is not None:\n",
+        "        if False:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_stream",
+        ),
+    ),
+    "forgotten_lanes_kept_again": Break(
+        "deltaflow/tables/mark_store.py",
+        "            if forgotten and lane in forgotten:\n                continue\n",
+        "",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_stream",
+            "tests/test_long_lived_tables.py::test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader",
         ),
     ),
     # Compaction by the committer rewrites exactly the rows the files' vectors keep, and

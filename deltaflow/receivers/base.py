@@ -42,6 +42,14 @@ class SideInputReader(Protocol):
         ...
 
 
+def lane_name(stream_id: str, owner: str | None, partition: int, random: bool) -> str:
+    """The lane of a stream's partition in a table's marks: named by the stream's owner too, so
+    a batch under another key can never mark, skip or be skipped as one of the owner's; a
+    random id's lanes are marked as such (their marks expire sooner, ``tables.marks``)."""
+    owned = f"{owner}/" if owner else ""
+    return f"{RANDOM_LANE_PREFIX if random else ''}{stream_id}/{owned}{partition}"
+
+
 class TableWriter(Protocol):
     """What the node's table engine offers receivers (see ``tables.engine``)."""
 
@@ -63,6 +71,11 @@ class TableWriter(Protocol):
 
     def release(self) -> None:
         """Writes whose ``held()`` turned false may now be committed."""
+        ...
+
+    def forget_lanes(self, lanes: Iterable[str]) -> None:
+        """The marks of ``lanes`` are needed no more (a stream its client closed, whose id it
+        made up: nothing can resend its batches)."""
         ...
 
     @property
@@ -131,10 +144,8 @@ class ReceiverContext:
                 node=self.node_id,
             )
         self._writes[table] = k + 1
-        owner = f"{self.stream_owner}/" if self.stream_owner else ""
-        # A random id's lanes are marked as such: their marks expire sooner (tables.marks).
-        random = RANDOM_LANE_PREFIX if self.random_id else ""
-        return f"{random}{self.stream_id}/{owner}{self.partition}", (self.seq, k)
+        lane = lane_name(self.stream_id, self.stream_owner, self.partition, self.random_id)
+        return lane, (self.seq, k)
 
     def side_input(self, name: str, *, parse: Callable[[bytes], Any] | None = None) -> Any:
         """The current value of the side input ``name`` (see ``docs/side-inputs.md``).

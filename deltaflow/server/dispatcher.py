@@ -50,7 +50,7 @@ from ..errors import (
     is_retriable,
 )
 from ..protocol import MAX_SEQ, Frame
-from ..receivers.base import ReceiverContext, SideInputReader, TableWriter
+from ..receivers.base import ReceiverContext, SideInputReader, TableWriter, lane_name
 from ..receivers.registry import ReceiverRegistry
 from .frames import ack_frame, batch_items, error_frame, result_frames
 from .lanes import LANE_WINDOW, RESULT_REPLAY_BATCHES, Lane, Peer, in_window
@@ -178,10 +178,17 @@ class Dispatcher:
         self._forget(stream)
 
     def _forget(self, stream: Stream) -> None:
-        # Batches still waiting for a predecessor the client gave up on are dropped unanswered:
-        # the client that closed the stream no longer waits for them.
+        """Forget a stream its client closed. Batches still waiting for a predecessor the
+        client gave up on are dropped unanswered: that client no longer waits for them. A
+        random id's marks go too: only its client could resend its batches, and it closed
+        the stream after their answers (a node's memory follows the streams open, not the
+        streams it served)."""
         self.streams.forget(stream)
         self.stats.streams = len(self.streams)
+        if stream.random and self._writer is not None:
+            self._writer.forget_lanes(
+                lane_name(stream.sid, stream.owner, p, random=True) for p in stream.lanes
+            )
 
     async def settled(self) -> None:
         """Wait until no batch this node accepted is running or committing: every one is

@@ -23,7 +23,7 @@ from ..tables.engine_settings import (
     EngineSettings,
 )
 from ..tables.layout import DEFAULT_BUCKET_ROWS
-from ..tables.marks import DEFAULT_RANDOM_RETENTION
+from ..tables.mark_store import DEFAULT_RANDOM_RETENTION
 from ..tables.settings import default_buckets
 from .side_inputs import (
     DEFAULT_SIDE_INPUT_LEASE,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from ..storage.paths import Location, open_input
 
@@ -72,24 +72,67 @@ def checkpoint_files(log_dir: Location, last: Mapping[str, Any]) -> list[Locatio
 
 def checkpoint_vectors(checkpoint: Location, kinds: tuple[str, ...]) -> list[tuple[str, Any]]:
     """The deletion vectors of the actions of ``kinds`` (``add``, ``remove``) a checkpoint
-    file lists: (path, descriptor) pairs."""
+    file lists: (path, descriptor) pairs. Only the rows that have one become Python objects (a
+    checkpoint lists a row per live file and per ``txn``)."""
+    import pyarrow.compute as pc
+
+    parquet = _parquet(checkpoint)
+    pairs: list[tuple[str, Any]] = []
+    for kind in kinds:
+        if "deletionVector" not in _fields(parquet, kind):
+            continue
+        actions = _present(parquet, kind, ("path", "deletionVector"))
+        actions = actions.filter(pc.struct_field(actions, "deletionVector").is_valid())
+        pairs += [
+            (action["path"], {k: v for k, v in action["deletionVector"].items() if v is not None})
+            for action in actions.to_pylist()
+        ]
+    return pairs
+
+
+def checkpoint_txns(checkpoint: Location) -> Any:
+    """The ``txn`` actions a checkpoint file lists, as an Arrow table of ``appId``,
+    ``version`` and ``lastUpdated`` (null where unset); no rows when it has no ``txn``
+    column. Arrow, not Python objects: a checkpoint may hold a ``txn`` per stream."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    parquet = _parquet(checkpoint)
+    fields = _fields(parquet, "txn")
+    if not {"appId", "version"} <= fields:
+        return pa.table({"appId": pa.array([], pa.string()), "version": pa.array([], pa.int64()),
+                         "lastUpdated": pa.array([], pa.int64())})  # fmt: skip
+    txns = _present(parquet, "txn", tuple(n for n in _TXN_FIELDS if n in fields))
+    return pa.table(
+        {
+            "appId": pc.struct_field(txns, "appId"),
+            "version": pc.struct_field(txns, "version"),
+            "lastUpdated": pc.struct_field(txns, "lastUpdated")
+            if "lastUpdated" in fields
+            else pa.nulls(len(txns), pa.int64()),
+        }
+    )
+
+
+_TXN_FIELDS: Final = ("appId", "version", "lastUpdated")
+
+
+def _parquet(checkpoint: Location) -> Any:
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(open_input(checkpoint), columns=list(kinds)).to_pylist()
-    return [
-        (action["path"], {k: v for k, v in action["deletionVector"].items() if v is not None})
-        for row in rows
-        for action in (row.get(kind) for kind in kinds)
-        if action and action.get("deletionVector")
-    ]
+    return pq.ParquetFile(open_input(checkpoint))
 
 
-def checkpoint_txns(checkpoint: Location) -> list[dict[str, Any]]:
-    """The ``txn`` actions a checkpoint file lists (none when it has no ``txn`` column)."""
-    import pyarrow.parquet as pq
+def _fields(parquet: Any, kind: str) -> set[str]:
+    """The fields of the checkpoint's struct column ``kind`` (none without one)."""
+    schema = parquet.schema_arrow
+    if kind not in schema.names:
+        return set()
+    kind_type = schema.field(kind).type
+    return {kind_type.field(i).name for i in range(kind_type.num_fields)}
 
-    parquet = pq.ParquetFile(open_input(checkpoint))
-    if "txn" not in parquet.schema_arrow.names:
-        return []
-    rows = parquet.read(columns=["txn"]).column("txn").to_pylist()
-    return [row for row in rows if row]
+
+def _present(parquet: Any, kind: str, fields: tuple[str, ...]) -> Any:
+    """The non-null rows of the struct column ``kind``, with ``fields`` only."""
+    column = parquet.read(columns=[f"{kind}.{f}" for f in fields]).column(kind).combine_chunks()
+    return column.filter(column.is_valid())

@@ -20,9 +20,8 @@ import contextlib
 import functools
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
@@ -38,7 +37,8 @@ from .constraints import check_constraints
 from .engine_settings import EngineSettings
 from .group import GroupWrite
 from .log import commit_info, commit_log_entry, delta_table, is_table
-from .log_reader import LogReader
+from .log_reader import LogReader, TableDescription
+from .mark_store import MarkStores
 from .marks import Mark
 from .merge_on_read import (
     KEY_MEMORY_BYTES,
@@ -64,21 +64,6 @@ __all__ = ["DEFAULT_MAX_TABLES", "DELETE_COLUMN", "GroupWrite", "TableDescriptio
 DEFAULT_MAX_TABLES: Final = 1000
 #: Most tables :meth:`TableEngine.tables` lists: ~2 MB of ``/v1/cluster``, far below 8 MiB.
 _MAX_LISTED_TABLES: Final = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class TableDescription:
-    """What an engine reads about an existing table.
-
-    Attributes:
-        schema: the Arrow schema of every column, the bucket column included.
-        partition_columns: Delta partition columns.
-        properties: Delta table properties.
-    """
-
-    schema: Any
-    partition_columns: tuple[str, ...]
-    properties: Mapping[str, str]
 
 
 class TableEngine:
@@ -143,6 +128,8 @@ class TableEngine:
         self.stats = EngineStatistics()
         self.atomicity: CommitAtomicity = atomicity_for(self.warehouse)
         self.log = LogReader()
+        #: Each table's lane marks, one store for the owner's side and the committer.
+        self.mark_stores = MarkStores()
         # This node's own files (the Spark engine's staged groups): in a local warehouse,
         # beside the tables; a node on an object store keeps them on its own disk.
         self.staging_dir = (
@@ -179,15 +166,7 @@ class TableEngine:
     def describe(self, table: str, path: Location) -> TableDescription:
         """Blocking: the schema, partition columns and properties of the table at ``path``,
         read from its log by delta-rs (milliseconds, where Spark takes most of a second)."""
-        import pyarrow as pa
-
-        dt = delta_table(path)
-        meta = dt.metadata()
-        return TableDescription(
-            schema=pa.schema(dt.schema().to_arrow()),
-            partition_columns=tuple(meta.partition_columns),
-            properties=dict(meta.configuration),
-        )
+        return self.log.describe(path)
 
     def create(self, table: str, path: Location, schema: Any, settings: TableSettings) -> None:
         """Blocking, with the table held: create the empty table at ``path``.
@@ -396,6 +375,10 @@ class TableEngine:
         for committer in self._committers.values():
             await committer.stop()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+    def forget_lanes(self, lanes: Iterable[str]) -> None:
+        """Drop the marks of ``lanes`` (:meth:`.TableWriter.forget_lanes`)."""
+        self.mark_stores.forget(lanes)
 
     def release(self) -> None:
         """Some ``held`` writes may have become committable (their receiver returned)."""

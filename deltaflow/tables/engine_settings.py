@@ -9,7 +9,7 @@ from typing import Final
 
 from ..errors import UsageError
 from .layout import DEFAULT_BUCKET_ROWS
-from .marks import DEFAULT_RANDOM_RETENTION
+from .mark_store import DEFAULT_RANDOM_RETENTION
 from .settings import DEFAULT_BUCKETS, MAX_BUCKETS, TableSettings
 
 __all__ = [

@@ -11,13 +11,14 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from ..errors import CommitConflictError, UsageError
 from ..receivers.base import check_table_name
 from ..storage.paths import Location, StorePath, create_exclusive, storage_options
+from .checkpoints import last_checkpoint
 
 __all__ = [
     "DELTA_LOG",
@@ -30,6 +31,7 @@ __all__ = [
     "fetch_commits",
     "forget_commits",
     "is_table",
+    "last_checkpoint_version",
     "latest_version",
     "log_dir",
     "table_path",
@@ -72,24 +74,62 @@ def table_path(warehouse: Location, table: str) -> Location:
 
 def latest_version(path: Location, known: int = -1) -> int:
     """The highest commit version in the table's log directory (-1 if none). ``known``: a
-    version the caller saw there; on a store only the commit files after it are listed (the
-    log only grows), so the listing stays short however long the log."""
-    if isinstance(path, StorePath):
-        return max(commit_versions(path, known), default=known)
-    return max(commit_versions(path), default=-1)
+    version the caller saw there; only the commit files after it are looked for (the log only
+    grows), so the cost does not grow with the log's length."""
+    return max(commit_versions(path, known), default=known)
 
 
-def commit_versions(path: Location, after: int = -1) -> list[int]:
-    """The versions of the table's commit files above ``after``, in order (on a store, only
-    the keys after it are listed: the log only grows)."""
+def commit_versions(path: Location, after: int = -1, *, every: bool = False) -> list[int]:
+    """The versions of the table's commit files above ``after``, in order; for ``after`` -1,
+    those from the last checkpoint's version on (``every``: all that are kept).
+
+    The log only grows, and its versions are contiguous from the oldest one kept: on a store
+    only the keys after ``after`` are listed; on disk the next versions are looked up by name,
+    from ``after + 1`` (or the last checkpoint's), so the cost grows with the new commits, not
+    with the directory (which holds a month of commits on a busy table). The directory is
+    listed only for ``every`` from the start, for a log without a checkpoint, and for an
+    ``after`` older than the log's clean-up."""
     directory = log_dir(path)
     if isinstance(directory, StorePath):
         names = directory.names_after(f"{after:020d}.json" if after >= 0 else "")
+        return _versions_of(names, after)
+    if after < 0:
+        last = None if every else last_checkpoint_version(directory)
+        if last is None or not _commit_exists(directory, last):
+            return _listed(directory, after)
+        first = last  # the versions before the last checkpoint were not asked for
     else:
-        try:
-            names = [p.name for p in directory.iterdir()]
-        except FileNotFoundError:
-            return []
+        first = after + 1
+        if not _commit_exists(directory, first):
+            # No new commit (the common case), or ``after`` is older than the log's clean-up
+            # (its next commit was removed, which happens only below a later checkpoint).
+            last = last_checkpoint_version(directory)
+            return _listed(directory, after) if last is not None and last > first else []
+    versions = []
+    while _commit_exists(directory, first):
+        versions.append(first)
+        first += 1
+    return versions
+
+
+def last_checkpoint_version(directory: Location) -> int | None:
+    """The version ``_last_checkpoint`` in the log directory names (None without one)."""
+    last = last_checkpoint(directory)
+    return None if last is None or last["version"] < 0 else int(last["version"])
+
+
+def _commit_exists(directory: Location, version: int) -> bool:
+    return (directory / f"{version:020d}.json").exists()
+
+
+def _listed(directory: Location, after: int) -> list[int]:
+    try:
+        return _versions_of((p.name for p in directory.iterdir()), after)
+    except FileNotFoundError:
+        return []
+
+
+def _versions_of(names: Iterable[str], after: int) -> list[int]:
     return sorted(
         v
         for n in names

@@ -9,16 +9,33 @@ and brings it up to date by reading only the commits made since.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..storage.paths import Location
 from .layout import live_rows
 from .live_files import LiveFiles
-from .log import delta_table, forget_commits, latest_version
+from .log import delta_table, forget_commits, latest_version, log_dir
 
-__all__ = ["LogReader"]
+__all__ = ["LogReader", "TableDescription"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TableDescription:
+    """What an engine reads about an existing table.
+
+    Attributes:
+        schema: the Arrow schema of every column, the bucket column included.
+        partition_columns: Delta partition columns.
+        properties: Delta table properties.
+    """
+
+    schema: Any
+    partition_columns: tuple[str, ...]
+    properties: Mapping[str, str]
 
 
 class LogReader:
@@ -30,6 +47,7 @@ class LogReader:
     def __init__(self) -> None:
         self._open: dict[Location, Any] = {}  # delta-rs tables, see latest
         self._live: dict[Location, LiveFiles] = {}  # their live files, see live_files
+        self._described: dict[Location, tuple[int, TableDescription]] = {}  # see describe
 
     def latest(self, path: Location, known: int | None = None) -> Any:
         """The delta-rs table at ``path``, at its latest version. A commit asks twice (for its
@@ -46,6 +64,29 @@ class LogReader:
     @staticmethod
     def _latest(path: Location, version: int, known: int | None) -> int:
         return latest_version(path, version) if known is None else known
+
+    def describe(self, path: Location) -> TableDescription:
+        """The schema, partition columns and properties of the table at ``path``, latest.
+
+        Kept per version: the owner's side and the committer each ask before their first
+        commit and after commits, and a load of the log replays its last checkpoint (which
+        may hold a ``txn`` per lane the table remembers)."""
+        import pyarrow as pa
+
+        kept = self._described.get(path)
+        if kept is not None and latest_version(path, kept[0]) == kept[0] and kept[0] >= 0:
+            if (log_dir(path) / f"{kept[0]:020d}.json").exists():  # not a table made anew
+                return kept[1]
+        table = self.latest(path)
+        version = int(table.version())
+        meta = table.metadata()
+        described = TableDescription(
+            schema=pa.schema(table.schema().to_arrow()),
+            partition_columns=tuple(meta.partition_columns),
+            properties=dict(meta.configuration),
+        )
+        self._described[path] = (version, described)
+        return described
 
     def opened(self, path: Location) -> Any:
         """The delta-rs table at ``path`` as last read, without reading the log (None if it
@@ -105,6 +146,7 @@ class LogReader:
         """Read the table afresh next time (a write failed: its state is unknown)."""
         self._open.pop(path, None)
         self._live.pop(path, None)
+        self._described.pop(path, None)
         forget_commits(path)
 
     def _kept(self, path: Location, known: int | None = None) -> LiveFiles | None:

@@ -120,7 +120,7 @@ def history(warehouse: Location, table: str, *, limit: int = 20) -> list[dict[st
     """
     path = table_path(warehouse, table)
     out = []
-    for version in reversed(commit_versions(path)[-limit:] if limit > 0 else []):
+    for version in reversed(commit_versions(path, every=True)[-limit:] if limit > 0 else []):
         actions = _actions(path, version)
         infos = (a["commitInfo"] for a in actions if isinstance(a.get("commitInfo"), dict))
         info: dict[str, Any] = next(infos, {})
@@ -169,7 +169,7 @@ def last_compaction(
     adds all say ``dataChange: false``: the committer's, an OPTIMIZE's): its ``version``,
     ``time``, ``files_removed`` and ``files_added``; None if there is none."""
     path = table_path(warehouse, table)
-    for version in reversed(commit_versions(path)[-within:]):
+    for version in reversed(commit_versions(path, every=True)[-within:]):
         actions = _actions(path, version)
         moved = [a[k] for a in actions for k in ("add", "remove") if isinstance(a.get(k), dict)]
         if not moved or any(m.get("dataChange", True) for m in moved):

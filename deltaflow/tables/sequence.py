@@ -314,6 +314,17 @@ class Tombstones:
             self._every.setdefault(k, {})[s] = at_ms
         self._columns = None
 
+    def by_time(self) -> dict[int, tuple[list[Any], list[Any]]]:
+        """Every delete held, grouped by the time of its commit: ``{at_ms: (keys, seqs)}``, as
+        :meth:`absorb` takes them back (a snapshot, :mod:`.tombstone_snapshots`)."""
+        out: dict[int, tuple[list[Any], list[Any]]] = {}
+        for key, deletes in self._every.items():
+            for seq, at in deletes.items():
+                keys, seqs = out.setdefault(at, ([], []))
+                keys.append(list(key) if isinstance(key, tuple) else key)
+                seqs.append(list(seq))
+        return out
+
     def expire(self, retention_seconds: int, now: float | None = None) -> None:
         """Forget the deletes older than the retention (at most once a minute)."""
         now = time.time() if now is None else now

@@ -74,7 +74,7 @@ class TableCommitter:
         self.engine = engine
         self.name = table
         self.path = engine.warehouse / table
-        self.marks = LaneMarks(self.path, history=HISTORY)
+        self.marks = LaneMarks(self.path, history=HISTORY, store=engine.mark_stores.of(self.path))
         self._pending: list[tuple[PreparedCommit, asyncio.Future[Outcome]]] = []
         self._arrived = asyncio.Event()
         self._released_at: float | None = None

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ..engine_settings import EngineSettings
     from ..group import GroupWrite
     from ..log_reader import LogReader
+    from ..mark_store import MarkStores
     from ..settings import TableSettings
     from ..statistics import EngineStatistics
     from .prepared import CommitSink
@@ -31,6 +32,7 @@ class CommitterEngine(Protocol):
     settings: EngineSettings
     stats: EngineStatistics
     atomicity: CommitAtomicity
+    mark_stores: MarkStores
 
     def in_thread(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]: ...
     def describe(self, table: str, path: Location) -> Any: ...

@@ -21,7 +21,12 @@ from ..marks import LaneMarks, MarkRetention
 from ..merging import MergeRule, fold, internal
 from ..rows import INTERNAL_COLUMNS, no_evolution_text
 from ..sequence import Tombstones, newest_per_key, recorded
-from ..settings import BUCKET_COLUMN, TableSettings
+from ..settings import (
+    BUCKET_COLUMN,
+    CHECKPOINT_INTERVAL,
+    PROP_CHECKPOINT_INTERVAL,
+    TableSettings,
+)
 
 if TYPE_CHECKING:
     from .engine import OwnerEngine
@@ -65,7 +70,9 @@ class TableState:
         self.described_version = -1
         #: The deletes the table's commits record (``sequence_by`` tables), read with the marks.
         self.tombstones = Tombstones()
-        self.marks = LaneMarks(self.path, tombstones=self.tombstones)
+        self.marks = LaneMarks(
+            self.path, tombstones=self.tombstones, store=engine.mark_stores.of(self.path)
+        )
 
     def describe_if_newer(self) -> bool:
         """Blocking: read the table again if it has commits newer than the last read (an
@@ -88,6 +95,9 @@ class TableState:
         full = pa.schema(desc.schema)
         self.settings = TableSettings.from_table(desc.properties, full.names)
         self.marks.whole_log = bool(self.settings.sequence_by)
+        self.marks.snapshot_interval = int(
+            desc.properties.get(PROP_CHECKPOINT_INTERVAL) or CHECKPOINT_INTERVAL
+        )
         self.marks.retention = MarkRetention.of_table(
             desc.properties, self.engine.settings.random_marks_seconds
         )
