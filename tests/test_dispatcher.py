@@ -294,7 +294,7 @@ class FakeEngine:
     def release(self) -> None:
         pass
 
-    def forget_lanes(self, lanes: Any) -> None:
+    def forget_lanes(self, tables: Any, lanes: Any) -> None:
         pass
 
     def commit_all(self) -> None:
@@ -1077,7 +1077,7 @@ class Engine:
         self.releases += 1
         self.changed.set()
 
-    def forget_lanes(self, lanes: Any) -> None:
+    def forget_lanes(self, tables: Any, lanes: Any) -> None:
         pass
 
     async def until(self, condition: Callable[[], bool]) -> None:

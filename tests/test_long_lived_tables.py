@@ -352,6 +352,7 @@ async def test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_str
 
     [node] = await start_cluster(warehouse, count=1, engine="delta-rs", partitions=4)
     async with deltaflow.connect([node.address]) as client:
+        await client.stream_data([{"id": 1, "v": 1.0}], table="other", key="id", stream_id="o")
         for i in range(12):
             await client.stream_data([{"id": i, "v": 1.0}], table="served", key="id")
         named = [{"id": 100 + i, "v": 2.0} for i in range(8)]
@@ -361,6 +362,9 @@ async def test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_str
             await asyncio.sleep(0.01)
     store = node.engine.mark_stores.of(warehouse / "served")
     assert store.lanes() and all(lane.startswith("named/") for lane in store.lanes())
+    # Forgotten where the streams wrote, not in every table the node holds.
+    other = node.engine.mark_stores.of(warehouse / "other")
+    assert store.forgotten() >= 12 and other.forgotten() == 0 and len(other) >= 1
     async with deltaflow.connect([node.address]) as client:
         replay = [{"id": 100 + i, "v": 3.0} for i in range(8)]
         summary = await client.stream_data(replay, table="served", key="id", stream_id="named")

@@ -73,9 +73,9 @@ class TableWriter(Protocol):
         """Writes whose ``held()`` turned false may now be committed."""
         ...
 
-    def forget_lanes(self, lanes: Iterable[str]) -> None:
-        """The marks of ``lanes`` are needed no more (a stream its client closed, whose id it
-        made up: nothing can resend its batches)."""
+    def forget_lanes(self, tables: Iterable[str], lanes: Sequence[str]) -> None:
+        """The marks of ``lanes`` in ``tables`` are needed no more (a stream its client
+        closed, whose id it made up: nothing can resend its batches)."""
         ...
 
     @property

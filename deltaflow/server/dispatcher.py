@@ -185,9 +185,10 @@ class Dispatcher:
         streams it served)."""
         self.streams.forget(stream)
         self.stats.streams = len(self.streams)
-        if stream.random and self._writer is not None:
+        if stream.random and stream.tables and self._writer is not None:
             self._writer.forget_lanes(
-                lane_name(stream.sid, stream.owner, p, random=True) for p in stream.lanes
+                stream.tables,
+                [lane_name(stream.sid, stream.owner, p, random=True) for p in stream.lanes],
             )
 
     async def settled(self) -> None:
@@ -408,6 +409,8 @@ class Dispatcher:
         finally:
             # Its staged writes may be committed now (or, if it failed, dropped).
             ctx._running = False
+            if stream.random:
+                stream.tables.update(ctx._writes)
             if ctx._durable and self._writer is not None:
                 self._writer.release()
         return ctx

@@ -64,6 +64,8 @@ class Stream:
     #: Its id was made up by the client (no ``stream_id=``): no other client can resend its
     #: batches, so its lanes' marks are needed only while its own client may (``tables.marks``).
     random: bool = False
+    #: The tables a random id's batches wrote: its marks are forgotten there at its close.
+    tables: set[str] = field(default_factory=set)
 
     def idle(self) -> bool:
         """No connection holds it and none of its lanes has a batch running or waiting."""

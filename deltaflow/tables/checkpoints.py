@@ -100,8 +100,9 @@ def checkpoint_txns(checkpoint: Location) -> Any:
     parquet = _parquet(checkpoint)
     fields = _fields(parquet, "txn")
     if not {"appId", "version"} <= fields:
-        return pa.table({"appId": pa.array([], pa.string()), "version": pa.array([], pa.int64()),
-                         "lastUpdated": pa.array([], pa.int64())})  # fmt: skip
+        return pa.schema(
+            [(n, pa.string() if n == "appId" else pa.int64()) for n in _TXN_FIELDS]
+        ).empty_table()
     txns = _present(parquet, "txn", tuple(n for n in _TXN_FIELDS if n in fields))
     return pa.table(
         {

@@ -376,9 +376,12 @@ class TableEngine:
             await committer.stop()
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
-    def forget_lanes(self, lanes: Iterable[str]) -> None:
-        """Drop the marks of ``lanes`` (:meth:`.TableWriter.forget_lanes`)."""
-        self.mark_stores.forget(lanes)
+    def forget_lanes(self, tables: Iterable[str], lanes: Sequence[str]) -> None:
+        """Drop the marks of ``lanes`` in ``tables`` (:meth:`.TableWriter.forget_lanes`)."""
+        for table in tables:
+            store = self.mark_stores.get(self.warehouse / table)
+            if store is not None:
+                store.forget(lanes)
 
     def release(self) -> None:
         """Some ``held`` writes may have become committable (their receiver returned)."""

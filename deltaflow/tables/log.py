@@ -35,6 +35,7 @@ __all__ = [
     "latest_version",
     "log_dir",
     "table_path",
+    "versions_in",
 ]
 
 #: The directory of a table that holds its Delta log.
@@ -92,7 +93,7 @@ def commit_versions(path: Location, after: int = -1, *, every: bool = False) -> 
     directory = log_dir(path)
     if isinstance(directory, StorePath):
         names = directory.names_after(f"{after:020d}.json" if after >= 0 else "")
-        return _versions_of(names, after)
+        return versions_in(names, after)
     if after < 0:
         last = None if every else last_checkpoint_version(directory)
         if last is None or not _commit_exists(directory, last):
@@ -124,12 +125,14 @@ def _commit_exists(directory: Location, version: int) -> bool:
 
 def _listed(directory: Location, after: int) -> list[int]:
     try:
-        return _versions_of((p.name for p in directory.iterdir()), after)
+        return versions_in((p.name for p in directory.iterdir()), after)
     except FileNotFoundError:
         return []
 
 
-def _versions_of(names: Iterable[str], after: int) -> list[int]:
+def versions_in(names: Iterable[str], after: int = -1) -> list[int]:
+    """The versions above ``after`` that names of the form ``<20 digits>.json`` carry, in order
+    (commit files, and files deltaflow numbers the same way)."""
     return sorted(
         v
         for n in names

@@ -74,7 +74,7 @@ class LogReader:
         import pyarrow as pa
 
         kept = self._described.get(path)
-        if kept is not None and latest_version(path, kept[0]) == kept[0] and kept[0] >= 0:
+        if kept is not None and latest_version(path, kept[0]) == kept[0]:
             if (log_dir(path) / f"{kept[0]:020d}.json").exists():  # not a table made anew
                 return kept[1]
         table = self.latest(path)

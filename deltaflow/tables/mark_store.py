@@ -87,6 +87,10 @@ class MarkStore:
         """The lanes whose marks are held."""
         return list(self._marks)
 
+    def forgotten(self) -> int:
+        """Lanes forgotten for good in the last :data:`FORGOTTEN_SECONDS`."""
+        return len(self._forgotten)
+
     def __contains__(self, lane: object) -> bool:
         return lane in self._marks
 
@@ -164,13 +168,9 @@ class MarkStores:
         self._stores: dict[Location, MarkStore] = {}
         self._lock = threading.Lock()
 
-    def forget(self, lanes: Iterable[str]) -> None:
-        """Drop the marks of ``lanes`` from every table's store."""
-        lanes = list(lanes)
-        with self._lock:
-            stores = list(self._stores.values())
-        for store in stores:
-            store.forget(lanes)
+    def get(self, path: Location) -> MarkStore | None:
+        """The table's store, if one was made."""
+        return self._stores.get(path)
 
     def of(self, path: Location) -> MarkStore:
         with self._lock:

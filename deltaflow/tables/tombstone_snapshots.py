@@ -22,6 +22,7 @@ import logging
 from typing import Any, Final
 
 from ..storage.paths import Location, StorePath, create_exclusive
+from .log import versions_in
 from .sequence import Tombstones
 
 __all__ = ["KEPT_SNAPSHOTS", "newest_snapshot", "snapshot_dir", "write_snapshot"]
@@ -42,12 +43,9 @@ def snapshot_dir(table: Location) -> Location:
 def _versions(table: Location) -> list[int]:
     """The versions of the table's snapshots, in order."""
     try:
-        names = [p.name for p in snapshot_dir(table).iterdir()]
+        return versions_in(p.name for p in snapshot_dir(table).iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(
-        int(n[:20]) for n in names if len(n) == 25 and n.endswith(".json") and n[:20].isdigit()
-    )
 
 
 def write_snapshot(table: Location, version: int, tombstones: Tombstones) -> bool:
