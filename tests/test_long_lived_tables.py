@@ -330,6 +330,8 @@ def test_a_snapshot_keeps_every_tombstone_with_its_time_and_only_the_newest_two_
     assert not write_snapshot(tmp_path, 300, Tombstones()), "a snapshot was replaced"
     names = sorted(p.name for p in (tmp_path / "_deltaflow" / "tombstones").iterdir())
     assert names == [f"{v:020d}.json" for v in (200, 300)]
+    # A newer file that is not a snapshot is passed over, not a failed start.
+    (tmp_path / "_deltaflow" / "tombstones" / f"{400:020d}.json").write_text("[]")
     found = newest_snapshot(tmp_path)
     assert found is not None and found[0] == 300
     restored = Tombstones()

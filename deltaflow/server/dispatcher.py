@@ -178,11 +178,8 @@ class Dispatcher:
         self._forget(stream)
 
     def _forget(self, stream: Stream) -> None:
-        """Forget a stream its client closed. Batches still waiting for a predecessor the
-        client gave up on are dropped unanswered: that client no longer waits for them. A
-        random id's marks go too: only its client could resend its batches, and it closed
-        the stream after their answers (a node's memory follows the streams open, not the
-        streams it served)."""
+        """Forget a stream its client closed (batches waiting for a predecessor it gave up on
+        go unanswered), and a random id's marks: only that client could resend them."""
         self.streams.forget(stream)
         self.stats.streams = len(self.streams)
         if stream.random and stream.tables and self._writer is not None:

@@ -76,15 +76,11 @@ def write_snapshot(table: Location, version: int, tombstones: Tombstones) -> boo
     return True
 
 
-def newest_snapshot(
-    table: Location, at_most: int | None = None
-) -> tuple[int, list[dict[str, Any]]] | None:
-    """The newest readable snapshot of the table's tombstones (of a version at most
-    ``at_most``): its version and its deletes, each ``{"at", "keys", "seqs"}`` as
-    :meth:`.Tombstones.absorb` takes them; None without one."""
+def newest_snapshot(table: Location) -> tuple[int, list[dict[str, Any]]] | None:
+    """The newest readable snapshot of the table's tombstones: its version and its deletes,
+    each ``{"at", "keys", "seqs"}`` as :meth:`.Tombstones.absorb` takes them; None without
+    one."""
     for version in reversed(_versions(table)):
-        if at_most is not None and version > at_most:
-            continue
         try:
             data = json.loads(
                 (snapshot_dir(table) / f"{version:020d}.json").read_text(encoding="utf-8")
@@ -94,7 +90,9 @@ def newest_snapshot(
                 "table %s: cannot read its tombstones at version %d: %s", table.name, version, exc
             )
             continue
-        deletes = data.get("deletes") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            continue
+        deletes = data.get("deletes")
         if (
             data.get("format") == _FORMAT
             and data.get("version") == version
