@@ -80,6 +80,10 @@ FAILOVER_TIMEOUT: Final = 1800.0
 #: drawn from this many, so that the table stays one small file (what grows is the streams',
 #: not the table's: new keys would make 100,000 rows in thousands of files).
 CONCURRENT_STREAMS: Final = 64
+#: Seconds the node is left idle before its RSS is read: delta-rs's blocking threads (one per
+#: file operation in flight, up to dozens under this load) exit after 10 s idle, and what they
+#: hold is not the memory a node keeps.
+QUIET_SECONDS: Final = 12.0
 ROW_KEYS: Final = 4096
 #: Files put to or got from the S3 server at once.
 STORE_CONCURRENCY: Final = 64
@@ -1043,6 +1047,7 @@ async def rss_levels(histories: Histories, levels: Sequence[int]) -> list[RssLev
                     await serve_streams(client, level - served, rng)
                     served = level
                     seconds = time.monotonic() - started
+                    await asyncio.sleep(QUIET_SECONDS)  # the pools idle
                     rss = node_rss_kib(node.proc.pid)
                     versions = await asyncio.to_thread(_latest, place.table(name, STREAMS_TABLE))
                     out.append(RssLevel(level, rss, seconds, versions + 1))

@@ -171,6 +171,33 @@ def test_a_node_finds_new_commits_by_name_and_never_lists_a_long_log(
     assert commit_versions(tmp_path, every=True) == [4, 5, 6, 7, 8]
 
 
+def test_a_table_kept_open_is_opened_afresh_from_a_newer_checkpoint(tmp_path: Path) -> None:
+    """delta-rs keeps what each incremental update read (about 55 KB a commit): a node's kept
+    table is opened again from the newest checkpoint once it is REOPEN_AFTER versions old, so
+    its memory follows the commits since the checkpoint, not the months it has been open."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    from deltaflow.tables.log_reader import REOPEN_AFTER, LogReader
+
+    # Checkpoints by hand only (delta-rs would write one at version 100 itself).
+    write_deltalake(
+        str(tmp_path), pa.table({"id": [0]}), configuration={"delta.checkpointInterval": "1000"}
+    )
+    reader = LogReader()
+    kept = reader.latest(tmp_path)
+    for i in range(1, REOPEN_AFTER + 1):
+        write_deltalake(str(tmp_path), pa.table({"id": [i]}), mode="append")
+    assert reader.latest(tmp_path) is kept, "no checkpoint since: brought up to date"
+    DeltaTable(str(tmp_path)).create_checkpoint()
+    write_deltalake(str(tmp_path), pa.table({"id": [-1]}), mode="append")
+    fresh = reader.latest(tmp_path)
+    assert fresh is not kept and fresh.version() == REOPEN_AFTER + 1
+    assert len(fresh.to_pyarrow_table()) == REOPEN_AFTER + 2
+    write_deltalake(str(tmp_path), pa.table({"id": [-2]}), mode="append")
+    assert reader.latest(tmp_path) is fresh, "opened at the checkpoint: kept again"
+
+
 def _no_listing(self: Path) -> Any:
     raise AssertionError(f"{self} was listed")
 

@@ -1055,6 +1055,41 @@ BREAKS: dict[str, Break] = {
             "tests/test_long_lived_tables.py::test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader",
         ),
     ),
+    # A table kept open for months is opened afresh from a newer checkpoint.
+    "kept_table_never_reopened": Break(
+        "deltaflow/tables/log_reader.py",
+        "        if latest - opened < REOPEN_AFTER:\n",
+        "        if True:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_table_kept_open_is_opened_afresh_from_a_newer_checkpoint",
+        ),
+    ),
+    # A failed call to a peer makes its peers poll it at once, not at the next heartbeat.
+    "failed_calls_not_hinted": Break(
+        "deltaflow/server/topology.py",
+        "            self._hinted = now\n            self._wake.set()\n",
+        "            self._hinted = now\n",
+        (
+            "tests/test_quick_failover.py::test_a_client_that_cannot_reach_a_killed_node_makes_its_peer_take_over",
+            "tests/test_quick_failover.py::test_a_failed_commit_call_makes_the_writer_take_over_from_a_killed_committer",
+        ),
+    ),
+    "client_does_not_name_unreachable": Break(
+        "deltaflow/client/router.py",
+        "            self._unreachable = address\n",
+        "",
+        (
+            "tests/test_quick_failover.py::test_a_client_that_cannot_reach_a_killed_node_makes_its_peer_take_over",
+        ),
+    ),
+    "commit_call_not_hinted": Break(
+        "deltaflow/server/commits.py",
+        "                    self._on_failed_call(address)\n",
+        "                    pass\n",
+        (
+            "tests/test_quick_failover.py::test_a_failed_commit_call_makes_the_writer_take_over_from_a_killed_committer",
+        ),
+    ),
     # Compaction by the committer rewrites exactly the rows the files' vectors keep, and
     # removes what it rewrote.
     "compaction_ignores_vectors": Break(

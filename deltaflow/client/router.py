@@ -119,6 +119,9 @@ class Router:
         self._client_id = uuid.uuid4().hex
         self._map: PartitionMap | None = None
         self._stale = False
+        #: A node this client could not reach: named to the next node asked for the map, which
+        #: then polls it at once (a dead node's partitions move sooner).
+        self._unreachable: str | None = None
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._refresh_lock = asyncio.Lock()
@@ -179,6 +182,7 @@ class Router:
             return await self._connection(address)
         except NodeUnavailableError:
             self._stale = True
+            self._unreachable = address
             raise
 
     def connection_now(self, partition: int) -> Connection | None:
@@ -318,10 +322,15 @@ class Router:
                 addresses += [a for a in self._map.addresses.values() if a not in addresses]
             addresses += [a for a in self._bootstrap if a not in addresses]
             errors: list[str] = []
+            unreachable, self._unreachable = self._unreachable, None
+            if unreachable in addresses:  # asked last: it just could not be reached
+                addresses = [a for a in addresses if a != unreachable] + [unreachable]
             for address in addresses:
                 try:
                     fresh = PartitionMap.from_wire(
-                        await _fetch_map(address, self._token, self._connect_timeout, self._tls)
+                        await _fetch_map(
+                            address, self._token, self._connect_timeout, self._tls, unreachable
+                        )
                     )
                     if self._map is None or fresh.version != self._map.version:
                         log.info(
@@ -343,7 +352,11 @@ class Router:
 
 
 async def fetch_cluster(
-    address: str, token: str | None, timeout: float, tls: ssl.SSLContext | None
+    address: str,
+    token: str | None,
+    timeout: float,
+    tls: ssl.SSLContext | None,
+    unreachable: str | None = None,
 ) -> dict[str, Any]:
     """The node's ``/v1/cluster`` answer (its map, members, identity). In plain text the first
     request goes without the token: only a node that answers plain HTTP (with 401) is sent it,
@@ -360,9 +373,9 @@ async def fetch_cluster(
                 timeout=aiohttp.ClientTimeout(total=timeout)
             ) as session:
                 first_token = token if tls is not None else None
-                status, body = await _get_cluster(session, address, first_token, tls)
+                status, body = await _get_cluster(session, address, first_token, tls, unreachable)
                 if status == 401 and token and tls is None:
-                    status, body = await _get_cluster(session, address, token, tls)
+                    status, body = await _get_cluster(session, address, token, tls, unreachable)
     except TransportError as exc:
         await explain_dropped(address, exc, tls)
         raise
@@ -377,19 +390,31 @@ async def fetch_cluster(
 
 
 async def _get_cluster(
-    session: aiohttp.ClientSession, address: str, token: str | None, tls: ssl.SSLContext | None
+    session: aiohttp.ClientSession,
+    address: str,
+    token: str | None,
+    tls: ssl.SSLContext | None,
+    unreachable: str | None,
 ) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {"unreachable": unreachable} if unreachable else None
     async with session.get(
-        url(address, "/v1/cluster", tls), headers=headers, ssl=tls if tls is not None else True
+        url(address, "/v1/cluster", tls),
+        headers=headers,
+        params=params,
+        ssl=tls if tls is not None else True,
     ) as resp:
         return resp.status, (await resp.json() if resp.status == 200 else None)
 
 
 async def _fetch_map(
-    address: str, token: str | None, timeout: float, tls: ssl.SSLContext | None
+    address: str,
+    token: str | None,
+    timeout: float,
+    tls: ssl.SSLContext | None,
+    unreachable: str | None = None,
 ) -> dict[str, Any]:
-    body = await fetch_cluster(address, token, timeout, tls)
+    body = await fetch_cluster(address, token, timeout, tls, unreachable)
     if body.get("refused"):
         # Its map is the cluster's (it owns no partition in it), so it is still usable.
         log.warning("node at %s is refused by its cluster: %s", address, body["refused"])

@@ -85,8 +85,11 @@ class CommitRouter:
         peers: PeerClient,
         partition_map: Callable[[], PartitionMap],
         failure_timeout: float,
+        on_failed_call: Callable[[str], None] | None = None,
     ) -> None:
         self.node_id = node_id
+        #: Told the address of a committer whose call failed (the membership polls it).
+        self._on_failed_call = on_failed_call
         self._engine = engine
         self._peers = peers
         self._map = partition_map
@@ -150,6 +153,10 @@ class CommitRouter:
             try:
                 outcome = call.result()
             except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+                if self._on_failed_call is not None and isinstance(
+                    exc, OSError | aiohttp.ClientConnectionError
+                ):
+                    self._on_failed_call(address)
                 now = time.monotonic()
                 self._unreachable[node_id] = (self._unreachable.get(node_id, (now, now))[0], now)
                 log.info("table %s: committer %s did not answer (%s)", prepared.table, node_id, exc)

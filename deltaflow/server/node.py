@@ -171,11 +171,7 @@ class Node:
 
     async def wait_for_members(self, count: int, *, timeout: float = 30.0) -> PartitionMap:
         """Wait until this node is admitted to its cluster and sees ``count`` live nodes
-        (itself included) in its map.
-
-        Raises:
-            TimeoutError: not within ``timeout`` seconds.
-        """
+        (itself included) in its map; TimeoutError if not within ``timeout`` seconds."""
         if self._membership is None:
             raise UsageError("start the node first")
         async with asyncio.timeout(timeout):
@@ -296,6 +292,7 @@ class Node:
             peers=self._commit_peers,
             partition_map=lambda: self.partition_map,
             failure_timeout=self.config.failure_timeout,
+            on_failed_call=self._membership.hint,
         )
         self.engine.commit_sink = self._commit_router
         self._membership.map_listeners.append(self._commit_router.ownership.moved)
@@ -411,6 +408,8 @@ class Node:
         """The map and the members, for clients (``GET /v1/cluster``)."""
         if not self._authorised(request):
             return web.json_response({"error": "wrong or missing token"}, status=401)
+        if self._membership is not None and request.query.get("unreachable"):
+            self._membership.hint(request.query["unreachable"][:300])  # a client's hint
         return web.json_response(self._cluster_body())
 
     async def _peer_poll_handler(self, request: web.Request) -> web.Response:

@@ -9,8 +9,9 @@ version is the time (ms) the view last changed, so a newer view wins. A node who
 loses owns no partition and hands out the winners' map instead.
 
 A peer whose poll fails is suspected and polled faster; two refused connections confirm it
-down before ``failure_timeout``. A peer that drains (:meth:`Membership.leave`) is taken out at
-once, once a poll of its own confirms it. A node learns of peers beyond ``peers`` only from
+down before ``failure_timeout``; a failed call to it brings the polls forward (``hint``). A
+peer that drains (:meth:`Membership.leave`) is taken out at once, once a poll of its own
+confirms it. A node learns of peers beyond ``peers`` only from
 their proven polls, and of at most ``MAX_LEARNED_PEERS``; every such change is logged at
 WARNING with the node that asked. A peer counts as a member only if its answer is signed with
 the key the warehouse holds for the node id it names: the peer secret alone cannot answer as a
@@ -139,6 +140,7 @@ class Membership:
         #: Called with the new map on each change (a committer checks groups against it).
         self.map_listeners: list[Callable[[PartitionMap], None]] = []
         self._wake = asyncio.Event()
+        self._hinted = 0.0  # when a hint last woke the polls
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -228,14 +230,10 @@ class Membership:
         await self._peer_client.close()
 
     async def leave(self) -> list[str]:
-        """Drain: tell every live peer this node is leaving, so each drops it from its map at
-        once (no failure timeout), then drop it from this node's own map: from now on it owns
-        no partition, and hands out a map naming the new owners. Returns the node ids of the
-        peers that took the news (the others notice at their next poll of this node, whose
-        answer says it is draining).
-
-        A node without live peers keeps its map: there is no one to hand the partitions to.
-        """
+        """Drain: tell every live peer this node is leaving (each drops it from its map at
+        once), then own no partition and hand out a map naming the new owners; the ids of the
+        peers that took the news (the others see it at their next poll). A node without live
+        peers keeps its map: there is no one to hand the partitions to."""
         now = time.monotonic()
         live = [m for m in self._peers.values() if self._state(m, now) is PeerState.LIVE]
         told = await asyncio.gather(
@@ -246,10 +244,9 @@ class Membership:
         return [str(m.node_id) for m, ok in zip(live, told, strict=True) if ok]
 
     async def departed(self, node_id: str, address: str) -> bool:
-        """A peer says it is leaving (it drains): take it out of the map now, if a poll of it
-        confirms that it drains. False if this node knows no peer by that id at that address,
-        or the peer's own answer does not say it drains: a leave is taken only from the
-        leaving node itself."""
+        """A peer says it drains: take it out of the map now if a poll of it confirms it.
+        False if no peer of that id is at that address, or its own answer does not say it
+        drains: a leave is taken only from the leaving node itself."""
         member = self._peers.get(address)
         if member is None or member.node_id != node_id:
             event(log, "refusal", f"refused a leave for {node_id} at {address}: no peer of "
@@ -314,6 +311,15 @@ class Membership:
         elif member.node_id != node_id or state in (PeerState.DEAD, PeerState.LEFT):
             if not member.configured:
                 member.since = now  # polled again from now on, even if it had left
+            self._wake.set()
+
+    def hint(self, address: str) -> None:
+        """A call to the live peer at ``address`` failed: poll now, not at the next heartbeat
+        (at most once per ``SUSPECT_POLL_INTERVAL``; the answers decide)."""
+        now, member = time.monotonic(), self._peers.get(address)
+        live = member is not None and not member.suspected and self._answered(member, now)
+        if live and now - self._hinted >= SUSPECT_POLL_INTERVAL:
+            self._hinted = now
             self._wake.set()
 
     # -- polling ---------------------------------------------------------------------------

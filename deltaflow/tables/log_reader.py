@@ -16,11 +16,16 @@ from typing import Any
 from ..storage.paths import Location
 from .layout import live_rows
 from .live_files import LiveFiles
-from .log import delta_table, forget_commits, latest_version, log_dir
+from .log import delta_table, forget_commits, last_checkpoint_version, latest_version, log_dir
 
-__all__ = ["LogReader", "TableDescription"]
+__all__ = ["REOPEN_AFTER", "LogReader", "TableDescription"]
 
 log = logging.getLogger(__name__)
+
+#: Versions a kept table is brought up to date incrementally before it is opened afresh from a
+#: newer checkpoint: delta-rs's incremental update keeps about 55 KB per commit read that way
+#: (bench/README.md), so a table kept open for months would grow without end.
+REOPEN_AFTER = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,7 @@ class LogReader:
 
     def __init__(self) -> None:
         self._open: dict[Location, Any] = {}  # delta-rs tables, see latest
+        self._opened_at: dict[Location, int] = {}  # the version each was opened at
         self._live: dict[Location, LiveFiles] = {}  # their live files, see live_files
         self._described: dict[Location, tuple[int, TableDescription]] = {}  # see describe
 
@@ -55,11 +61,25 @@ class LogReader:
         far cheaper than delta-rs's own no-op update. ``known``: the latest version as the
         caller just listed it (no listing here; on a store that is a round trip)."""
         table = self._open.get(path)
-        if table is None:
-            table = self._open[path] = delta_table(path)
-        elif table.version() < self._latest(path, int(table.version()), known):
-            table.update_incremental()
+        if table is not None:
+            latest = self._latest(path, int(table.version()), known)
+            if table.version() >= latest:
+                return table
+            if not self._stale(path, latest):
+                table.update_incremental()
+                return table
+        table = self._open[path] = delta_table(path)
+        self._opened_at[path] = int(table.version())
         return table
+
+    def _stale(self, path: Location, latest: int) -> bool:
+        """Whether the kept table was opened :data:`REOPEN_AFTER` versions before ``latest``
+        and a checkpoint was written since: opened afresh, it starts from that checkpoint."""
+        opened = self._opened_at.get(path, -1)
+        if latest - opened < REOPEN_AFTER:
+            return False
+        checkpoint = last_checkpoint_version(log_dir(path))
+        return checkpoint is not None and checkpoint > opened
 
     @staticmethod
     def _latest(path: Location, version: int, known: int | None) -> int:
@@ -145,6 +165,7 @@ class LogReader:
     def forget(self, path: Location) -> None:
         """Read the table afresh next time (a write failed: its state is unknown)."""
         self._open.pop(path, None)
+        self._opened_at.pop(path, None)
         self._live.pop(path, None)
         self._described.pop(path, None)
         forget_commits(path)
