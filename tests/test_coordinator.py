@@ -305,9 +305,10 @@ def _wire(**changes: Any) -> dict[str, Any]:
 
 
 def test_a_prepared_commit_crosses_the_wire_unchanged() -> None:
-    data = json.loads(json.dumps(_wire()))
+    data = json.loads(json.dumps(_wire(forgotten=["~r/n1/3"])))
     prepared = PreparedCommit.from_wire(data)
-    assert prepared.to_wire() == _wire()
+    assert prepared.to_wire() == _wire(forgotten=["~r/n1/3"])
+    assert prepared.forgotten == ("~r/n1/3",)
     assert prepared.removes == {"_deltaflow_bucket=7/part-0.parquet"}
 
 
@@ -338,6 +339,9 @@ def test_a_file_outside_the_table_is_refused(path: str, field: str) -> None:
         ({"lanes": {"s/0": [1]}}, "mark"),
         ({"lanes": {"s/0": [True, 0]}}, "mark"),
         ({"lanes": {"s\n0": [1, 0]}}, "lane"),
+        ({"forgotten": ["named/n1/0"]}, "not a random id's lane"),
+        ({"forgotten": "~r/n1/0"}, "forgotten"),
+        ({"forgotten": ["~r\n0"]}, "forgotten"),
         ({"starts": {"s1/abc/7": [5, 0]}}, "starts"),
         ({"starts": {"s1/abc/8": [1, 0]}}, "starts"),
         ({"actions": [{"metaData": {}}]}, "add or remove"),
@@ -413,3 +417,16 @@ async def test_a_writer_that_loses_a_table_s_creation_hands_its_rows_to_the_comm
     assert {k: r["v"] for k, r in read_delta(path).items()} == {1: 2}
     last = _last_commit(path)
     assert last["node"] == "w1" and last["writers"] == ["w2"]
+
+
+def test_a_committer_forgets_only_the_lanes_of_the_writers_own_partitions() -> None:
+    """A writer may ask a commit to forget lanes of its own partitions only: a lane of another
+    node's partition, or one naming no partition, is passed over (not the whole group)."""
+    from deltaflow.partitioning import PartitionMap
+    from deltaflow.tables.commit.ownership import owned_lanes
+
+    pmap = PartitionMap.build(1, {"n1": "127.0.0.1:1", "n2": "127.0.0.1:2"}, 8)
+    lanes = [f"~r/n1/{p}" for p in range(8)] + ["~r/n1/x", "~r/n1/99"]
+    mine = [f"~r/n1/{p}" for p in range(8) if pmap.owners[p] == "n1"]
+    assert 0 < len(mine) < 8
+    assert owned_lanes(lanes, "n1", [pmap]) == mine

@@ -198,6 +198,32 @@ def test_a_table_kept_open_is_opened_afresh_from_a_newer_checkpoint(tmp_path: Pa
     assert reader.latest(tmp_path) is fresh, "opened at the checkpoint: kept again"
 
 
+def test_a_description_holds_across_commits_that_change_no_metadata(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table's schema and properties, once read, are read again only when a later commit
+    changes them: a failover's new committer describes a long-lived table without loading it."""
+    import pyarrow as pa
+    from deltalake import write_deltalake
+
+    import deltaflow.tables.log_reader as log_reader
+
+    write_deltalake(
+        str(tmp_path), pa.table({"id": [0]}), configuration={"delta.appendOnly": "false"}
+    )
+    reader = log_reader.LogReader()
+    assert reader.describe(tmp_path).properties == {"delta.appendOnly": "false"}
+    loads: list[Path] = []
+    latest = reader.latest
+    monkeypatch.setattr(reader, "latest", lambda p, *a: loads.append(p) or latest(p, *a))
+    for i in range(1, 6):
+        write_deltalake(str(tmp_path), pa.table({"id": [i]}), mode="append")
+    assert reader.describe(tmp_path).schema.names == ["id"] and loads == []
+    more = pa.table({"id": [6], "v": [1.0]})
+    write_deltalake(str(tmp_path), more, mode="append", schema_mode="merge")
+    assert reader.describe(tmp_path).schema.names == ["id", "v"] and loads == [tmp_path]
+
+
 def _no_listing(self: Path) -> Any:
     raise AssertionError(f"{self} was listed")
 
@@ -226,6 +252,16 @@ def test_a_node_s_readers_of_a_table_share_one_mark_per_lane(
     committer.absorb({"s/0": (9, 0)})
     owner.absorb({"s/0": (6, 0)})
     assert owner.applied("s/0", (9, 0)) and not owner.applied("s/0", (10, 0))
+    # A newer checkpoint the store has read every commit up to (a failover's new committer,
+    # which as an owner read on): its marks are not read again.
+    commit(tmp_path, 2, {"txn": {"appId": TXN_PREFIX + "s/3", "version": 4}}, timestamp=now)
+    commit(tmp_path, 3, lanes={}, timestamp=now)
+    owner.refresh()
+    write_checkpoint(tmp_path, 2, {"s/0": (5, 0), "~r/1": (7, 1), "s/3": (0, 4)}, carried=True)
+    successor = LaneMarks(tmp_path, store=store, clock=lambda: now / 1000)
+    successor.refresh()
+    assert successor.started_at == 2 and successor.scanned == 3
+    assert successor.applied("s/3", (0, 4)) and successor.applied("s/0", (9, 0))
 
 
 def _read_twice(checkpoint: Path) -> Any:
@@ -417,3 +453,78 @@ def test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader() -> None:
     store.forget([], now=time.monotonic() + FORGOTTEN_SECONDS + 1)
     store.keep([("~a/0", 6, 1)])
     assert store.applied("~a/0", 6)
+
+
+def test_a_commit_that_forgets_a_lane_makes_every_reader_forget_it(tmp_path: Path) -> None:
+    """A ``txn`` with ``lastUpdated`` 0 forgets its lane in every node that reads the commit,
+    and the node that forgot the lane first stops asking its commits to forget it."""
+    store = MarkStore()
+    writer = LaneMarks(tmp_path, store=store)
+    reader = LaneMarks(tmp_path / "elsewhere")
+    for marks in (writer, reader):
+        marks.store.keep([("~r/n1/0", txn_version((3, 0)), 1), ("s/n1/0", 9, 1)])
+    store.forget(["~r/n1/0"])
+    carried = writer.carrying({"s/n1/0": (1, 0)}, ["~q/n2/1", "named/n2/1"])
+    forgets = [a["txn"] for a in carried if a["txn"]["lastUpdated"] == 0]
+    assert {t["appId"] for t in forgets} == {TXN_PREFIX + "~r/n1/0", TXN_PREFIX + "~q/n2/1"}
+    for marks in (writer, reader):
+        commit(marks._table, 0, *carried, lanes={"s/n1/0": (1, 0)})
+        marks.refresh()
+    assert reader.store.lanes() == ["s/n1/0"] and reader.store.forgotten() == 2
+    assert store.unlogged() == [], "a forgotten lane is forgotten in the log once"
+    assert not any(a["txn"]["lastUpdated"] == 0 for a in writer.carrying({}))
+
+
+async def test_a_closed_random_streams_marks_leave_the_log_and_its_checkpoints(
+    warehouse: Path, start_cluster: StartCluster
+) -> None:
+    """When a stream of a random id closes, the next commits of its tables forget its lanes'
+    ``txn`` actions (through the table's committer, from a writer that is another node): Delta
+    drops them from the snapshot and the checkpoint, so neither grows with the streams a
+    cluster served. A named stream's marks stay, and still skip a replay."""
+    import asyncio
+
+    import pyarrow.parquet as pq
+
+    nodes = await start_cluster(warehouse, count=2, engine="delta-rs", partitions=4)
+    addresses = [n.address for n in nodes]
+    async with deltaflow.connect(addresses) as client:
+        for i in range(6):
+            rows = [{"id": 10 * i + j, "v": 1.0} for j in range(10)]
+            await client.stream_data(rows, table="served", key="id")
+        named = [{"id": 100 + i, "v": 2.0} for i in range(10)]
+        await client.stream_data(named, table="served", key="id", stream_id="named")
+    async with asyncio.timeout(10):  # the last close frames are still on their way
+        while any(n.dispatcher.stats.streams for n in nodes):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    path = warehouse / "served"
+    random = _txn_apps(path, TXN_PREFIX + "~")
+    assert len(random) >= 6, "the random streams' marks were never in the log"
+    async with deltaflow.connect(addresses) as client:  # the commits that forget them
+        for round_ in range(2):
+            rows = [{"id": 200 + i, "v": float(round_)} for i in range(40)]
+            await client.stream_data(rows, table="served", key="id", stream_id="after")
+    table = open_table(path)
+    assert all(table.transaction_version(app) is None for app in random)
+    named_apps = _txn_apps(path, TXN_PREFIX + "named/")
+    assert named_apps and all(table.transaction_version(a) is not None for a in named_apps)
+    table.create_checkpoint()
+    [checkpoint] = (path / "_delta_log").glob(f"{table.version():020d}.checkpoint.parquet")
+    apps = {t["appId"] for t in pq.read_table(checkpoint).column("txn").to_pylist() if t}
+    assert apps.isdisjoint(random) and named_apps <= apps
+    async with deltaflow.connect(addresses) as client:
+        summary = await client.stream_data(named, table="served", key="id", stream_id="named")
+    assert summary.items_acked == 10
+    assert len(read_all(path)) == 110, "a replay of the named stream was applied again"
+
+
+def _txn_apps(path: Path, prefix: str) -> set[str]:
+    """The ``appId`` of every ``txn`` action the table's commit files hold that starts with
+    ``prefix``."""
+    return {
+        app
+        for commit in (path / "_delta_log").glob("*.json")
+        for line in commit.read_text().splitlines()
+        if line.startswith('{"txn"') and (app := json.loads(line)["txn"]["appId"])
+        if app.startswith(prefix)
+    }

@@ -297,7 +297,7 @@ BREAKS: dict[str, Break] = {
     # A commit that cannot be read stops the marks before it; skipped, a batch it applied
     # would look new.
     "unreadable_commit_skipped": Break(
-        "deltaflow/tables/marks.py",
+        "deltaflow/tables/commit_file.py",
         "    except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it\n",
         "    except (OSError, ValueError) as exc:\n",
         ("tests/test_marks.py::test_a_commit_that_cannot_be_read_is_read_next_time_not_skipped",),
@@ -367,8 +367,8 @@ BREAKS: dict[str, Break] = {
     ),
     "marks_without_owner": Break(
         "deltaflow/receivers/base.py",
-        '        owner = f"{self.stream_owner}/" if self.stream_owner else ""\n',
-        '        owner = ""\n',
+        '    owned = f"{owner}/" if owner else ""\n',
+        '    owned = ""\n',
         (
             "tests/test_stream_ownership.py::test_a_replay_after_a_node_restart_is_not_skipped_for_an_intruders_marks",
             "tests/test_dispatcher.py::test_the_same_id_under_another_key_is_a_stream_of_its_own",
@@ -901,7 +901,7 @@ BREAKS: dict[str, Break] = {
     # still skips a replay whose commits are gone.
     "txn_marks_not_written_by_the_committer": Break(
         "deltaflow/tables/commit/committer.py",
-        "            actions += self.marks.carrying(lanes)  # where a checkpoint keeps them\n",
+        "            actions += self.marks.carrying(lanes, forgotten)  # where a checkpoint keeps them\n",
         "",
         (
             "tests/test_long_lived_tables.py::test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay",
@@ -969,8 +969,8 @@ BREAKS: dict[str, Break] = {
     ),
     "random_ids_not_marked": Break(
         "deltaflow/receivers/base.py",
-        '        random = RANDOM_LANE_PREFIX if self.random_id else ""\n',
-        '        random = ""\n',
+        "    return f\"{RANDOM_LANE_PREFIX if random else ''}{stream_id}/{owned}{partition}\"\n",
+        '    return f"{stream_id}/{owned}{partition}"\n',
         (
             "tests/test_long_lived_tables.py::test_a_cluster_restarted_on_a_checkpointed_table_skips_a_replay",
         ),
@@ -996,7 +996,7 @@ BREAKS: dict[str, Break] = {
     ),
     "checkpoint_marks_read_per_reader": Break(
         "deltaflow/tables/marks.py",
-        "        txns = self.store.checkpoint != version\n",
+        "        txns = self.store.checkpoint != version and self.store.through < version\n",
         "        txns = True\n",
         (
             "tests/test_long_lived_tables.py::test_a_node_s_readers_of_a_table_share_one_mark_per_lane",
@@ -1053,6 +1053,90 @@ BREAKS: dict[str, Break] = {
         (
             "tests/test_long_lived_tables.py::test_a_node_forgets_a_random_id_s_marks_when_its_client_closes_the_stream",
             "tests/test_long_lived_tables.py::test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader",
+        ),
+    ),
+    # A new committer whose store read past a newer checkpoint does not read its marks again.
+    "covered_checkpoint_read_again": Break(
+        "deltaflow/tables/marks.py",
+        "        txns = self.store.checkpoint != version and self.store.through < version\n",
+        "        txns = self.store.checkpoint != version\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_node_s_readers_of_a_table_share_one_mark_per_lane",
+        ),
+    ),
+    # A description read once holds across commits that change no metadata.
+    "description_reloaded_every_version": Break(
+        "deltaflow/tables/log_reader.py",
+        "            if not _metadata_changed(path, kept[0], latest):\n",
+        "            if False:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_description_holds_across_commits_that_change_no_metadata",
+        ),
+    ),
+    "description_kept_across_a_schema_change": Break(
+        "deltaflow/tables/log_reader.py",
+        '        if any(line.startswith((\'{"metaData"\', \'{"protocol"\')) for line in text.split("\\n")):\n',
+        "        if False:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_description_holds_across_commits_that_change_no_metadata",
+        ),
+    ),
+    # A closed random-id stream's lanes are forgotten in the log: Delta drops their txn.
+    "forgotten_lanes_not_logged": Break(
+        "deltaflow/tables/marks.py",
+        "            if lane not in marks and lane.startswith(RANDOM_LANE_PREFIX)\n",
+        "            if False\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_commit_that_forgets_a_lane_makes_every_reader_forget_it",
+            "tests/test_long_lived_tables.py::test_a_closed_random_streams_marks_leave_the_log_and_its_checkpoints",
+        ),
+    ),
+    "named_lanes_forgotten_in_the_log": Break(
+        "deltaflow/tables/marks.py",
+        "            if lane not in marks and lane.startswith(RANDOM_LANE_PREFIX)\n",
+        "            if lane not in marks\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_commit_that_forgets_a_lane_makes_every_reader_forget_it",
+        ),
+    ),
+    "forgetting_txn_read_as_a_mark": Break(
+        "deltaflow/tables/commit_file.py",
+        '                if app.startswith(TXN_PREFIX) and txn.get("lastUpdated") == FORGOTTEN_AT:\n',
+        "                if False:\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_commit_that_forgets_a_lane_makes_every_reader_forget_it",
+        ),
+    ),
+    "writers_forget_only_locally": Break(
+        "deltaflow/tables/commit/owner_writes.py",
+        "            forgotten=tuple(self.marks.store.unlogged()),\n",
+        "            forgotten=(),\n",
+        (
+            "tests/test_long_lived_tables.py::test_a_closed_random_streams_marks_leave_the_log_and_its_checkpoints",
+        ),
+    ),
+    "committer_ignores_writers_forgotten": Break(
+        "deltaflow/tables/commit/committer.py",
+        "            actions += self.marks.carrying(lanes, forgotten)",
+        "            actions += self.marks.carrying(lanes)",
+        (
+            "tests/test_long_lived_tables.py::test_a_closed_random_streams_marks_leave_the_log_and_its_checkpoints",
+        ),
+    ),
+    "foreign_lanes_forgotten": Break(
+        "deltaflow/tables/commit/ownership.py",
+        "    return [f[0] for f in found if f is not None and int(f[1]) in owned]\n",
+        "    return [f[0] for f in found if f is not None]\n",
+        (
+            "tests/test_coordinator.py::test_a_committer_forgets_only_the_lanes_of_the_writers_own_partitions",
+        ),
+    ),
+    "durable_lanes_forgettable_on_the_wire": Break(
+        "deltaflow/tables/commit/prepared.py",
+        "        if not lane.startswith(RANDOM_LANE_PREFIX):\n",
+        "        if False:\n",
+        (
+            "tests/test_coordinator.py::test_a_malformed_prepared_commit_is_refused_naming_the_field",
         ),
     ),
     # A table kept open for months is opened afresh from a newer checkpoint.

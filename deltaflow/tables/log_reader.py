@@ -16,7 +16,16 @@ from typing import Any
 from ..storage.paths import Location
 from .layout import live_rows
 from .live_files import LiveFiles
-from .log import delta_table, forget_commits, last_checkpoint_version, latest_version, log_dir
+from .log import (
+    FETCH_AHEAD,
+    commit_text,
+    delta_table,
+    fetch_commits,
+    forget_commits,
+    last_checkpoint_version,
+    latest_version,
+    log_dir,
+)
 
 __all__ = ["REOPEN_AFTER", "LogReader", "TableDescription"]
 
@@ -94,8 +103,15 @@ class LogReader:
         import pyarrow as pa
 
         kept = self._described.get(path)
-        if kept is not None and latest_version(path, kept[0]) == kept[0]:
-            if (log_dir(path) / f"{kept[0]:020d}.json").exists():  # not a table made anew
+        if kept is not None and (log_dir(path) / f"{kept[0]:020d}.json").exists():
+            # (The kept version's commit is there: not a table made anew.)
+            latest = latest_version(path, kept[0])
+            if latest == kept[0]:
+                return kept[1]
+            if not _metadata_changed(path, kept[0], latest):
+                # The commits since change no schema or property (a new committer after a
+                # failover, say): the description holds; no load of the table.
+                self._described[path] = (latest, kept[1])
                 return kept[1]
         table = self.latest(path)
         version = int(table.version())
@@ -178,3 +194,22 @@ class LogReader:
             return index
         self._live.pop(path, None)
         return None
+
+
+def _metadata_changed(path: Location, after: int, latest: int) -> bool:
+    """Whether a commit of the table after version ``after``, up to ``latest``, changes its
+    metadata or protocol (or cannot be read); past :data:`REOPEN_AFTER` commits, assumed so."""
+    if latest - after > REOPEN_AFTER:
+        return True
+    directory = log_dir(path)
+    versions = list(range(after + 1, latest + 1))
+    for i, version in enumerate(versions):
+        if i % FETCH_AHEAD == 0:
+            fetch_commits(directory, versions[i:])
+        try:
+            text = commit_text(directory / f"{version:020d}.json")
+        except OSError:
+            return True
+        if any(line.startswith(('{"metaData"', '{"protocol"')) for line in text.split("\n")):
+            return True
+    return False

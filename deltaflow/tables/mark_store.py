@@ -3,6 +3,7 @@ and how long a lane's mark is kept (:class:`MarkRetention`). See :mod:`.marks`."
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -15,6 +16,7 @@ from ..storage.paths import Location
 __all__ = [
     "DEFAULT_LANE_RETENTION",
     "DEFAULT_RANDOM_RETENTION",
+    "FORGET_PER_COMMIT",
     "MINUTES",
     "MarkRetention",
     "MarkStore",
@@ -28,6 +30,10 @@ MINUTES: Final = (1 << MINUTE_BITS) - 1
 #: Seconds a lane forgotten for good (a closed stream of a random id) is not kept again when
 #: a reader of the node reads one of its commits late.
 FORGOTTEN_SECONDS: Final = 120.0
+#: Most lanes a node holds to forget in the table's log (beyond them, a lane's ``txn`` stays
+#: until its retention), and most it forgets in one commit.
+MAX_UNLOGGED: Final = 100_000
+FORGET_PER_COMMIT: Final = 2_000
 #: Seconds a table's lanes are kept by default (``delta.setTransactionRetentionDuration``).
 DEFAULT_LANE_RETENTION: Final = 7 * 86_400
 #: Seconds the lanes of a stream with a random id are kept (``random_marks_seconds``).
@@ -76,9 +82,14 @@ class MarkStore:
         self._marks: dict[str, int] = {}
         #: Lanes forgotten for good (see :meth:`forget`) and when, the oldest first.
         self._forgotten: dict[str, float] = {}
+        #: Lanes forgotten here whose ``txn`` the table's log still keeps (see :meth:`forget`).
+        self._unlogged: dict[str, None] = {}
         #: The version of the checkpoint whose ``txn`` actions, carrying every lane's mark,
         #: were read in (-1: none).
         self.checkpoint = -1
+        #: The version through which a reader of the table (its marks all carried) has read
+        #: every commit into this store: a newer checkpoint up to it adds no mark (-1: none).
+        self.through = -1
 
     def __len__(self) -> int:
         return len(self._marks)
@@ -125,18 +136,32 @@ class MarkStore:
                 packed = [v << MINUTE_BITS | m for v, m in zip(versions, minutes, strict=True)]
                 self._marks = dict(zip(lanes, packed, strict=True))
 
-    def forget(self, lanes: Iterable[str], now: float | None = None) -> None:
+    def forget(
+        self, lanes: Iterable[str], now: float | None = None, *, logged: bool = False
+    ) -> None:
         """Drop the marks of ``lanes``, for good: a reader that reads one of their commits
         within :data:`FORGOTTEN_SECONDS` does not keep its mark again (the commit that
         answered a stream's last batch may be read by this node's other reader of the table
-        after the stream closed)."""
+        after the stream closed). Until a commit forgets them in the log too (``logged``: one
+        was read), :meth:`unlogged` lists them for the next commits."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            unlogged = self._unlogged
             for lane in lanes:
                 self._marks.pop(lane, None)
                 self._forgotten.pop(lane, None)
                 self._forgotten[lane] = now  # in the order forgotten
+                if logged:
+                    unlogged.pop(lane, None)
+                elif len(unlogged) < MAX_UNLOGGED:
+                    unlogged[lane] = None
             self._prune(now)
+
+    def unlogged(self) -> list[str]:
+        """The first :data:`FORGET_PER_COMMIT` lanes forgotten here that the table's log still
+        keeps: the next commit's to forget there as well."""
+        with self._lock:
+            return list(itertools.islice(self._unlogged, FORGET_PER_COMMIT))
 
     def _prune(self, now: float) -> None:
         forgotten = self._forgotten

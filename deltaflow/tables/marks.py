@@ -19,7 +19,11 @@ so. Until then a node reads the whole log, as before.
 A node keeps a lane's mark in memory until the lane has been idle for its retention: the
 table's ``delta.setTransactionRetentionDuration`` (7 days on the tables deltaflow creates), or,
 for a stream whose id the client made up (its lanes start with ``~``), ``random_marks_seconds``
-(an hour): only that client could resend its batches, and it stops long before.
+(an hour): only that client could resend its batches, and it stops long before. When such a
+stream closes, its lanes are forgotten at once, in memory and in the log: the next commits of
+the tables it wrote carry a ``txn`` of each lane with ``lastUpdated`` 0, which Delta drops from
+the table's snapshots and checkpoints and every node that reads it forgets. So neither a node's
+memory nor a checkpoint grows with the streams a cluster has served.
 
 Before a commit, while holding the table's lock, a node reads the commits it has not seen yet
 and drops every staged write whose mark the table already holds. A batch resent after its
@@ -37,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
-from ..protocol import MAX_ORDINAL, RANDOM_LANE_PREFIX
+from ..protocol import RANDOM_LANE_PREFIX
 from ..storage.paths import Location
 from .checkpoints import (
     checkpoint_files,
@@ -46,8 +50,20 @@ from .checkpoints import (
     last_checkpoint,
     vectors_of_last_checkpoint,
 )
+from .commit_file import (
+    CARRIED_APP,
+    CARRIED_VERSION,
+    FORGOTTEN_AT,
+    METADATA_KEY,
+    TXN_PREFIX,
+    Mark,
+    commit_vectors,
+    mark_of,
+    read_commit,
+    txn_version,
+)
 from .deletion_vectors import descriptor_id
-from .log import FETCH_AHEAD, commit_text, commit_versions, fetch_commits, log_dir
+from .log import FETCH_AHEAD, commit_versions, fetch_commits, log_dir
 from .mark_store import (
     MINUTES,
     MarkRetention,
@@ -71,29 +87,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-METADATA_KEY: Final = "deltaflow"
-
-#: (seq, k): the batch's sequence number and the write's ordinal within the batch.
-Mark = tuple[int, int]
-
-#: A lane's ``txn`` action: this ``appId`` prefix and the lane.
-TXN_PREFIX: Final = "deltaflow:"
-#: The ``txn`` whose presence says every lane's mark is carried by a ``txn`` action.
-CARRIED_APP: Final = "deltaflow"
-CARRIED_VERSION: Final = 1
-_ORDINAL_BITS: Final = MAX_ORDINAL.bit_length() - 1
 #: How often, at most, kept marks are checked for expiry (seconds).
 _EXPIRY_CHECK: Final = 60.0
-
-
-def txn_version(mark: Mark) -> int:
-    """A mark as the ``version`` of its lane's ``txn`` action (ordered as the marks are)."""
-    return mark[0] << _ORDINAL_BITS | mark[1]
-
-
-def mark_of(version: int) -> Mark:
-    """The mark a ``txn`` action's ``version`` records (:func:`txn_version`'s inverse)."""
-    return version >> _ORDINAL_BITS, version & (MAX_ORDINAL - 1)
 
 
 class LaneMarks:
@@ -187,7 +182,7 @@ class LaneMarks:
         for i, version in enumerate(versions):
             if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
                 fetch_commits(self._log_dir, versions[i:])
-            commit = _read_commit(self._log_dir / f"{version:020d}.json", self._history > 0)
+            commit = read_commit(self._log_dir / f"{version:020d}.json", self._history > 0)
             lanes, metadata, removed, added, deleted = commit[:5]
             self._absorb_commit(lanes, commit[5], commit[6])
             if deleted is not None and self.tombstones is not None:
@@ -209,6 +204,8 @@ class LaneMarks:
                 self.vectors.update(added)
             changed = changed or metadata
             self._scanned = version
+        if self.carried:
+            self.store.through = max(self.store.through, self._scanned)
         self._expire()
         self._snapshot_tombstones()
         return changed
@@ -250,10 +247,11 @@ class LaneMarks:
             return -1
         version = int(last["version"])
         parts = checkpoint_files(self._log_dir, last)
-        # The node's other reader of the table may have read this checkpoint's marks already.
-        txns = self.store.checkpoint != version
+        # The node's other reader of the table may have read this checkpoint's marks already,
+        # or every commit up to it (a new committer, after a failover, reads none of them).
+        txns = self.store.checkpoint != version and self.store.through < version
         tables = []
-        vectors: _Vectors = {}
+        vectors: dict[str, dict[str, Any]] = {}
         try:
             for part in parts:
                 if txns:
@@ -306,10 +304,18 @@ class LaneMarks:
         return minute_of(self._clock() * 1000)
 
     def _absorb_commit(
-        self, lanes: Mapping[str, Mark], txns: Mapping[str, Mark], info: tuple[int | None, bool]
+        self,
+        lanes: Mapping[str, Mark],
+        txns: Mapping[str, Mark],
+        info: tuple[int | None, bool, list[str]],
     ) -> None:
-        """One commit's marks: its ``commitInfo``'s ``lanes`` and its ``txn`` actions'."""
-        at, carried = info
+        """One commit's marks: its ``commitInfo``'s ``lanes`` and its ``txn`` actions', and
+        the lanes it forgets."""
+        at, carried, forgotten = info
+        if forgotten:
+            self.store.forget(forgotten, logged=True)
+            for lane in forgotten:
+                self._uncarried.pop(lane, None)
         minute = self._minute() if at is None else minute_of(at)
         self.store.keep((lane, txn_version(mark), minute) for lane, mark in txns.items())
         self.store.keep((lane, txn_version(mark), minute) for lane, mark in lanes.items())
@@ -333,9 +339,13 @@ class LaneMarks:
         if any(lane not in self.store for lane in self._uncarried):
             self._uncarried = {k: v for k, v in self._uncarried.items() if k in self.store}
 
-    def carrying(self, lanes: Mapping[str, Mark]) -> list[dict[str, Any]]:
+    def carrying(
+        self, lanes: Mapping[str, Mark], forgotten: Iterable[str] = ()
+    ) -> list[dict[str, Any]]:
         """The ``txn`` actions of a commit that applies ``lanes``: theirs, every mark not yet
-        carried, and the table's ``deltaflow`` one while it is not."""
+        carried, the table's ``deltaflow`` one while it is not, and one that forgets each lane
+        of a closed random-id stream, forgotten here or by a writer (``forgotten``), that the
+        log still keeps: Delta then drops it from the table's checkpoints."""
         now = int(self._clock() * 1000)
         marks = dict(self._uncarried)
         for lane, mark in lanes.items():
@@ -344,6 +354,12 @@ class LaneMarks:
         actions = [
             {"txn": {"appId": TXN_PREFIX + lane, "version": txn_version(m), "lastUpdated": now}}
             for lane, m in marks.items()
+        ]
+        gone = dict.fromkeys(self.store.unlogged()) | dict.fromkeys(forgotten)
+        actions += [
+            {"txn": {"appId": TXN_PREFIX + lane, "version": 0, "lastUpdated": FORGOTTEN_AT}}
+            for lane in gone
+            if lane not in marks and lane.startswith(RANDOM_LANE_PREFIX)
         ]
         if not self.carried:
             actions.append(
@@ -410,103 +426,3 @@ class LaneMarks:
             if lane not in out or mark < out[lane]:
                 out[lane] = mark
         return out
-
-
-_Vectors = dict[str, dict[str, Any]]
-
-
-_Deleted = tuple[Mapping[str, Any], int]
-
-
-def _read_commit(
-    path: Location, every_remove: bool = False
-) -> tuple[
-    dict[str, Mark],
-    bool,
-    list[tuple[str, dict[str, Any] | None]],
-    _Vectors,
-    _Deleted | None,
-    dict[str, Mark],
-    tuple[int | None, bool],
-]:
-    """What one commit file records: its ``commitInfo`` lane marks (empty if it has none);
-    whether it has a ``metaData`` or ``protocol`` action; the files with deletion vectors it
-    removes (with ``every_remove``, every file it removes) and the ones with vectors it adds
-    (path and descriptor); the keys it deletes from a ``sequence_by`` table with the commit's
-    time; the marks its ``txn`` actions carry; its time and whether it says every lane is
-    carried (the ``deltaflow`` txn).
-
-    Raises:
-        OSError: it cannot be read.
-    """
-    lanes: dict[str, Mark] = {}
-    txns: dict[str, Mark] = {}
-    carried = False
-    at: int | None = None
-    deleted: _Deleted | None = None
-    metadata = False
-    removed: list[tuple[str, dict[str, Any] | None]] = []
-    added: _Vectors = {}
-    try:
-        # Lines end at "\n" only: a writer may leave U+2028 raw in a value (a row's stats).
-        for line in commit_text(path).split("\n"):
-            # Each line is one action, an object with one key.
-            if line.startswith(('{"metaData"', '{"protocol"')):
-                metadata = True
-            elif line.startswith('{"txn"'):
-                txn = json.loads(line)["txn"]
-                app, version = txn.get("appId"), txn.get("version")
-                if not isinstance(app, str) or not isinstance(version, int):
-                    continue
-                if app.startswith(TXN_PREFIX):
-                    txns[app[len(TXN_PREFIX) :]] = mark_of(version)
-                elif app == CARRIED_APP:
-                    carried = True
-            elif (every_remove and line.startswith('{"remove"')) or (
-                '"deletionVector"' in line and line.startswith(('{"add"', '{"remove"'))
-            ):
-                kind, action = next(iter(json.loads(line).items()))
-                dv = action.get("deletionVector")
-                if kind == "add":
-                    if dv is not None:
-                        added[action["path"]] = dv
-                elif dv is not None or every_remove:
-                    removed.append((action["path"], dv))
-            elif not lanes and '"commitInfo"' in line:
-                info = json.loads(line).get("commitInfo") or {}
-                lanes, deleted = _lanes_of(info)
-                stamp = info.get("timestamp")
-                at = stamp if isinstance(stamp, int) else None
-    except ValueError as exc:  # not as a Delta writer writes it: no marks of ours in it
-        log.warning("cannot read lane marks from %s: %s", path, exc)
-    return lanes, metadata, removed, added, deleted, txns, (at, carried)
-
-
-def commit_vectors(commit: Location) -> list[dict[str, Any]]:
-    """The deletion vectors one commit file names, in its adds and its removes."""
-    _, _, removed, added, *_ = _read_commit(commit)
-    return [dv for _, dv in removed if dv is not None] + list(added.values())
-
-
-def _lanes_of(info: Mapping[str, Any]) -> tuple[dict[str, Mark], _Deleted | None]:
-    """A commit's lane marks, and the deletes it records with its time (None without)."""
-    raw = info.get("userMetadata")
-    meta: Any = None
-    if isinstance(raw, str) and METADATA_KEY in raw:
-        try:
-            meta = json.loads(raw).get(METADATA_KEY)
-        except (ValueError, AttributeError):
-            meta = None
-    elif isinstance(info.get(METADATA_KEY), Mapping):  # written as a top-level field
-        meta = info[METADATA_KEY]
-    if not isinstance(meta, Mapping) or not isinstance(meta.get("lanes"), Mapping):
-        return {}, None
-    lanes: dict[str, Mark] = {}
-    for lane, mark in meta["lanes"].items():
-        if isinstance(mark, list) and len(mark) == 2 and all(isinstance(x, int) for x in mark):
-            lanes[str(lane)] = (mark[0], mark[1])
-    deleted = meta.get("deleted")
-    at = info.get("timestamp")
-    if isinstance(deleted, Mapping) and isinstance(at, int):
-        return lanes, (deleted, at)
-    return lanes, None

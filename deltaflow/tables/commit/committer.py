@@ -40,7 +40,7 @@ from ..sequence import merged_deletes
 from ..settings import CHECKPOINT_INTERVAL, PROP_CHECKPOINT_INTERVAL, TableSettings
 from .compaction import Compactor
 from .holding import CheckpointWriter, finish, hold_table
-from .ownership import NotOwned, Ownership, foreign
+from .ownership import NotOwned, Ownership, foreign, owned_lanes
 from .prepared import Outcome, OutcomeKind, PreparedCommit
 
 if TYPE_CHECKING:
@@ -256,7 +256,16 @@ class TableCommitter:
             )
             writers = {batch[i].writer for i in chosen}
             actions: list[dict[str, Any]] = [a for i in chosen for a in batch[i].actions]
-            actions += self.marks.carrying(lanes)  # where a checkpoint keeps them
+            forgotten = [
+                lane
+                for i in chosen
+                for lane in (
+                    owned_lanes(batch[i].forgotten, batch[i].writer, maps)
+                    if maps and batch[i].writer != node
+                    else batch[i].forgotten
+                )
+            ]
+            actions += self.marks.carrying(lanes, forgotten)  # where a checkpoint keeps them
             deleted = merged_deletes(batch[i].deleted for i in chosen)
             metadata = LaneMarks.user_metadata(node, lanes, writers, deleted)
             read = self.marks.scanned

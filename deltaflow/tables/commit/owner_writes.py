@@ -193,6 +193,7 @@ class TableWriter(TableState):
             rows=int(data.num_rows),
             batches=len(todo),
             deleted=deleted,
+            forgotten=tuple(self.marks.store.unlogged()),
         )
         fault_point("commit_prepared")
         return ReadyCommit(commit, done, todo)

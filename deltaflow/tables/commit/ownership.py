@@ -93,13 +93,24 @@ class Ownership:
         return False
 
 
+def _owned(writer: str, maps: Sequence[PartitionMap]) -> set[int]:
+    return {p for m in maps for p, owner in enumerate(m.owners) if owner == writer}
+
+
+def owned_lanes(lanes: Iterable[str], writer: str, maps: Sequence[PartitionMap]) -> list[str]:
+    """Those of ``lanes`` in a partition ``writer`` owns in one of ``maps``."""
+    owned = _owned(writer, maps)
+    found = (_LANE_PARTITION.fullmatch(lane) for lane in lanes)
+    return [f[0] for f in found if f is not None and int(f[1]) in owned]
+
+
 def foreign(
     prepared: PreparedCommit, maps: Sequence[PartitionMap], layout: TableSettings | None
 ) -> str | None:
     """Why ``prepared`` names a lane or a file outside the partitions its writer owns in
     ``maps`` (or one this cannot tell of); None when it does not. ``layout``: the table's."""
     writer = prepared.writer
-    owned = {p for m in maps for p, owner in enumerate(m.owners) if owner == writer}
+    owned = _owned(writer, maps)
     partitions = maps[0].partitions
     for lane in prepared.lanes:
         found = _LANE_PARTITION.fullmatch(lane)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from ...protocol import RANDOM_LANE_PREFIX
 from ..deletion_vectors import z85decode
 from ..marks import Mark
 
@@ -79,6 +80,9 @@ class PreparedCommit:
         batches: batches the group holds.
         deleted: the keys the group deletes from a ``sequence_by`` table, with their
             sequences (:func:`.sequence.recorded`): the commit records them.
+        forgotten: lanes of closed random-id streams the writer forgot, for the commit to
+            forget in the log too (:meth:`.LaneMarks.carrying`; only random lanes of the
+            writer's own partitions are taken).
     """
 
     table: str
@@ -90,6 +94,7 @@ class PreparedCommit:
     rows: int = 0
     batches: int = 0
     deleted: dict[str, list[Any]] | None = None
+    forgotten: tuple[str, ...] = ()
     removes: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +118,7 @@ class PreparedCommit:
             "rows": self.rows,
             "batches": self.batches,
             "deleted": self.deleted,
+            "forgotten": list(self.forgotten),
         }
 
     @classmethod
@@ -135,7 +141,22 @@ class PreparedCommit:
         lanes, starts = _marks(data, "lanes"), _marks(data, "starts")
         actions = [_action(a) for a in actions]
         deleted = _deleted(data.get("deleted"))
-        return cls(table, writer, read_version, actions, lanes, starts, rows, batches, deleted)
+        forgotten = _forgotten(data.get("forgotten", []))
+        return cls(
+            table, writer, read_version, actions, lanes, starts, rows, batches, deleted, forgotten
+        )
+
+
+def _forgotten(value: Any) -> tuple[str, ...]:
+    """Lanes of random-id streams: a list of at most :data:`MAX_LANES` names."""
+    if not isinstance(value, list) or len(value) > MAX_LANES:
+        raise WireError(f"forgotten: a list of at most {MAX_LANES} lanes")
+    for lane in value:
+        if not (isinstance(lane, str) and _LANE.fullmatch(lane)):
+            raise WireError(f"forgotten: a bad lane name {str(lane)[:40]!r}")
+        if not lane.startswith(RANDOM_LANE_PREFIX):
+            raise WireError(f"forgotten: {lane[:40]!r} is not a random id's lane")
+    return tuple(value)
 
 
 def _deleted(value: Any) -> dict[str, list[Any]] | None:
