@@ -91,9 +91,6 @@ class FakeRouter:
     def mark_stale(self) -> None:
         return None
 
-    async def backoff(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
 
 class Outcomes:
     def __init__(self) -> None:

@@ -8,7 +8,6 @@ implementation. Neither a sender nor a stream knows the :class:`~deltaflow.clien
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import ssl
 import time
@@ -34,11 +33,6 @@ __all__ = ["ConnectionFactory", "Router", "Routes", "StreamRoutes", "fetch_clust
 
 #: Seconds between two looks at which nodes serve a stream's receiver, while it waits.
 RECEIVER_POLL_SECONDS: Final = 0.5
-#: While a node the map names cannot be reached, the map is fetched this often, for at most
-#: ``MAP_WATCH_SECONDS``: a batch waiting to be resent goes as soon as the cluster names a new
-#: owner, not when its backoff ends.
-MAP_WATCH_INTERVAL: Final = 0.05
-MAP_WATCH_SECONDS: Final = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +65,6 @@ class Routes(Protocol):
 
     def mark_stale(self) -> None:
         """The map may be out of date (a node was lost): refresh it before the next send."""
-        ...
-
-    async def backoff(self, seconds: float) -> None:
-        """Wait ``seconds`` before a resend, or less: until a newer map is adopted."""
         ...
 
 
@@ -135,8 +125,6 @@ class Router:
         self._conns: dict[str, Connection] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._refresh_lock = asyncio.Lock()
-        self._newer = asyncio.Event()  # set (and replaced) when a newer map is adopted
-        self._watch: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
@@ -181,8 +169,6 @@ class Router:
     async def close(self) -> None:
         """Close every connection; no new one is opened afterwards."""
         self._closed = True
-        if self._watch is not None:
-            self._watch.cancel()
         conns, self._conns = list(self._conns.values()), {}
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
@@ -197,8 +183,6 @@ class Router:
         except NodeUnavailableError:
             self._stale = True
             self._unreachable = address
-            if self._watch is None or self._watch.done():
-                self._watch = asyncio.create_task(self._watch_map(), name="deltaflow-map-watch")
             raise
 
     def connection_now(self, partition: int) -> Connection | None:
@@ -220,7 +204,7 @@ class Router:
             log.info(
                 "partition map v%d adopted: nodes %s", offered.version, sorted(offered.addresses)
             )
-            self._adopt(offered)
+            self._map = offered
         else:  # the node's view is not newer than ours: ask the cluster again
             self._stale = True
 
@@ -240,36 +224,11 @@ class Router:
             log.info(
                 "partition map v%d pushed: nodes %s", offered.version, sorted(offered.addresses)
             )
-            self._adopt(offered)
+            self._map = offered
             self._stale = False
 
     def mark_stale(self) -> None:
         self._stale = True
-
-    async def backoff(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self._newer.wait()
-
-    def _adopt(self, new: PartitionMap) -> None:
-        newer = self._map is not None and new.version > self._map.version
-        self._map = new
-        if newer:  # wake the resends waiting out their backoff
-            self._newer.set()
-            self._newer = asyncio.Event()
-
-    async def _watch_map(self) -> None:
-        """Fetch the map every ``MAP_WATCH_INTERVAL`` until it is newer than when a node could
-        not be reached (its peers take its partitions within a poll or two), for at most
-        ``MAP_WATCH_SECONDS``."""
-        since = self._map.version if self._map is not None else -1
-        deadline = time.monotonic() + MAP_WATCH_SECONDS
-        while not self._closed and time.monotonic() < deadline:
-            await asyncio.sleep(MAP_WATCH_INTERVAL)
-            if self._map is not None and self._map.version > since:
-                return
-            with contextlib.suppress(DeltaflowError, ValueError):
-                await self.refresh_map()
 
     async def close_stream(self, sid: str, *, keep_results: bool = False) -> None:
         for conn in list(self._conns.values()):
@@ -380,7 +339,7 @@ class Router:
                             address,
                             sorted(fresh.addresses),
                         )
-                    self._adopt(fresh)
+                    self._map = fresh
                     self._stale = False
                     return
                 except (DeltaflowError, ValueError) as exc:

@@ -389,7 +389,6 @@ class Sender:
         # the common case, builds no AsyncRetrying). Waits are ``initial * 2**(k-1)`` plus
         # jitter after the k-th failed send, capped at the maximum.
         retrying = AsyncRetrying(
-            sleep=self._routes.backoff,  # cut short when a newer map names the new owner
             stop=stop_after_attempt(opts.retry_limit + 1),
             wait=wait_exponential(multiplier=opts.retry_initial_backoff, max=opts.retry_max_backoff)
             + wait_random(0, opts.retry_initial_backoff),
