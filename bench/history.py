@@ -977,7 +977,12 @@ async def failover_once(histories: Histories, versions: int, repeat: int) -> Fai
             )
             try:
                 async with asyncio.timeout(FAILOVER_TIMEOUT):
-                    seconds = await watch.replaced
+                    # The stream may end first (failed): then its error, not a wait.
+                    await asyncio.wait({watch.replaced, stream}, return_when="FIRST_COMPLETED")
+                    if not watch.replaced.done():
+                        await stream
+                        raise RuntimeError("the failover's stream ended before a new owner's ack")
+                    seconds = watch.replaced.result()
             finally:
                 stop.set()
                 summary = await stream
