@@ -171,30 +171,43 @@ def test_a_node_finds_new_commits_by_name_and_never_lists_a_long_log(
     assert commit_versions(tmp_path, every=True) == [4, 5, 6, 7, 8]
 
 
-def test_a_table_kept_open_is_opened_afresh_from_a_newer_checkpoint(tmp_path: Path) -> None:
+def test_a_table_kept_open_is_opened_afresh_from_a_newer_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """delta-rs keeps what each incremental update read (about 55 KB a commit): a node's kept
     table is opened again from the newest checkpoint once it is REOPEN_AFTER versions old, so
-    its memory follows the commits since the checkpoint, not the months it has been open."""
+    its memory follows the commits since the checkpoint, not the months it has been open. A
+    table that writes no checkpoint costs a look at ``_last_checkpoint`` per REOPEN_LOOK
+    versions, not one per commit."""
     import pyarrow as pa
     from deltalake import DeltaTable, write_deltalake
 
-    from deltaflow.tables.log_reader import REOPEN_AFTER, LogReader
+    import deltaflow.tables.log_reader as log_reader
+    from deltaflow.tables.log_reader import REOPEN_AFTER, REOPEN_LOOK, LogReader
+
+    def append(value: int) -> None:
+        write_deltalake(str(tmp_path), pa.table({"id": [value]}), mode="append")
 
     # Checkpoints by hand only (delta-rs would write one at version 100 itself).
     write_deltalake(
         str(tmp_path), pa.table({"id": [0]}), configuration={"delta.checkpointInterval": "1000"}
     )
+    looks: list[Any] = []
+    look = log_reader.last_checkpoint_version
+    monkeypatch.setattr(log_reader, "last_checkpoint_version", lambda d: looks.append(d) or look(d))
     reader = LogReader()
     kept = reader.latest(tmp_path)
-    for i in range(1, REOPEN_AFTER + 1):
-        write_deltalake(str(tmp_path), pa.table({"id": [i]}), mode="append")
-    assert reader.latest(tmp_path) is kept, "no checkpoint since: brought up to date"
+    for i in range(1, REOPEN_AFTER + REOPEN_LOOK):
+        append(i)
+        assert reader.latest(tmp_path) is kept, "no checkpoint since: brought up to date"
+    assert len(looks) == 1, "_last_checkpoint read at every commit"
     DeltaTable(str(tmp_path)).create_checkpoint()
-    write_deltalake(str(tmp_path), pa.table({"id": [-1]}), mode="append")
+    append(-1)
     fresh = reader.latest(tmp_path)
-    assert fresh is not kept and fresh.version() == REOPEN_AFTER + 1
-    assert len(fresh.to_pyarrow_table()) == REOPEN_AFTER + 2
-    write_deltalake(str(tmp_path), pa.table({"id": [-2]}), mode="append")
+    version = REOPEN_AFTER + REOPEN_LOOK
+    assert fresh is not kept and fresh.version() == version and len(looks) == 2
+    assert len(fresh.to_pyarrow_table()) == version + 1
+    append(-2)
     assert reader.latest(tmp_path) is fresh, "opened at the checkpoint: kept again"
 
 
@@ -450,7 +463,9 @@ def test_a_lane_forgotten_for_good_is_not_kept_again_by_a_late_reader() -> None:
     store.forget(["~a/0"])
     store.keep([("~a/0", 5, 1), ("s/0", 4, 1)])
     assert store.lanes() == ["s/0"] and store.applied("s/0", 4)
+    assert store.unlogged() == ["~a/0"]
     store.forget([], now=time.monotonic() + FORGOTTEN_SECONDS + 1)
+    assert store.unlogged() == [], "a lane waits to be forgotten in the log no longer"
     store.keep([("~a/0", 6, 1)])
     assert store.applied("~a/0", 6)
 

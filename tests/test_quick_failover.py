@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -53,6 +54,22 @@ async def cluster(nodes: Cluster) -> Cluster:
     return nodes
 
 
+def table_committed_by(pmap: Any, node: str, prefix: str) -> str:
+    """A table name whose committer is ``node`` in ``pmap``."""
+    return next(f"{prefix}{i}" for i in range(100) if pmap.committer(f"{prefix}{i}") == node)
+
+
+async def stream_after_killing_node_2(
+    cluster: Cluster, client: Any, ids: list[int], table: str
+) -> tuple[Any, float]:
+    """SIGKILL node-2, then stream ``ids``: the summary, and seconds from the kill to its end."""
+    cluster.nodes["node-2"].kill()
+    killed = time.monotonic()
+    rows = [{"id": i} for i in ids]
+    summary = await client.stream_data(rows, table=table, key="id", options=FAILOVER_OPTIONS)
+    return summary, time.monotonic() - killed
+
+
 async def test_a_client_that_cannot_reach_a_killed_node_makes_its_peer_take_over(
     cluster: Cluster,
 ) -> None:
@@ -60,14 +77,9 @@ async def test_a_client_that_cannot_reach_a_killed_node_makes_its_peer_take_over
     async with client:
         pmap = client.partition_map
         # A table node-1 commits: no commit call goes to node-2; only the client's calls do.
-        table = next(f"hinted{i}" for i in range(100) if pmap.committer(f"hinted{i}") == "node-1")
-        cluster.nodes["node-2"].kill()
-        killed = time.monotonic()
+        table = table_committed_by(pmap, "node-1", "hinted")
         # Rows of both nodes' partitions: those of node-2 find nothing listening.
-        summary = await client.stream_data(
-            [{"id": i} for i in range(200)], table=table, key="id", options=FAILOVER_OPTIONS
-        )
-        took = time.monotonic() - killed
+        summary, took = await stream_after_killing_node_2(cluster, client, list(range(200)), table)
     assert {pmap.owners[partition_of(i, pmap.partitions)] for i in range(200)} == {
         "node-1",
         "node-2",
@@ -83,18 +95,11 @@ async def test_a_failed_commit_call_makes_the_writer_take_over_from_a_killed_com
     client = await cluster.wait_members(2)
     async with client:
         pmap = client.partition_map
-        table = next(
-            f"committed{i}" for i in range(100) if pmap.committer(f"committed{i}") == "node-2"
-        )
+        table = table_committed_by(pmap, "node-2", "committed")
         # Only node-1's rows: the client never calls node-2; node-1's commit call does.
         ids = [i for i in range(2000) if pmap.owners[partition_of(i, pmap.partitions)] == "node-1"]
         await client.stream_data([{"id": ids[0]}], table=table, key="id", options=FAILOVER_OPTIONS)
-        cluster.nodes["node-2"].kill()
-        killed = time.monotonic()
-        summary = await client.stream_data(
-            [{"id": i} for i in ids[1:]], table=table, key="id", options=FAILOVER_OPTIONS
-        )
-        took = time.monotonic() - killed
+        summary, took = await stream_after_killing_node_2(cluster, client, ids[1:], table)
     assert summary.items_acked == len(ids) - 1
     assert took < NOTICED_WITHIN, f"the committer's table moved {took:.1f}s after its SIGKILL"
     assert sorted(read_delta(cluster.warehouse / table)) == ids

@@ -18,6 +18,7 @@ __all__ = [
     "CARRIED_VERSION",
     "FORGOTTEN_AT",
     "METADATA_KEY",
+    "TABLE_CHANGES",
     "TXN_PREFIX",
     "Mark",
     "commit_vectors",
@@ -44,6 +45,8 @@ _ORDINAL_BITS: Final = MAX_ORDINAL.bit_length() - 1
 #: table's snapshots and checkpoints (it is older than any retention), and a node that reads it
 #: forgets the lane's mark for good (a closed stream of a random id, :mod:`.marks`).
 FORGOTTEN_AT: Final = 0
+#: How the lines of a commit's actions that change the table's metadata or protocol start.
+TABLE_CHANGES: Final = ('{"metaData"', '{"protocol"')
 
 
 def txn_version(mark: Mark) -> int:
@@ -96,7 +99,7 @@ def read_commit(
         # Lines end at "\n" only: a writer may leave U+2028 raw in a value (a row's stats).
         for line in commit_text(path).split("\n"):
             # Each line is one action, an object with one key.
-            if line.startswith(('{"metaData"', '{"protocol"')):
+            if line.startswith(TABLE_CHANGES):
                 metadata = True
             elif line.startswith('{"txn"'):
                 txn = json.loads(line)["txn"]

@@ -11,7 +11,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
@@ -29,6 +29,7 @@ __all__ = [
     "commit_versions",
     "delta_table",
     "fetch_commits",
+    "fetched",
     "forget_commits",
     "is_table",
     "last_checkpoint_version",
@@ -197,6 +198,15 @@ def fetch_commits(log: Location, versions: Sequence[int]) -> None:
             commit_text(commit)
 
     list(_FETCH_POOL.map(fetch, missing))
+
+
+def fetched(log: Location, versions: Sequence[int]) -> Iterator[Location]:
+    """The commit files ``versions`` of the log directory ``log``, in order, each
+    :data:`FETCH_AHEAD` of them fetched together first (:func:`fetch_commits`)."""
+    for i, version in enumerate(versions):
+        if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
+            fetch_commits(log, versions[i:])
+        yield log / f"{version:020d}.json"
 
 
 def _kept_name(commit: Location) -> str:

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..storage.paths import Location
+from .commit_file import TABLE_CHANGES
 from .layout import live_rows
 from .live_files import LiveFiles
 from .log import (
-    FETCH_AHEAD,
     commit_text,
     delta_table,
-    fetch_commits,
+    fetched,
     forget_commits,
     last_checkpoint_version,
     latest_version,
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 #: newer checkpoint: delta-rs's incremental update keeps about 55 KB per commit read that way
 #: (bench/README.md), so a table kept open for months would grow without end.
 REOPEN_AFTER = 100
+#: Versions between two looks for that checkpoint, once due (a table may write none).
+REOPEN_LOOK = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,9 @@ class LogReader:
 
     def __init__(self) -> None:
         self._open: dict[Location, Any] = {}  # delta-rs tables, see latest
-        self._opened_at: dict[Location, int] = {}  # the version each was opened at
+        # Per kept table, the version it was opened at and the one to look at
+        # ``_last_checkpoint`` again from (see _stale).
+        self._opened_at: dict[Location, tuple[int, int]] = {}
         self._live: dict[Location, LiveFiles] = {}  # their live files, see live_files
         self._described: dict[Location, tuple[int, TableDescription]] = {}  # see describe
 
@@ -78,17 +82,22 @@ class LogReader:
                 table.update_incremental()
                 return table
         table = self._open[path] = delta_table(path)
-        self._opened_at[path] = int(table.version())
+        opened = int(table.version())
+        self._opened_at[path] = (opened, opened + REOPEN_AFTER)
         return table
 
     def _stale(self, path: Location, latest: int) -> bool:
         """Whether the kept table was opened :data:`REOPEN_AFTER` versions before ``latest``
-        and a checkpoint was written since: opened afresh, it starts from that checkpoint."""
-        opened = self._opened_at.get(path, -1)
-        if latest - opened < REOPEN_AFTER:
+        and a checkpoint was written since: opened afresh, it starts from that checkpoint.
+        ``_last_checkpoint`` is read at most once per ``REOPEN_LOOK`` versions."""
+        opened, look = self._opened_at.get(path, (-1, -1))
+        if latest < look:
             return False
         checkpoint = last_checkpoint_version(log_dir(path))
-        return checkpoint is not None and checkpoint > opened
+        if checkpoint is not None and checkpoint > opened:
+            return True
+        self._opened_at[path] = (opened, latest + REOPEN_LOOK)
+        return False
 
     @staticmethod
     def _latest(path: Location, version: int, known: int | None) -> int:
@@ -201,15 +210,11 @@ def _metadata_changed(path: Location, after: int, latest: int) -> bool:
     metadata or protocol (or cannot be read); past :data:`REOPEN_AFTER` commits, assumed so."""
     if latest - after > REOPEN_AFTER:
         return True
-    directory = log_dir(path)
-    versions = list(range(after + 1, latest + 1))
-    for i, version in enumerate(versions):
-        if i % FETCH_AHEAD == 0:
-            fetch_commits(directory, versions[i:])
+    for commit in fetched(log_dir(path), range(after + 1, latest + 1)):
         try:
-            text = commit_text(directory / f"{version:020d}.json")
+            text = commit_text(commit)
         except OSError:
             return True
-        if any(line.startswith(('{"metaData"', '{"protocol"')) for line in text.split("\n")):
+        if any(line.startswith(TABLE_CHANGES) for line in text.split("\n")):
             return True
     return False

@@ -30,9 +30,7 @@ MINUTES: Final = (1 << MINUTE_BITS) - 1
 #: Seconds a lane forgotten for good (a closed stream of a random id) is not kept again when
 #: a reader of the node reads one of its commits late.
 FORGOTTEN_SECONDS: Final = 120.0
-#: Most lanes a node holds to forget in the table's log (beyond them, a lane's ``txn`` stays
-#: until its retention), and most it forgets in one commit.
-MAX_UNLOGGED: Final = 100_000
+#: Most lanes one commit forgets in the table's log.
 FORGET_PER_COMMIT: Final = 2_000
 #: Seconds a table's lanes are kept by default (``delta.setTransactionRetentionDuration``).
 DEFAULT_LANE_RETENTION: Final = 7 * 86_400
@@ -82,7 +80,7 @@ class MarkStore:
         self._marks: dict[str, int] = {}
         #: Lanes forgotten for good (see :meth:`forget`) and when, the oldest first.
         self._forgotten: dict[str, float] = {}
-        #: Lanes forgotten here whose ``txn`` the table's log still keeps (see :meth:`forget`).
+        #: Those of them whose ``txn`` the table's log still keeps (see :meth:`forget`).
         self._unlogged: dict[str, None] = {}
         #: The version of the checkpoint whose ``txn`` actions, carrying every lane's mark,
         #: were read in (-1: none).
@@ -143,7 +141,8 @@ class MarkStore:
         within :data:`FORGOTTEN_SECONDS` does not keep its mark again (the commit that
         answered a stream's last batch may be read by this node's other reader of the table
         after the stream closed). Until a commit forgets them in the log too (``logged``: one
-        was read), :meth:`unlogged` lists them for the next commits."""
+        was read), :meth:`unlogged` lists them for the next commits, for as long: a table
+        with no commit meanwhile keeps their ``txn`` for its retention."""
         now = time.monotonic() if now is None else now
         with self._lock:
             unlogged = self._unlogged
@@ -153,7 +152,7 @@ class MarkStore:
                 self._forgotten[lane] = now  # in the order forgotten
                 if logged:
                     unlogged.pop(lane, None)
-                elif len(unlogged) < MAX_UNLOGGED:
+                else:
                     unlogged[lane] = None
             self._prune(now)
 
@@ -161,6 +160,7 @@ class MarkStore:
         """The first :data:`FORGET_PER_COMMIT` lanes forgotten here that the table's log still
         keeps: the next commit's to forget there as well."""
         with self._lock:
+            self._prune(time.monotonic())
             return list(itertools.islice(self._unlogged, FORGET_PER_COMMIT))
 
     def _prune(self, now: float) -> None:
@@ -170,6 +170,7 @@ class MarkStore:
             if now - at <= FORGOTTEN_SECONDS:
                 break
             del forgotten[lane]
+            self._unlogged.pop(lane, None)
 
     def expire(self, now: int, retention: MarkRetention) -> None:
         """Forget the lanes idle for longer than their retention at minute ``now``."""

@@ -63,7 +63,7 @@ from .commit_file import (
     txn_version,
 )
 from .deletion_vectors import descriptor_id
-from .log import FETCH_AHEAD, commit_versions, fetch_commits, log_dir
+from .log import commit_versions, fetched, log_dir
 from .mark_store import (
     MINUTES,
     MarkRetention,
@@ -179,10 +179,8 @@ class LaneMarks:
             # The first commits are gone: the vectors of older commits are in a checkpoint.
             vectors_after = vectors_of_last_checkpoint(self._log_dir, self.vectors)
         changed = False
-        for i, version in enumerate(versions):
-            if i % FETCH_AHEAD == 0:  # the next ones in parallel: one round trip, not one each
-                fetch_commits(self._log_dir, versions[i:])
-            commit = read_commit(self._log_dir / f"{version:020d}.json", self._history > 0)
+        for version, commit_file in zip(versions, fetched(self._log_dir, versions), strict=True):
+            commit = read_commit(commit_file, self._history > 0)
             lanes, metadata, removed, added, deleted = commit[:5]
             self._absorb_commit(lanes, commit[5], commit[6])
             if deleted is not None and self.tombstones is not None:

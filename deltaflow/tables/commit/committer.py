@@ -256,15 +256,7 @@ class TableCommitter:
             )
             writers = {batch[i].writer for i in chosen}
             actions: list[dict[str, Any]] = [a for i in chosen for a in batch[i].actions]
-            forgotten = [
-                lane
-                for i in chosen
-                for lane in (
-                    owned_lanes(batch[i].forgotten, batch[i].writer, maps)
-                    if maps and batch[i].writer != node
-                    else batch[i].forgotten
-                )
-            ]
+            forgotten = [lane for i in chosen for lane in self._forgettable(batch[i], maps)]
             actions += self.marks.carrying(lanes, forgotten)  # where a checkpoint keeps them
             deleted = merged_deletes(batch[i].deleted for i in chosen)
             metadata = LaneMarks.user_metadata(node, lanes, writers, deleted)
@@ -317,6 +309,15 @@ class TableCommitter:
             )
             for _ in batch
         ]
+
+    def _forgettable(
+        self, prepared: PreparedCommit, maps: Sequence[PartitionMap] | None
+    ) -> Sequence[str]:
+        """The lanes ``prepared`` asks to forget that its writer may: a peer's in the
+        partitions it owns (as its lanes, ``_sort``), this node's all."""
+        if maps and prepared.writer != self.engine.node_id:
+            return owned_lanes(prepared.forgotten, prepared.writer, maps)
+        return prepared.forgotten
 
     def _sort(
         self, batch: list[PreparedCommit], maps: Sequence[PartitionMap] | None = None
