@@ -419,6 +419,37 @@ async def test_a_writer_that_loses_a_table_s_creation_hands_its_rows_to_the_comm
     assert last["node"] == "w1" and last["writers"] == ["w2"]
 
 
+@pytest.mark.parametrize("engine", ["delta-rs", "delta-rs-dv", "delta-rs-s3"], indirect=True)
+async def test_of_writers_creating_a_table_at_once_exactly_one_does(
+    engine: str, warehouse: Path
+) -> None:
+    """Four writers create each of ten tables at the same moment: one creates it, the others
+    are told another writer did, and the table is version 0 alone. (delta-rs's own create,
+    refused version 0, retried at version 1: two or three creators succeeded for most tables,
+    each giving the table a new id.)"""
+    import pyarrow as pa
+
+    schema = pa.schema([("id", pa.int64()), ("v", pa.int64())])
+    async with table_engine(engine, warehouse, node_id="w") as writer:
+        settings = writer.settings.new_table(("id",))
+
+        def create(name: str, start: threading.Barrier) -> str:
+            start.wait()
+            try:
+                writer.create(name, warehouse / name, schema, settings)
+                return "created"
+            except Exception as exc:
+                return type(exc).__name__
+
+        for table in (f"t{i}" for i in range(10)):
+            start = threading.Barrier(4)
+            outcomes = await asyncio.gather(
+                *(asyncio.to_thread(create, table, start) for _ in range(4))
+            )
+            assert sorted(outcomes) == ["CommitConflictError"] * 3 + ["created"], (table, outcomes)
+            assert open_table(warehouse / table).version() == 0, table
+
+
 def test_a_committer_forgets_only_the_lanes_of_the_writers_own_partitions() -> None:
     """A writer may ask a commit to forget lanes of its own partitions only: a lane of another
     node's partition, or one naming no partition, is passed over (not the whole group)."""

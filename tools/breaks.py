@@ -347,6 +347,13 @@ BREAKS: dict[str, Break] = {
             "tests/test_emptied_tables.py::test_the_merge_condition_of_a_group_of_no_rows_matches_nothing",
         ),
     ),
+    # Of writers creating a table at once, one does: version 0 is put create-if-absent.
+    "create_overwrites": Break(
+        "deltaflow/engines/delta_rs.py",
+        "    commit_log_entry(path, 0, actions)\n",
+        '    (delta_log_dir(path) / f"{0:020d}.json").write_text("".join(json.dumps(a) + "\\n" for a in actions))\n',
+        ("tests/test_coordinator.py::test_of_writers_creating_a_table_at_once_exactly_one_does",),
+    ),
     "noop_merge_commits_nothing": Break(
         "deltaflow/engines/delta_rs.py",
         "            if target.version() == before:\n",

@@ -16,7 +16,8 @@ rewrite the files they touch, honouring their vectors), but its transactions tak
 of their own, and a table it creates (or alters) to have them also gets the ``variantType``
 feature, which Delta 3.3 (Spark) cannot read. So this engine writes the creation commit of
 such a table, and its merge-on-read commits, as log entries of its own
-(:func:`commit_log_entry`, under the table's lock like every deltaflow commit).
+(:func:`commit_log_entry`, under the table's lock like every deltaflow commit). Every table's
+version 0 is put that way (create-if-absent), so concurrent creators cannot both succeed.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import Any, Final
 from .._faults import fault_point
 from ..columnar import NULLS_COLUMN
 from ..errors import CommitConflictError, DeltaflowError, SchemaError, ServerError
-from ..storage.paths import Location, storage_options
+from ..storage.paths import Location
 from ..tables.engine import DELETE_COLUMN, GroupWrite, TableDescription, TableEngine
 from ..tables.footprint import Footprint
-from ..tables.log import commit_log_entry, delta_table
+from ..tables.log import commit_log_entry, delta_table, is_table
 from ..tables.log import log_dir as delta_log_dir
 from ..tables.merge_on_read import MergeOnRead, has_deletion_vectors
 from ..tables.merging import REPLACE_COLUMN, internal, matched_clauses
@@ -100,34 +101,57 @@ def _literal(value: Any) -> str:
 def create_delta_table(
     path: Location, schema: Any, settings: TableSettings, *, table: str, node: str
 ) -> None:
-    """Blocking: create the empty table at ``path`` with delta-rs (the caller holds the lock).
+    """Blocking: create the empty table at ``path`` (the caller holds the lock).
+
+    Version 0 is put create-if-absent (:func:`commit_log_entry`), so of writers creating the
+    table at once exactly one does: delta-rs's own create, refused version 0, retries at
+    version 1 and succeeds too (seen on S3), giving the table a second ``metaData``.
 
     Args:
         schema: the data columns (Arrow); the bucket column is added for a bucketed table.
-    """
-    from deltalake import DeltaTable
 
+    Raises:
+        CommitConflictError: another writer created it first.
+    """
     full, partition_by = with_layout(schema, settings)
     with map_deltars_errors(table, node):
         if settings.deletion_vectors:
-            _create_with_deletion_vectors(path, full, partition_by, settings.properties())
-            return
+            actions = _first_commit_with_deletion_vectors(full, partition_by, settings.properties())
+        else:
+            actions = _first_commit(full, partition_by, settings.properties())
+    if is_table(path):  # version 0 of a long-lived table may be cleaned up: never put anew
+        raise CommitConflictError(f"table {table!r} was created by another writer", node=node)
+    delta_log_dir(path).mkdir(parents=True, exist_ok=True)  # nothing to do on a store
+    commit_log_entry(path, 0, actions)
+
+
+def _first_commit(
+    schema: Any, partition_by: list[str], properties: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The actions of the first commit delta-rs gives such a table (its protocol follows from
+    the properties), composed in a scratch directory."""
+    import tempfile
+    from pathlib import Path
+
+    from deltalake import DeltaTable
+
+    with tempfile.TemporaryDirectory(prefix="deltaflow-create-") as scratch:
         DeltaTable.create(
-            str(path),
-            full,
-            mode="error",
-            storage_options=storage_options(path),
+            scratch,
+            schema,
             partition_by=partition_by or None,
-            configuration=settings.properties(),
+            configuration=properties,
             # deltaflow.* keys are ours; delta-rs refuses keys it does not know without this.
             raise_if_key_not_exists=False,
         )
+        entry = Path(scratch, "_delta_log", f"{0:020d}.json").read_text()
+    return [json.loads(line) for line in entry.splitlines() if line]
 
 
-def _create_with_deletion_vectors(
-    path: Location, schema: Any, partition_by: list[str], properties: dict[str, str]
-) -> None:
-    """Create the table's first commit ourselves: delta-rs's own ways (creating with the
+def _first_commit_with_deletion_vectors(
+    schema: Any, partition_by: list[str], properties: dict[str, str]
+) -> list[dict[str, Any]]:
+    """The table's first commit, composed here: delta-rs's own ways (creating with the
     property, or setting it afterwards) also add the ``variantType`` feature, which Delta 3.3
     (Spark) cannot read. The protocol is the one Spark gives such a table."""
     import time
@@ -156,10 +180,7 @@ def _create_with_deletion_vectors(
         "operationParameters": {"partitionBy": json.dumps(partition_by)},
         "engineInfo": "deltaflow",
     }
-    delta_log_dir(path).mkdir(parents=True, exist_ok=True)
-    commit_log_entry(
-        path, 0, [{"commitInfo": info}, {"protocol": protocol}, {"metaData": metadata}]
-    )
+    return [{"commitInfo": info}, {"protocol": protocol}, {"metaData": metadata}]
 
 
 #: A MERGE copies every row of the files it touches. Once the candidate files hold more than
