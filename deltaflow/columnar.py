@@ -39,6 +39,7 @@ __all__ = [
     "decode_page",
     "encode_page",
     "is_arrow",
+    "nullable",
 ]
 
 #: The optional boolean column of an Arrow source whose true rows delete their key.
@@ -51,6 +52,22 @@ NULLS_COLUMN: Final = "__deltaflow_nulls"
 def is_arrow(kind: type) -> bool:
     """Whether ``kind`` is a pyarrow ``RecordBatch`` or ``Table`` (without importing pyarrow)."""
     return kind.__module__.startswith("pyarrow") and kind.__name__ in ("RecordBatch", "Table")
+
+
+def nullable(field: Any) -> Any:
+    """The Arrow ``field`` with it, and every field nested in it, nullable: what a table
+    created from a source's columns holds, whatever NOT NULL the source declared."""
+    import pyarrow as pa
+
+    kind = field.type
+    if pa.types.is_struct(kind):
+        kind = pa.struct([nullable(kind.field(i)) for i in range(kind.num_fields)])
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        maker = pa.list_ if pa.types.is_list(kind) else pa.large_list
+        kind = maker(nullable(kind.value_field))
+    elif pa.types.is_map(kind):
+        kind = pa.map_(kind.key_field, nullable(kind.item_field))
+    return pa.field(field.name, kind, nullable=True, metadata=field.metadata)
 
 
 class ArrowRows(Sequence[Any]):

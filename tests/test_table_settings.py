@@ -196,3 +196,30 @@ async def test_table_cli_creates_and_shows_settings_without_the_bucket_column(
     assert BUCKET_COLUMN in await asyncio.to_thread(
         cli, "show", "--table", "pairs", "--all-columns"
     )
+
+
+@pytest.mark.parametrize("engine", ["delta-rs", "delta-rs-s3"], indirect=True)
+async def test_a_null_in_a_not_null_column_fails_the_write_with_the_column_named(
+    warehouse: Path, engine: str
+) -> None:
+    """A table made elsewhere may declare a column NOT NULL. A null there fails the write,
+    naming the column, whichever way the group is applied: delta-rs's MERGE (a key of two
+    columns) panics on it, which must not end the task awaiting the write (the batch was
+    then never answered)."""
+    from deltalake import DeltaTable
+
+    for name, key in (("one", ["id"]), ("two", ["id", "k"])):
+        schema = pa.schema(
+            [("id", pa.int64()), ("k", pa.int64()), pa.field("name", pa.string(), nullable=False)]
+        )
+        path = warehouse / name
+        options = path.storage_options if isinstance(path, StorePath) else None
+        DeltaTable.create(str(path), schema, storage_options=options)
+        async with table_engine(engine, warehouse) as eng:
+            rows = [{"id": i, "k": 1, "name": f"n{i}"} for i in range(10)]
+            await (await eng.stage(name, key, rows, frozenset()))
+            null = [{"id": 3, "k": 1, "name": None}]
+            with pytest.raises(SchemaError, match="name") as info:
+                await asyncio.wait_for(await eng.stage(name, key, null, frozenset()), 60)
+            assert "null" in str(info.value), info.value
+        assert {r["id"]: r["name"] for r in read_all(path)} == {i: f"n{i}" for i in range(10)}

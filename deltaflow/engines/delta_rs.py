@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -81,10 +82,25 @@ def map_deltars_errors(table: str, node: str) -> Iterator[None]:
         ) from exc
     except SchemaMismatchError as exc:
         raise SchemaError(f"table {table!r} rejected the rows: {exc}", node=node) from exc
-    except Exception as exc:
+    except BaseException as exc:
+        # A panic in delta-rs's Rust comes as a BaseException, which would end the task that
+        # awaits the write (its batches never answered): it fails the write instead.
+        if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+            raise
+        if _NOT_NULL.search(str(exc)):  # a table made elsewhere, with a NOT NULL column
+            raise SchemaError(
+                f"table {table!r} refused the rows: a column it declares NOT NULL got a null "
+                f"({str(exc)[:400]})",
+                node=node,
+            ) from exc
         raise ServerError(
             f"commit to table {table!r} failed: {type(exc).__name__}: {str(exc)[:800]}", node=node
         ) from exc
+
+
+#: How pyarrow's cast (copy-on-write) and delta-rs's MERGE (a panic) refuse a null in a NOT
+#: NULL column.
+_NOT_NULL: Final = re.compile(r"null values to non-nullable|non-nullable but contains null")
 
 
 def _quote(name: str) -> str:

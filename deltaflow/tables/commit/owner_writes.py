@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..._faults import fault_point
-from ...columnar import DELETE_COLUMN
+from ...columnar import DELETE_COLUMN, nullable
 from ...errors import CommitConflictError, SchemaError, TableSettingsError, UsageError
 from ..data_files import DataFile, RewriteUnsupported
 from ..footprint import Footprint
@@ -346,8 +346,15 @@ class TableWriter(TableState):
         import pyarrow as pa
 
         settings = self.engine.settings.new_table(tuple(self.key or ()), self.sequence or ())
+        # Every column nullable, whatever the first rows' source declared (an Arrow batch of
+        # Spark's may say NOT NULL): later rows may hold nulls, and a NOT NULL column would
+        # refuse them.
         schema = pa.schema(
-            [f for f in data.schema if f.name not in INTERNAL_COLUMNS and not internal(f.name)]
+            [
+                nullable(f)
+                for f in data.schema
+                if f.name not in INTERNAL_COLUMNS and not internal(f.name)
+            ]
         )
         for column in settings.sequence_by:
             try:
