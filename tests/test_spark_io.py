@@ -34,7 +34,7 @@ from deltaflow.spark_integration import (
 from deltaflow.tables import BUCKET_COLUMN
 from deltaflow.testing import KillOnKey
 
-from .support import StartCluster, read_delta
+from .support import StartCluster, open_table, read_delta
 
 pytestmark = pytest.mark.slow
 
@@ -181,6 +181,12 @@ async def test_rows_become_wire_values_and_timestamps_keep_their_instant(
         key="id",
     )
 
+    # The table's columns are the DataFrame's types, exactly (its rows travel as Arrow).
+    import pyarrow as pa
+
+    types = {f.name: f.type for f in pa.schema(open_table(warehouse / "typed").schema().to_arrow())}
+    assert types["amount"] == pa.decimal128(10, 2)
+    assert (types["day"], types["wall"]) == (pa.date32(), pa.timestamp("us"))
     table = _read_rows(warehouse, "typed")
     for i in range(4):
         expected_at = datetime.datetime.fromtimestamp(first if i % 2 == 0 else second, UTC)

@@ -117,7 +117,8 @@ class DeadLetters:
         dead = Batch(
             batch.partition,
             seq,
-            items=batch.items,
+            # An Arrow page's rows as dicts: the dead letters travel packed, never as the page.
+            items=list(batch.items),
             positions=batch.positions,
             packed=[pack_item(r) for r in rows],
         )

@@ -23,7 +23,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -141,6 +141,13 @@ class _Outcome:
     error: str | None = None
 
 
+#: :class:`_Outcome` as the one-row Arrow batch a partition streamed by ``mapInArrow`` yields.
+_OUTCOME_SCHEMA: Final = (
+    "partition int, stream_id string, sent long, applied long, failed long, "
+    "dead_lettered long, batches long, retried long, not_applied long, error string"
+)
+
+
 def stream_dataframe(
     df: DataFrame,
     *,
@@ -159,7 +166,10 @@ def stream_dataframe(
 
     Each Spark partition runs :func:`deltaflow.stream_data` over its own rows, with the stream
     id ``"<stream_id>:<partition index>"``, and sends one small summary back; the rows are never
-    collected to the driver. Rows become dicts of msgpack values (see ``docs/spark.md``):
+    collected to the driver. Rows upserted into ``table`` by key columns travel as the
+    partition's Arrow record batches (``mapInArrow``: no Python row is made, and a table made
+    by the first write gets the DataFrame's types exactly). Otherwise (a receiver, a key
+    callable) rows become dicts of msgpack values (see ``docs/spark.md``):
     timestamps become UTC datetimes, structs dicts, arrays lists, binary bytes. Columns of types
     the wire format cannot carry (decimal, date, intervals, user-defined types, all-null
     ``NullType``) are rejected before any job runs, with the cast to apply.
@@ -254,7 +264,12 @@ def stream_partitions(df: DataFrame, streamer: PartitionStreamer) -> DataFrameSu
     df.sparkSession.sparkContext.setJobDescription(f"deltaflow: stream {streamer.base_id}")
     started = time.monotonic()
     try:
-        outcomes: list[_Outcome] = rdd.mapPartitionsWithIndex(streamer).collect()
+        outcomes: list[_Outcome]
+        if streamer.columnar:
+            summaries = df.mapInArrow(streamer.stream_batches, _OUTCOME_SCHEMA).collect()
+            outcomes = [_Outcome(**row.asDict()) for row in summaries]
+        else:
+            outcomes = rdd.mapPartitionsWithIndex(streamer).collect()
     finally:
         df.sparkSession.sparkContext.setJobDescription(None)  # type: ignore[arg-type]
     outcomes.sort(key=lambda o: o.partition)
@@ -319,16 +334,50 @@ class PartitionStreamer:
     options: StreamerOptions
     schema: StructType | None
 
+    @property
+    def columnar(self) -> bool:
+        """Whether the partitions stream their Arrow record batches (``mapInArrow``): rows
+        upserted into a table by key columns. A receiver's rows, or rows routed by a callable,
+        travel as dicts."""
+        return self.table is not None and isinstance(self.key, (str, tuple, list))
+
     def __call__(self, index: int, rows: Iterable[Any]) -> Iterator[_Outcome]:
-        sid = f"{self.base_id}:{index}"
+        """Stream Spark partition ``index``'s rows as dicts of msgpack values."""
         remaining = iter(rows)
         first = next(remaining, None)
         if first is None:  # nothing to send: do not even connect
-            yield _Outcome(partition=index, stream_id=sid)
+            yield _Outcome(partition=index, stream_id=f"{self.base_id}:{index}")
             return
         assert self.schema is not None
         convert = row_converter(self.schema)
         source = (convert(row) for row in itertools.chain((first,), remaining))
+        yield self._stream(index, source, lambda: sum(1 for _ in remaining))
+
+    def stream_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``mapInArrow``'s function: stream this Spark partition's record batches as they
+        are (column types exact, no row made in Python) and yield its outcome as one row."""
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        index = context.partitionId() if context is not None else 0
+        remaining = (b for b in batches if b.num_rows)
+        first = next(remaining, None)
+        if first is None:
+            outcome = _Outcome(partition=index, stream_id=f"{self.base_id}:{index}")
+        else:
+            source = itertools.chain((first,), remaining)
+            outcome = self._stream(index, source, lambda: sum(b.num_rows for b in remaining))
+        counters = [(f.name, pa.int64()) for f in dataclasses.fields(_Outcome)][2:-1]
+        schema = pa.schema(
+            [("partition", pa.int32()), ("stream_id", pa.string()), *counters],
+        ).append(pa.field("error", pa.string()))
+        yield pa.RecordBatch.from_pylist([dataclasses.asdict(outcome)], schema=schema)
+
+    def _stream(self, index: int, source: Iterator[Any], left: Callable[[], int]) -> _Outcome:
+        """Stream ``source`` as Spark partition ``index``'s stream; ``left`` counts what the
+        source still holds once the stream stopped early."""
+        sid = f"{self.base_id}:{index}"
         applied = 0
 
         def count_applied(items: Sequence[Any]) -> None:
@@ -355,28 +404,24 @@ class PartitionStreamer:
                 # Spark's own iterator failed (an upstream stage, a lost block): a task
                 # failure for Spark to retry, under the same stream id, or to report.
                 raise exc.cause from exc
-            # Items never pulled from the source are in no list: count what is left.
-            left = sum(1 for _ in remaining)
             log.warning("stream %s (Spark partition %d) failed: %s", sid, index, exc)
-            yield _Outcome(
+            # Items never pulled from the source are in no list: count what is left.
+            return _Outcome(
                 partition=index,
                 stream_id=sid,
                 applied=applied,
-                not_applied=len(exc.failed_items) + left,
+                not_applied=len(exc.failed_items) + left(),
                 error=str(exc),
             )
-            return
         except DeltaflowError as exc:  # the stream never started (no node, bad arguments)
-            left = sum(1 for _ in remaining) + 1
             log.warning("stream %s (Spark partition %d) did not start: %s", sid, index, exc)
-            yield _Outcome(
+            return _Outcome(
                 partition=index,
                 stream_id=sid,
-                not_applied=left,
+                not_applied=sum(map(_count, source)),
                 error=f"{type(exc).__name__}: {exc}",
             )
-            return
-        yield _Outcome(
+        return _Outcome(
             partition=index,
             stream_id=sid,
             sent=summary.items_sent,
@@ -386,6 +431,12 @@ class PartitionStreamer:
             batches=sum(n.batches_acked for n in summary.per_node.values()),
             retried=summary.batches_retried,
         )
+
+
+def _count(item: Any) -> int:
+    """Rows in a source item: a record batch's, or one row."""
+    rows = getattr(item, "num_rows", None)
+    return 1 if rows is None else int(rows)
 
 
 def check_target(
