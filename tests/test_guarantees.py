@@ -515,7 +515,8 @@ async def test_a_group_whose_commit_fails_is_committed_write_by_write(warehouse:
             ]
             import pyarrow as pa
 
-            engine.create(
+            await asyncio.to_thread(  # blocking, as the engine's own calls are: off the loop
+                engine.create,
                 "late",
                 warehouse / "late",
                 pa.schema([("id", pa.int64())]),
