@@ -29,7 +29,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -535,7 +535,8 @@ def run_deltaflow(
                 f"largest group {counts.largest:,} rows; retried batches "
                 f"{summary.batches_retried}; on the nodes, staged to durable: p50 "
                 f"{_fmt_s(counts.durable_quantile(0.5))}, p99 "
-                f"{_fmt_s(counts.durable_quantile(0.99))}; {cpu}"
+                f"{_fmt_s(counts.durable_quantile(0.99))} (p99 by stage: "
+                f"{counts.stage_quantiles(0.99)}); {cpu}"
             ),
         )
 
@@ -596,7 +597,8 @@ def _cpu_profile(before: tuple[int, int, int, int], after: tuple[int, int, int, 
 @dataclass(frozen=True, slots=True)
 class NodeCounts:
     """What the two nodes report, summed: commits, their seconds, the largest group, and
-    the staged-to-durable histogram of their batches (cumulative count per upper bound)."""
+    the staged-to-durable histogram of their batches (cumulative count per upper bound), and
+    those of the stages a batch passes on a node (``deltaflow_batch_stage_seconds``)."""
 
     commits: int
     commit_seconds: float
@@ -604,34 +606,55 @@ class NodeCounts:
     durable: dict[float, float]
     races: int = 0
     sent_back: int = 0
+    stages: dict[str, dict[float, float]] = field(default_factory=dict)
 
     def since(self, before: NodeCounts) -> NodeCounts:
-        durable = {le: n - before.durable.get(le, 0.0) for le, n in self.durable.items()}
         return NodeCounts(
             self.commits - before.commits,
             self.commit_seconds - before.commit_seconds,
             self.largest,
-            durable,
+            _minus(self.durable, before.durable),
             self.races - before.races,
             self.sent_back - before.sent_back,
+            {k: _minus(v, before.stages.get(k, {})) for k, v in self.stages.items()},
         )
 
     def durable_quantile(self, q: float) -> float:
-        """The q-quantile of the batches' node-side wait, interpolated within its bucket (as
-        Prometheus's ``histogram_quantile``)."""
-        bounds = sorted(self.durable)
-        total = self.durable[bounds[-1]] if bounds else 0.0
-        if not total:
-            return float("nan")
-        low, below = 0.0, 0.0
-        for le in bounds:
-            count = self.durable[le]
-            if count >= q * total:
-                if le == float("inf"):
-                    return low
-                return low + (le - low) * (q * total - below) / max(count - below, 1e-9)
-            low, below = le, count
-        return low
+        """The q-quantile of the batches' node-side wait (staged to durable)."""
+        return _quantile(self.durable, q)
+
+    def stage_quantiles(self, q: float) -> str:
+        """The q-quantile of each stage, as text."""
+        return ", ".join(f"{k} {_fmt_s(_quantile(v, q))}" for k, v in sorted(self.stages.items()))
+
+
+def _minus(after: dict[float, float], before: dict[float, float]) -> dict[float, float]:
+    return {le: n - before.get(le, 0.0) for le, n in after.items()}
+
+
+def _quantile(cumulative: dict[float, float], q: float) -> float:
+    """The q-quantile of a histogram (cumulative count per upper bound), interpolated within
+    its bucket (as Prometheus's ``histogram_quantile``)."""
+    bounds = sorted(cumulative)
+    total = cumulative[bounds[-1]] if bounds else 0.0
+    if not total:
+        return float("nan")
+    low, below = 0.0, 0.0
+    for le in bounds:
+        count = cumulative[le]
+        if count >= q * total:
+            if le == float("inf"):
+                return low
+            return low + (le - low) * (q * total - below) / max(count - below, 1e-9)
+        low, below = le, count
+    return low
+
+
+def _add_histogram(into: dict[float, float], histogram: Any) -> None:
+    """Add a :class:`~deltaflow.tables.statistics.Histogram` to cumulative counts by bound."""
+    cumulative = itertools.accumulate(histogram.counts)
+    for le, count in zip([*histogram.bounds, float("inf")], cumulative, strict=True):
+        into[le] = into.get(le, 0.0) + count
 
 
 def _start_spark(warehouse: Path, spark: str) -> tuple[str, list[str], Any]:
@@ -694,6 +717,12 @@ async def _start_nodes(
                 for le, count in sample.items():
                     if isinstance(le, float):
                         durable[le] = durable.get(le, 0.0) + count
+            stages: dict[str, dict[float, float]] = {}
+            for sample in samples:
+                for key, count in sample.items():
+                    if isinstance(key, tuple):
+                        stage = stages.setdefault(key[0], {})
+                        stage[key[1]] = stage.get(key[1], 0.0) + count
             return NodeCounts(
                 int(sum(s.get("deltaflow_commits_total", 0) for s in samples)),
                 sum(s.get("deltaflow_commit_seconds_sum", 0.0) for s in samples),
@@ -701,6 +730,7 @@ async def _start_nodes(
                 durable,
                 int(sum(s.get("deltaflow_commit_conflicts_total", 0) for s in samples)),
                 int(sum(s.get("deltaflow_groups_sent_back_total", 0) for s in samples)),
+                stages,
             )
 
         async def stop_procs() -> None:
@@ -737,13 +767,15 @@ async def _start_nodes(
     )
 
     async def counted() -> NodeCounts:
-        stats = [n.statistics().engine for n in nodes]
+        snapshots = [n.statistics() for n in nodes]
+        stats = [snapshot.engine for snapshot in snapshots]
         durable: dict[float, float] = {}
-        for s in stats:
-            histogram = s.batch_durable_seconds_histogram
-            cumulative = itertools.accumulate(histogram.counts)
-            for le, count in zip([*histogram.bounds, float("inf")], cumulative, strict=True):
-                durable[le] = durable.get(le, 0.0) + count
+        stages: dict[str, dict[float, float]] = {"queued": {}, "committing": {}, "node": {}}
+        for snapshot, s in zip(snapshots, stats, strict=True):
+            _add_histogram(durable, s.batch_durable_seconds_histogram)
+            _add_histogram(stages["queued"], s.batch_queued_seconds_histogram)
+            _add_histogram(stages["committing"], s.batch_committing_seconds_histogram)
+            _add_histogram(stages["node"], snapshot.dispatcher.batch_seconds_histogram)
         return NodeCounts(
             sum(s.commits for s in stats),
             sum(s.commit_seconds for s in stats),
@@ -751,6 +783,7 @@ async def _start_nodes(
             durable,
             sum(s.commit_conflicts for s in stats),
             sum(s.groups_sent_back for s in stats),
+            stages,
         )
 
     async def stop_nodes() -> None:
@@ -775,6 +808,8 @@ async def _scrape(address: str) -> dict[Any, float]:
                 out[sample.name] = sample.value
             elif sample.name == "deltaflow_batch_durable_seconds_bucket":
                 out[float(sample.labels["le"])] = sample.value  # keyed by its bound
+            elif sample.name == "deltaflow_batch_stage_seconds_bucket":
+                out[(sample.labels["stage"], float(sample.labels["le"]))] = sample.value
     return out
 
 

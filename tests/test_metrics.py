@@ -95,6 +95,20 @@ async def test_two_nodes_report_what_they_applied_and_committed(
         assert value(scraped, "deltaflow_batch_durable_seconds_sum") >= value(
             scraped, "deltaflow_commit_seconds_sum"
         )
+        # A batch's time on the node by stage: its queue and its commit split its time to
+        # table, and its whole stay (frame read to ack queued) holds both.
+        durable = value(scraped, "deltaflow_batch_durable_seconds_sum")
+        split = 0.0
+        for stage in ("queued", "committing"):
+            assert value(scraped, "deltaflow_batch_stage_seconds_count", stage=stage) == value(
+                scraped, "deltaflow_batches_committed_total"
+            )
+            split += value(scraped, "deltaflow_batch_stage_seconds_sum", stage=stage)
+        assert split == pytest.approx(durable)
+        assert value(scraped, "deltaflow_batch_stage_seconds_count", stage="node") == value(
+            scraped, "deltaflow_batches_acked_total"
+        )
+        assert value(scraped, "deltaflow_batch_stage_seconds_sum", stage="node") >= durable
         buckets = [s.value for s in scraped["deltaflow_group_rows_bucket"]]
         assert buckets == sorted(buckets), "buckets are cumulative"
         assert value(scraped, "deltaflow_side_input_version", side_input="vat_rates") >= 1

@@ -52,7 +52,7 @@ from ..errors import (
 from ..protocol import MAX_SEQ, Frame
 from ..receivers.base import ReceiverContext, SideInputReader, TableWriter, lane_name
 from ..receivers.registry import ReceiverRegistry
-from .frames import ack_frame, batch_items, error_frame, result_frames
+from .frames import RECEIVED_AT, ack_frame, batch_items, error_frame, result_frames, stamp_received
 from .lanes import LANE_WINDOW, RESULT_REPLAY_BATCHES, Lane, Peer, in_window
 from .receiving import call_receiver, receiver_error, unexpected_error
 from .statistics import DispatcherStatistics, ReceiverStatistics
@@ -75,10 +75,9 @@ LANE_WAIT_LOG_SECONDS: Final = 5.0
 
 
 def _unblocks(lane: Lane | None, seq: int) -> bool:
-    """Whether batch ``seq`` is one that batches this node already took for the lane wait for.
-    It took them while it owned the partition, so they are still its to apply (see
-    ``docs/cluster.md``), and so is what they wait for: refusing it would leave both waiting
-    until the client's ack timeout."""
+    """Whether batch ``seq`` is one that batches this node took for the lane (while it owned
+    the partition, so still its to apply: ``docs/cluster.md``) wait for: refusing it would
+    leave both waiting until the client's ack timeout."""
     return lane is not None and bool(lane.pending) and lane.next_seq <= seq < min(lane.pending)
 
 
@@ -216,6 +215,7 @@ class Dispatcher:
         ``owner`` is who ``peer`` opened the frame's stream as (None: it did not open it)."""
         sid, p, seq = frame["sid"], frame["p"], frame["seq"]
         self.stats.batches_received += 1
+        stamp_received(frame)
         stream = self.streams.get(sid, owner)
         if stream is None:  # the id comes back in the answer: no longer than a valid one
             return self._reply_error(peer, self.not_open(sid), {**frame, "sid": sid[:160]})
@@ -261,8 +261,7 @@ class Dispatcher:
             self.stats.duplicates += 1
             self._spawn(self._ack_duplicate(peer, frame, lane))
             return None
-        # The window bounds what waits: every batch here is below base + LANE_WINDOW, and
-        # base is at most next_seq now.
+        # The window bounds what waits: each batch is below base + LANE_WINDOW; base <= next_seq.
         lane.pending[seq] = (peer, frame)  # a resend of a waiting batch replaces its peer
         if lane.task is None:
             lane.task = self._spawn(self._run_lane(stream, p, lane))
@@ -460,6 +459,7 @@ class Dispatcher:
             counted.batches_acked += 1
             counted.items_applied += frame["n"] - len(ctx._failed)
             counted.items_failed += len(ctx._failed)
+        self.stats.time_batch(frame[RECEIVED_AT])
         self._send_soon(peer, ack_frame(frame, failed=ctx._failed))
 
     async def _ack_duplicate(self, peer: Peer, frame: Frame, lane: Lane) -> None:

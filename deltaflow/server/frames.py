@@ -4,6 +4,7 @@ and ``result`` frames (see docs/protocol.md)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
@@ -11,7 +12,14 @@ from ..columnar import decode_page
 from ..errors import ProtocolError, ServerError
 from ..protocol import Frame, unpack_items
 
-__all__ = ["ack_frame", "batch_items", "error_frame", "result_frames"]
+__all__ = [
+    "RECEIVED_AT",
+    "ack_frame",
+    "batch_items",
+    "error_frame",
+    "result_frames",
+    "stamp_received",
+]
 
 #: Most values in one ``result`` frame.
 _RESULT_CHUNK: Final = 1000
@@ -54,6 +62,16 @@ def _decode_batch(frame: Frame) -> tuple[Sequence[Any], frozenset[int]]:
     if any(not isinstance(i, int) or not 0 <= i < len(items) for i in deletes):
         raise ProtocolError("'del' holds indexes outside the batch")
     return items, frozenset(deletes)
+
+
+#: The key a node adds to a batch frame it took: when it read it (``time.monotonic()``). Set
+#: over whatever a peer sent under it; no frame sent out carries it.
+RECEIVED_AT: Final = "_received_at"
+
+
+def stamp_received(frame: Frame) -> None:
+    """Note in ``frame`` when the node read it (:data:`RECEIVED_AT`)."""
+    frame[RECEIVED_AT] = time.monotonic()
 
 
 def error_frame(err: ServerError, **where: Any) -> Frame:

@@ -236,6 +236,18 @@ class NodeCollector:
             node,
             e.batch_durable_seconds_histogram,
         )
+        stages = HistogramMetricFamily(
+            "deltaflow_batch_stage_seconds",
+            "Seconds each batch spent on this node, by stage: queued (staged, until its group "
+            "was taken off the table's queue), committing (from then until the commit landed), "
+            "node (from its frame read to its ack queued: the lane's wait, the receiver, its "
+            "commits).",
+            labels=["node", "stage"],
+        )
+        _observe(stages, [node, "queued"], e.batch_queued_seconds_histogram)
+        _observe(stages, [node, "committing"], e.batch_committing_seconds_histogram)
+        _observe(stages, [node, "node"], d.batch_seconds_histogram)
+        yield stages
 
 
 def _histogram(name: str, doc: str, node: str, histogram: Histogram) -> HistogramMetricFamily:

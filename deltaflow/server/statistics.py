@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Final
 
-from ..tables.statistics import EngineStatistics
+from ..tables.statistics import BATCH_DURABLE_BUCKETS, EngineStatistics, Histogram
 
 __all__ = [
     "DispatcherStatistics",
@@ -57,6 +57,11 @@ class DispatcherStatistics:
     items_applied: int = 0
     items_failed: int = 0
     node_retries: int = 0
+    #: Per acknowledged batch: seconds from its frame read to its ack queued (the lane's wait
+    #: for the batches before it, its receiver, and the commits of its writes).
+    batch_seconds_histogram: Histogram = field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
     #: Per receiver, by class name; and the error frames sent, by code.
     receivers: dict[str, ReceiverStatistics] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
@@ -69,6 +74,11 @@ class DispatcherStatistics:
         self.errors[code] = self.errors.get(code, 0) + 1
         message = message.removeprefix(f"[{code}] ")  # the code has a column of its own
         self.recent_errors.append((time.time(), code, message[:300]))
+
+    def time_batch(self, received_at: float) -> None:
+        """Count an acknowledged batch's time on the node, from ``received_at`` (monotonic)."""
+        spent = time.monotonic() - received_at
+        self.batch_seconds_histogram = self.batch_seconds_histogram.observe(spent)
 
     def receiver(self, name: str) -> ReceiverStatistics:
         return self.receivers.setdefault(name, ReceiverStatistics())

@@ -136,6 +136,15 @@ class EngineStatistics(CommitCounters):
     #: Changes of ``sequence_by`` tables not applied because the table held a change of the
     #: key with a sequence at least as high (a row, or a delete's tombstone): late arrivals.
     changes_superseded: int = 0
+    #: Per committed batch, the two halves of ``batch_durable_seconds_histogram``: from its
+    #: staging until its group was taken off the table's queue (the wait for the commit in
+    #: progress, and for a held receiver), and from then until the commit landed.
+    batch_queued_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
+    batch_committing_seconds_histogram: Histogram = dataclasses.field(
+        default_factory=lambda: Histogram.empty(BATCH_DURABLE_BUCKETS)
+    )
     checkpoints: int = 0  # Delta checkpoints written, after the commit, outside the lock
     checkpoint_seconds: float = 0.0
     #: Per table (live; :meth:`snapshot` copies them).

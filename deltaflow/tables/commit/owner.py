@@ -278,6 +278,17 @@ class TableOwner(TableWriter):
             for staged in group:
                 durable = durable.observe(landed - staged.staged_at)
             stats.batch_durable_seconds_histogram = durable
+        stats = self.engine.stats
+        queued, committing = (
+            stats.batch_queued_seconds_histogram,
+            stats.batch_committing_seconds_histogram,
+        )
+        for staged in group:
+            taken = staged.taken_at or landed
+            queued = queued.observe(taken - staged.staged_at)
+            committing = committing.observe(landed - taken)
+        stats.batch_queued_seconds_histogram = queued
+        stats.batch_committing_seconds_histogram = committing
         for staged in group:
             settle(staged.future, None)
 

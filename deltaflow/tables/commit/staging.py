@@ -47,6 +47,7 @@ class Staged:
     rows: int = dataclasses.field(init=False)
     nbytes: int = dataclasses.field(init=False)  # measured once: it walks every buffer
     staged_at: float = dataclasses.field(init=False)  # time.monotonic()
+    taken_at: float = 0.0  # when its group was taken off the queue (0.0: not yet)
 
     def __post_init__(self) -> None:
         self.rows = int(self.table.num_rows)
@@ -185,6 +186,8 @@ class StagingQueue:
         self.rows -= rows
         self.nbytes -= nbytes
         self.last_taken_at = time.monotonic()
+        for staged in group:
+            staged.taken_at = self.last_taken_at
         if not self.items:
             self.ready.clear()
         if self.rows < self.settings.max_queued_rows or not self.any_takeable():
