@@ -621,18 +621,19 @@ class NodeCounts:
 
     def durable_quantile(self, q: float) -> float:
         """The q-quantile of the batches' node-side wait (staged to durable)."""
-        return _quantile(self.durable, q)
+        return _histogram_quantile(self.durable, q)
 
     def stage_quantiles(self, q: float) -> str:
         """The q-quantile of each stage, as text."""
-        return ", ".join(f"{k} {_fmt_s(_quantile(v, q))}" for k, v in sorted(self.stages.items()))
+        parts = sorted(self.stages.items())
+        return ", ".join(f"{k} {_fmt_s(_histogram_quantile(v, q))}" for k, v in parts)
 
 
 def _minus(after: dict[float, float], before: dict[float, float]) -> dict[float, float]:
     return {le: n - before.get(le, 0.0) for le, n in after.items()}
 
 
-def _quantile(cumulative: dict[float, float], q: float) -> float:
+def _histogram_quantile(cumulative: dict[float, float], q: float) -> float:
     """The q-quantile of a histogram (cumulative count per upper bound), interpolated within
     its bucket (as Prometheus's ``histogram_quantile``)."""
     bounds = sorted(cumulative)

@@ -490,3 +490,54 @@ def test_part_of_an_arrow_page_keeps_its_lane_and_the_deletes_of_its_rows() -> N
     assert (list(part.positions), part.deletes) == ([40, 42], [0, 1])
     assert part.nbytes == part.items.table.nbytes > 0
     assert [unpack_items(p, 1)[0] for p in part.packed_items()] == [{"id": 1}, {"id": 3}]
+
+
+def test_arrow_batches_handed_over_together_make_the_pages_they_make_one_by_one() -> None:
+    """Batches a fast source hands over at once are routed as one table: the same pages, rows
+    and source positions as one batch at a time. A bad one among them is still named by its
+    place in the source, with the batches before it buffered."""
+    import pyarrow as pa
+
+    from deltaflow.client.admission import Admission
+    from deltaflow.client.ledger import Ledger
+
+    batches = [
+        pa.record_batch(
+            {"id": pa.array(range(i * 50, i * 50 + 50), pa.int64()), "v": pa.array([i] * 50)}
+        )
+        for i in range(4)
+    ]
+
+    def admission() -> tuple[Admission, Accumulator, list[Batch]]:
+        acc, _, cuts = make(page_size=30, max_bytes=1 << 20, interval=0)
+        routes = Admission(
+            key=lambda row: row["id"],
+            key_columns=["id"],
+            partitions=8,
+            max_batch_bytes=1 << 20,
+            accumulator=acc,
+            ledger=Ledger(),
+        )
+        return routes, acc, cuts
+
+    def admitted(groups: list[list[Any]]) -> list[Any]:
+        routes, acc, cuts = admission()
+        for group in groups:
+            routes.admit(group, None)
+        pages = [
+            (b.partition, b.seq, list(b.positions), b.items.table.column("id").to_pylist())
+            for b in [*cuts, *acc.drain()]
+        ]
+        return sorted(pages)
+
+    together = admitted([batches])
+    assert together == admitted([[b] for b in batches])
+    assert sorted(i for *_, ids in together for i in ids) == list(range(200))
+    assert all(positions == ids for _, _, positions, ids in together)  # id i is row i
+
+    keyless = pa.record_batch({"v": pa.array([9] * 5)})
+    routes, acc, cuts = admission()
+    with pytest.raises(UsageError, match=r"source item #50 .*lacks the key column"):
+        routes.admit([batches[0], keyless, batches[1]], None)
+    buffered = [i for b in [*cuts, *acc.drain()] for i in b.items.table.column("id").to_pylist()]
+    assert sorted(buffered) == list(range(50))  # the batch before it, whole

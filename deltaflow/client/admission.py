@@ -134,35 +134,28 @@ class Admission:
 
     def _admit_arrow(self, taken: list[Any], chunked: ChunkedIterator | None) -> None:
         """Route the rows of Arrow items taken from the source by their key columns and buffer
-        them as pages (synchronous).
+        them as pages (synchronous). Items of one schema are routed as one table: a fast
+        source's small batches then make a few long runs per partition rather than many short
+        slices (the client's cost per row falls by a third from 10,000-row batches to 40,000).
 
         Raises:
             UsageError: an item that is not Arrow in an Arrow stream (or the other way round),
                 a key that is not column names, or a missing or bad column; the item is
                 reported failed and the items after it go back to the source's leftovers.
         """
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
+        # (Appends send each batch to a partition of its own: those are not joined.)
+        joined = _joined(taken) if len(taken) > 1 and self.key_columns is not None else None
+        if joined is not None:
+            try:
+                routed = self._route(joined)
+            except Exception:  # noqa: BLE001 - one of them is bad: found item by item below
+                routed = None
+            if routed is not None:
+                self._buffer(*routed)
+                return
         for j, item in enumerate(taken):
             try:
-                if not is_arrow(type(item)):
-                    raise UsageError(  # noqa: TRY301 - reported below with the item
-                        "a stream carries row items or Arrow batches, not both; this one "
-                        f"began with Arrow batches and then gave a {type(item).__name__}"
-                    )
-                if self.key_columns is None and self.key is not spread:
-                    raise UsageError(  # noqa: TRY301
-                        "Arrow batches are routed by key columns: pass key= as column names"
-                    )
-                rows = ArrowRows.of(item)
-                if self.key_columns is None:  # appends: the batch to one partition
-                    parts = pa.array([self.pulled % self.partitions] * len(rows), pa.int32())
-                else:
-                    missing = [k for k in self.key_columns if k not in rows.table.column_names]
-                    if missing:
-                        raise UsageError(f"it lacks the key column(s) {missing}")  # noqa: TRY301
-                    parts = partition_table(rows.table, self.key_columns, self.partitions)
+                rows, parts = self._route(item)
             except Exception as exc:
                 error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
                 self.ledger.fail([self.pulled], [item], [str(error)])
@@ -170,24 +163,66 @@ class Admission:
                 if chunked is not None:
                     chunked.put_back(taken[j + 1 :])
                 raise error from exc
-            if not len(rows):
-                continue
-            # One stable sort by partition, then a zero-copy slice per partition.
-            order = pc.sort_indices(parts)
-            runs = pc.run_end_encode(parts.take(order))
-            rows = rows.take(order)
-            positions = pc.add(order.cast(pa.int64()), self.pulled)
-            offsets = byte_offsets(rows.table)
-            start = 0
-            for end, partition in zip(
-                runs.run_ends.to_pylist(), runs.values.to_pylist(), strict=True
-            ):
-                length = end - start
-                self.accumulator.add_rows(
-                    partition,
-                    rows.part(start, length),
-                    positions.slice(start, length),
-                    offsets[start : end + 1],
-                )
-                start = end
-            self.pulled += len(rows)
+            self._buffer(rows, parts)
+
+    def _route(self, item: Any) -> tuple[ArrowRows, Any]:
+        """The rows of Arrow ``item`` and the partition of each.
+
+        Raises:
+            UsageError: (or Arrow's error) ``item`` cannot be routed.
+        """
+        import pyarrow as pa
+
+        if not is_arrow(type(item)):
+            raise UsageError(
+                "a stream carries row items or Arrow batches, not both; this one "
+                f"began with Arrow batches and then gave a {type(item).__name__}"
+            )
+        if self.key_columns is None and self.key is not spread:
+            raise UsageError("Arrow batches are routed by key columns: pass key= as column names")
+        rows = ArrowRows.of(item)
+        if self.key_columns is None:  # appends: the batch to one partition
+            return rows, pa.array([self.pulled % self.partitions] * len(rows), pa.int32())
+        missing = [k for k in self.key_columns if k not in rows.table.column_names]
+        if missing:
+            raise UsageError(f"it lacks the key column(s) {missing}")
+        return rows, partition_table(rows.table, self.key_columns, self.partitions)
+
+    def _buffer(self, rows: ArrowRows, parts: Any) -> None:
+        """Buffer ``rows`` (the next source positions) by partition ``parts``."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if not len(rows):
+            return
+        # One stable sort by partition, then a zero-copy slice per partition.
+        order = pc.sort_indices(parts)
+        runs = pc.run_end_encode(parts.take(order))
+        rows = rows.take(order)
+        positions = pc.add(order.cast(pa.int64()), self.pulled)
+        offsets = byte_offsets(rows.table)
+        start = 0
+        for end, partition in zip(runs.run_ends.to_pylist(), runs.values.to_pylist(), strict=True):
+            length = end - start
+            self.accumulator.add_rows(
+                partition,
+                rows.part(start, length),
+                positions.slice(start, length),
+                offsets[start : end + 1],
+            )
+            start = end
+        self.pulled += len(rows)
+
+
+def _joined(items: list[Any]) -> Any:
+    """Arrow ``items`` of one schema as one table (zero-copy); None if they are not."""
+    import pyarrow as pa
+
+    if not all(is_arrow(type(item)) for item in items):
+        return None
+    schema = items[0].schema
+    if not all(item.schema.equals(schema) for item in items):
+        return None
+    return pa.concat_tables(
+        pa.Table.from_batches([x]) if isinstance(x, pa.RecordBatch) else x for x in items
+    )

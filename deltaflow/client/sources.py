@@ -31,6 +31,9 @@ __all__ = ["SourceOverflowError", "aiter_source"]
 _CHUNK = 256
 # How often a stream waiting on a blocking source looks for items its worker has read.
 _POLL = 0.005
+#: Rows of Arrow batches the worker reads ahead (a chunk of an Arrow source).
+_ARROW_AHEAD_ROWS = 65_536
+_END: Any = object()
 _second = operator.itemgetter(1)
 
 
@@ -102,8 +105,9 @@ class ChunkedIterator:
     The worker extends a deque straight from the source (C speed, each item visible as soon
     as it is read) while the loop pops from the other end, so a slow iterator's items are never
     held back until a chunk fills: the loop looks every ``_POLL`` seconds while it waits,
-    instead of the worker paying a wake-up per item. A chunk (``_CHUNK`` items, or one Arrow
-    batch) bounds how far the worker reads ahead; the next is read once the last is taken.
+    instead of the worker paying a wake-up per item. A chunk (``_CHUNK`` items, or Arrow
+    batches of ``_ARROW_AHEAD_ROWS`` rows) bounds how far the worker reads ahead; the next is
+    read once the last is taken.
 
     Items taken from the source but not yet handed out are never lost: :meth:`leftovers`
     returns them (the stream reports them as not applied when it stops early).
@@ -152,14 +156,14 @@ class ChunkedIterator:
             self._finish(pending.result())
 
     def _read_chunk(self) -> tuple[BaseException | None, bool]:
-        """Append up to ``_CHUNK`` items (an Arrow batch, which holds many rows, alone); returns
+        """Append up to ``_CHUNK`` items (Arrow batches: up to ``_ARROW_AHEAD_ROWS`` rows); returns
         the error the source raised, if any, and whether the source ended."""
         chunk = self._chunk
         try:
             for first in self._it:
                 chunk.append(first)
                 if is_arrow(type(first)):
-                    return None, False
+                    return self._read_arrow(first.num_rows)
                 # At C speed: before each item, whether leftovers() asked the worker to stop
                 # (zip ends there without reading on); after it, a count of those read.
                 stopped = iter(self._stop.__len__, 1)
@@ -172,6 +176,20 @@ class ChunkedIterator:
         finally:
             self._reading = False
         return None, True
+
+    def _read_arrow(self, rows: int) -> tuple[BaseException | None, bool]:
+        """Read Arrow batches on, each handed out as it is read, until ``_ARROW_AHEAD_ROWS``
+        rows were: the batches a fast source yields meanwhile are admitted, and routed,
+        together (a slow source's are still handed out one by one, as they come)."""
+        while rows < _ARROW_AHEAD_ROWS and not self._stop:
+            item = next(self._it, _END)
+            if item is _END:
+                return None, True
+            self._chunk.append(item)
+            if not is_arrow(type(item)):
+                return None, False  # the admission refuses it, naming it
+            rows += item.num_rows
+        return None, False
 
     def _finish(self, outcome: tuple[BaseException | None, bool]) -> None:
         self._error, self._exhausted = outcome
