@@ -65,8 +65,10 @@ def nullable(field: Any) -> Any:
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
         maker = pa.list_ if pa.types.is_list(kind) else pa.large_list
         kind = maker(nullable(kind.value_field))
+    elif pa.types.is_fixed_size_list(kind):
+        kind = pa.list_(nullable(kind.value_field), kind.list_size)
     elif pa.types.is_map(kind):
-        kind = pa.map_(kind.key_field, nullable(kind.item_field))
+        kind = pa.map_(kind.key_field, nullable(kind.item_field), keys_sorted=kind.keys_sorted)
     return pa.field(field.name, kind, nullable=True, metadata=field.metadata)
 
 

@@ -249,8 +249,9 @@ def test_arrow_pages_are_cut_before_max_batch_bytes_and_when_they_reach_it() -> 
     assert [page(b) for b in cuts] == [(0, 0, [1, 2], [0, 1], 100)]
     acc.add_rows(0, arrow_rows([3]), positions(2, 1), offsets_of([60]))
     acc.add_rows(0, arrow_rows([4, 5]), positions(3, 2), offsets_of([30, 20]))
-    assert [page(b) for b in cuts[1:]] == [(0, 1, [3], [2], 60)]  # cut before it would pass
-    assert [page(b) for b in acc.drain()] == [(0, 2, [4, 5], [3, 4], 50)]
+    # As many rows as fit, as with row items: cut before the row that would pass it.
+    assert [page(b) for b in cuts[1:]] == [(0, 1, [3, 4], [2, 3], 90)]
+    assert [page(b) for b in acc.drain()] == [(0, 2, [5], [4], 20)]
 
 
 @pytest.mark.parametrize(
@@ -508,20 +509,22 @@ def test_arrow_batches_handed_over_together_make_the_pages_they_make_one_by_one(
         for i in range(4)
     ]
 
-    def admission() -> tuple[Admission, Accumulator, list[Batch]]:
-        acc, _, cuts = make(page_size=30, max_bytes=1 << 20, interval=0)
+    def admission(
+        max_bytes: int = 1 << 20, partitions: int = 8
+    ) -> tuple[Admission, Accumulator, list[Batch]]:
+        acc, _, cuts = make(page_size=30, max_bytes=max_bytes, interval=0)
         routes = Admission(
             key=lambda row: row["id"],
             key_columns=["id"],
-            partitions=8,
-            max_batch_bytes=1 << 20,
+            partitions=partitions,
+            max_batch_bytes=max_bytes,
             accumulator=acc,
             ledger=Ledger(),
         )
         return routes, acc, cuts
 
-    def admitted(groups: list[list[Any]]) -> list[Any]:
-        routes, acc, cuts = admission()
+    def admitted(groups: list[list[Any]], max_bytes: int = 1 << 20) -> list[Any]:
+        routes, acc, cuts = admission(max_bytes, 2 if max_bytes < 1 << 20 else 8)
         for group in groups:
             routes.admit(group, None)
         pages = [
@@ -534,6 +537,17 @@ def test_arrow_batches_handed_over_together_make_the_pages_they_make_one_by_one(
     assert together == admitted([[b] for b in batches])
     assert sorted(i for *_, ids in together for i in ids) == list(range(200))
     assert all(positions == ids for _, _, positions, ids in together)  # id i is row i
+    # Pages cut by bytes too: a replay whose source batches fall otherwise cuts the same.
+    wide = [
+        pa.record_batch(
+            {"id": pa.array(range(i * 5, i * 5 + 5), pa.int64()), "v": pa.array(["x" * 1000] * 5)}
+        )
+        for i in range(6)
+    ]
+    by_bytes = admitted([wide], max_bytes=8000)
+    assert by_bytes == admitted([[b] for b in wide], max_bytes=8000)
+    assert by_bytes == admitted([wide[:2], wide[2:3], wide[3:]], max_bytes=8000)
+    assert max(len(ids) for *_, ids in by_bytes) < 30  # the bytes cut them, not the count
 
     keyless = pa.record_batch({"v": pa.array([9] * 5)})
     routes, acc, cuts = admission()

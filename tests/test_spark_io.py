@@ -424,3 +424,38 @@ async def test_structured_streaming_query_restarted_from_its_checkpoint_writes_e
     final = landed()
     assert final == Counter(range(total))
     assert await asyncio.to_thread(lambda: read_table(spark, warehouse, "clicks").count()) == total
+
+
+async def test_a_failed_arrow_partition_counts_every_row_it_did_not_apply(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """A Spark partition streamed as Arrow batches whose stream fails counts as not applied
+    every row it did not apply: those of the pages that failed, of the batches its client had
+    read and not sent, and of the batches still in the partition (counted in rows, never in
+    batches). Run as the executors run it, without Spark."""
+    import pyarrow as pa
+
+    from deltaflow.spark_integration.dataframe import PartitionStreamer, deterministic_options
+
+    batches = [  # 120,000 rows, more than the client reads ahead; no key: every page fails
+        pa.record_batch({"id": pa.nulls(2000, pa.int64()), "n": pa.array(range(2000))})
+        for _ in range(60)
+    ]
+    streamer = PartitionStreamer(
+        base_id="counted",
+        nodes=tuple(_addresses(cluster)),
+        token=None,
+        tls=None,
+        table="counted",
+        key="id",
+        receiver=None,
+        receiver_args=None,
+        # One batch in flight: the client stops taking batches, and reads some ahead.
+        options=deterministic_options(StreamerOptions(max_in_flight=1, page_size=100)),
+        schema=None,
+    )
+    [summary] = await asyncio.to_thread(lambda: list(streamer.stream_batches(iter(batches))))
+    outcome = pa.Table.from_batches([summary]).to_pylist()[0]
+    assert outcome["partition"] == 0 and outcome["stream_id"] == "counted:0"
+    assert outcome["error"] and "no value for key column 'id'" in outcome["error"]
+    assert (outcome["applied"], outcome["not_applied"]) == (0, 120_000)

@@ -206,20 +206,25 @@ class Accumulator:
                 buf.schema = rows.table.schema
             take = min(left, buf.limit - buf.rows)
             nbytes = int(offsets[offset + take] - offsets[offset])
-            if buf.batch.nbytes + nbytes > max_bytes:
-                if buf.rows:
-                    self._on_cut(self._cut(partition))
-                    continue
-                if take > 1:  # wide rows: as many as fit, at least one
-                    end = int(offsets.searchsorted(offsets[offset] + max_bytes, side="right"))
-                    take = max(1, min(take, end - 1 - offset))
-                    nbytes = int(offsets[offset + take] - offsets[offset])
+            room = max_bytes - buf.batch.nbytes
+            full = nbytes > room
+            if full:
+                # The rows that fit, so a page's rows depend on the partition's rows alone,
+                # never on how the source's batches fell (a replay must cut the same pages).
+                end = int(offsets.searchsorted(offsets[offset] + room, side="right"))
+                take = min(take, end - 1 - offset)
+                if take < 1:
+                    if buf.rows:
+                        self._on_cut(self._cut(partition))
+                        continue
+                    take = 1  # a row wider than a page goes alone
+                nbytes = int(offsets[offset + take] - offsets[offset])
             buf.pages.append((rows.part(offset, take), positions.slice(offset, take)))
             buf.rows += take
             buf.batch.nbytes += nbytes
             offset += take
             left -= take
-            if buf.rows >= buf.limit or buf.batch.nbytes >= max_bytes:
+            if full or buf.rows >= buf.limit or buf.batch.nbytes >= max_bytes:
                 self._on_cut(self._cut(partition))
 
     def add(self, partition: int, position: int, item: Any, packed: bytes, is_delete: bool) -> None:

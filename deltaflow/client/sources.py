@@ -178,10 +178,12 @@ class ChunkedIterator:
         return None, True
 
     def _read_arrow(self, rows: int) -> tuple[BaseException | None, bool]:
-        """Read Arrow batches on, each handed out as it is read, until ``_ARROW_AHEAD_ROWS``
-        rows were: the batches a fast source yields meanwhile are admitted, and routed,
-        together (a slow source's are still handed out one by one, as they come)."""
-        while rows < _ARROW_AHEAD_ROWS and not self._stop:
+        """Read Arrow batches on, each handed out as it is read, while the stream has not
+        taken the last one yet (it is busy) and until ``_ARROW_AHEAD_ROWS`` rows were: what
+        a source that outpaces the stream yields meanwhile is admitted, and routed, together.
+        A stream that keeps up takes each batch at once, and the worker stops there, as it
+        did before: it does not wait in a slow source for a batch nobody asked for yet."""
+        while rows < _ARROW_AHEAD_ROWS and self._chunk and not self._stop:
             item = next(self._it, _END)
             if item is _END:
                 return None, True

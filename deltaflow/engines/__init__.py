@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UsageError
+from ..errors import CommitConflictError, UsageError
 from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
 from ..tables.atomicity import atomicity_for
@@ -195,5 +195,8 @@ def create_table(
         else:
             from .delta_rs import create_delta_table as create_rs
 
-            create_rs(path, data_schema, settings, table=name, node="cli")
+            try:
+                create_rs(path, data_schema, settings, table=name, node="cli")
+            except CommitConflictError as exc:  # on a store no lock kept another creator out
+                raise UsageError(f"table {name!r} exists already under {warehouse}") from exc
     return settings

@@ -134,18 +134,19 @@ def create_delta_table(
         if settings.deletion_vectors:
             actions = _first_commit_with_deletion_vectors(full, partition_by, settings.properties())
         else:
-            actions = _first_commit(full, partition_by, settings.properties())
-    if is_table(path):  # version 0 of a long-lived table may be cleaned up: never put anew
-        raise CommitConflictError(f"table {table!r} was created by another writer", node=node)
-    delta_log_dir(path).mkdir(parents=True, exist_ok=True)  # nothing to do on a store
-    commit_log_entry(path, 0, actions)
+            actions = _first_commit(path, full, partition_by, settings.properties())
+        if is_table(path):  # version 0 of a long-lived table may be cleaned up: never put anew
+            raise CommitConflictError(f"table {table!r} was created by another writer", node=node)
+        delta_log_dir(path).mkdir(parents=True, exist_ok=True)  # nothing to do on a store
+        commit_log_entry(path, 0, actions)
 
 
 def _first_commit(
-    schema: Any, partition_by: list[str], properties: dict[str, str]
+    path: Location, schema: Any, partition_by: list[str], properties: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """The actions of the first commit delta-rs gives such a table (its protocol follows from
-    the properties), composed in a scratch directory."""
+    """The actions of the first commit delta-rs gives such a table at ``path`` (its protocol
+    follows from the properties), composed in a scratch directory (whose name its
+    ``commitInfo`` gives as the table's location: put right here)."""
     import tempfile
     from pathlib import Path
 
@@ -161,7 +162,12 @@ def _first_commit(
             raise_if_key_not_exists=False,
         )
         entry = Path(scratch, "_delta_log", f"{0:020d}.json").read_text()
-    return [json.loads(line) for line in entry.splitlines() if line]
+    actions = [json.loads(line) for line in entry.splitlines() if line]
+    for action in actions:
+        parameters = action.get("commitInfo", {}).get("operationParameters", {})
+        if "location" in parameters:
+            parameters["location"] = path.resolve().as_uri()
+    return actions
 
 
 def _first_commit_with_deletion_vectors(

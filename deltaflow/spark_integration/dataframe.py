@@ -171,8 +171,8 @@ def stream_dataframe(
     by the first write gets the DataFrame's types exactly). Otherwise (a receiver, a key
     callable) rows become dicts of msgpack values (see ``docs/spark.md``):
     timestamps become UTC datetimes, structs dicts, arrays lists, binary bytes. Columns of types
-    the wire format cannot carry (decimal, date, intervals, user-defined types, all-null
-    ``NullType``) are rejected before any job runs, with the cast to apply.
+    a table cannot take as they are (intervals, user-defined types, all-null ``NullType``) are
+    rejected before any job runs, with the cast to apply.
 
     Batches are cut by count and bytes only (``auto_flush_interval`` and ``linger`` are set to
     0), so a partition that Spark runs again (a task retry) is cut the same way and, under the same
@@ -351,7 +351,7 @@ class PartitionStreamer:
         assert self.schema is not None
         convert = row_converter(self.schema)
         source = (convert(row) for row in itertools.chain((first,), remaining))
-        yield self._stream(index, source, lambda: sum(1 for _ in remaining))
+        yield self._stream(index, source, lambda: sum(1 for _ in remaining), first_rows=1)
 
     def stream_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``mapInArrow``'s function: stream this Spark partition's record batches as they
@@ -367,16 +367,21 @@ class PartitionStreamer:
             outcome = _Outcome(partition=index, stream_id=f"{self.base_id}:{index}")
         else:
             source = itertools.chain((first,), remaining)
-            outcome = self._stream(index, source, lambda: sum(b.num_rows for b in remaining))
+            outcome = self._stream(
+                index, source, lambda: sum(b.num_rows for b in remaining), first.num_rows
+            )
         counters = [(f.name, pa.int64()) for f in dataclasses.fields(_Outcome)][2:-1]
         schema = pa.schema(
             [("partition", pa.int32()), ("stream_id", pa.string()), *counters],
         ).append(pa.field("error", pa.string()))
         yield pa.RecordBatch.from_pylist([dataclasses.asdict(outcome)], schema=schema)
 
-    def _stream(self, index: int, source: Iterator[Any], left: Callable[[], int]) -> _Outcome:
-        """Stream ``source`` as Spark partition ``index``'s stream; ``left`` counts what the
-        source still holds once the stream stopped early."""
+    def _stream(
+        self, index: int, source: Iterator[Any], left: Callable[[], int], first_rows: int
+    ) -> _Outcome:
+        """Stream ``source`` as Spark partition ``index``'s stream; ``left`` counts the rows
+        the partition still holds once the stream stopped early, ``first_rows`` those of the
+        source's first item (taken from the partition before the stream began)."""
         sid = f"{self.base_id}:{index}"
         applied = 0
 
@@ -410,7 +415,7 @@ class PartitionStreamer:
                 partition=index,
                 stream_id=sid,
                 applied=applied,
-                not_applied=len(exc.failed_items) + left(),
+                not_applied=sum(map(_count, exc.failed_items)) + left(),
                 error=str(exc),
             )
         except DeltaflowError as exc:  # the stream never started (no node, bad arguments)
@@ -418,7 +423,7 @@ class PartitionStreamer:
             return _Outcome(
                 partition=index,
                 stream_id=sid,
-                not_applied=sum(map(_count, source)),
+                not_applied=first_rows + left(),
                 error=f"{type(exc).__name__}: {exc}",
             )
         return _Outcome(
@@ -434,7 +439,7 @@ class PartitionStreamer:
 
 
 def _count(item: Any) -> int:
-    """Rows in a source item: a record batch's, or one row."""
+    """Rows in a failed item: a record batch's (never sent), or one row."""
     rows = getattr(item, "num_rows", None)
     return 1 if rows is None else int(rows)
 
