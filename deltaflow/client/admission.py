@@ -144,7 +144,7 @@ class Admission:
                 reported failed and the items after it go back to the source's leftovers.
         """
         # (Appends send each batch to a partition of its own: those are not joined.)
-        joined = _joined(taken) if len(taken) > 1 and self.key_columns is not None else None
+        joined = _one_table(taken) if len(taken) > 1 and self.key_columns is not None else None
         if joined is not None:
             try:
                 routed = self._route(joined)
@@ -214,7 +214,7 @@ class Admission:
         self.pulled += len(rows)
 
 
-def _joined(items: list[Any]) -> Any:
+def _one_table(items: list[Any]) -> Any:
     """Arrow ``items`` of one schema as one table (zero-copy); None if they are not."""
     import pyarrow as pa
 
