@@ -29,7 +29,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -197,6 +197,8 @@ class Run:
     ack: Any = None
     races: int = 0
     sent_back: int = 0
+    client_cpu_s: float = float("nan")  # deltaflow's client, the bench's source excluded
+    nodes_cpu_s: float = float("nan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,8 @@ class Result:
     ack_p99_s: float = float("nan")
     races: int = 0
     sent_back: int = 0
+    client_cpu_s: float = float("nan")
+    nodes_cpu_s: float = float("nan")
     table_rows: int | None = None
     expected_rows: int | None = None
     #: Versions of the table (the parent reads its log).
@@ -244,6 +248,22 @@ def _peak_rss_kib(pid: int | str) -> int:
     return 0
 
 
+class BenchCpu:
+    """CPU seconds this process spent on the bench's own work (making the source's rows,
+    watching RSS), counted by the threads doing it, so the client's figure is deltaflow's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds += seconds
+
+
+BENCH_CPU: Final = BenchCpu()
+
+
 class PeakRss:
     """The peak RSS of this process and of each process it started (Spark's JVM, node
     processes and their JVMs), read from ``/proc`` (``VmHWM``) every 0.1 s by a thread.
@@ -261,8 +281,10 @@ class PeakRss:
 
     def _watch(self) -> None:
         while not self._done.wait(0.1):
+            began = time.thread_time()
             for pid in _descendants(os.getpid()):
                 self._peaks[pid] = max(self._peaks.get(pid, 0), _peak_rss_kib(pid))
+            BENCH_CPU.add(time.thread_time() - began)
 
     def stop(self) -> tuple[float, float]:
         """This process's peak and the sum of its descendants' peaks, MiB."""
@@ -432,14 +454,21 @@ def run_deltaflow(
     produced: dict[int, float] = {}  # id(item) -> time it was produced, until acked
     latencies: array[float] = array("d")
 
+    # The sources count their own CPU (BENCH_CPU) between their yields: the thread that
+    # resumes a generator may differ from the one it yielded in, so each span starts anew.
     def source() -> Iterator[Any]:
         began = time.monotonic()
+        spent = time.thread_time()
         for chunk in generate(total):
             if rate is not None:  # the source thread waits: nothing else is held up
                 time.sleep(max(0.0, began + chunk.start / rate - time.monotonic()))
-            for item in rows_of(chunk):
-                produced[id(item)] = time.monotonic()
-                yield item
+            items = list(rows_of(chunk))
+            now = time.monotonic()
+            for item in items:
+                produced[id(item)] = now
+            BENCH_CPU.add(time.thread_time() - spent)
+            yield from items
+            spent = time.thread_time()
 
     import numpy as np
 
@@ -451,6 +480,7 @@ def run_deltaflow(
         from deltaflow import DELETE_COLUMN
 
         began = time.monotonic()
+        spent = time.thread_time()
         pending: list[Chunk] = []
         for chunk in generate(total):
             if rate is not None:
@@ -458,19 +488,24 @@ def run_deltaflow(
             chunk_produced[chunk.start // CHUNK_ROWS] = time.monotonic()
             pending.append(chunk)
             if len(pending) * CHUNK_ROWS >= ARROW_BATCH_ROWS or rate is not None:
-                yield arrow_of(pending).rename_columns([*COLUMNS, DELETE_COLUMN])
+                batch = arrow_of(pending).rename_columns([*COLUMNS, DELETE_COLUMN])
                 pending = []
+                BENCH_CPU.add(time.thread_time() - spent)
+                yield batch
+                spent = time.thread_time()
         if pending:
             yield arrow_of(pending).rename_columns([*COLUMNS, DELETE_COLUMN])
 
     def on_ack(items: Any) -> None:
         now = time.monotonic()
+        spent = time.thread_time()  # the bench's measuring, not the client's work
         if arrow:  # a row's index is in its ts (see generate); its chunk's time is kept
             ts = items.table.column("ts").to_numpy()
             chunks = np.rint((ts - TS_BASE) * 1000).astype(np.int64) // CHUNK_ROWS
             latencies.frombytes((now - chunk_produced[chunks]).tobytes())
-            return
-        latencies.extend(now - produced.pop(id(item)) for item in items)
+        else:
+            latencies.extend(now - produced.pop(id(item)) for item in items)
+        BENCH_CPU.add(time.thread_time() - spent)
 
     options = (
         deltaflow.StreamerOptions(
@@ -507,7 +542,7 @@ def run_deltaflow(
                             key="id",
                         )
             before = await statistics()
-            cpu_before = _cpu_times()
+            cpu_before = Cpu.now()
             started = time.monotonic()
             async with deltaflow.connect([address]) as client:
                 summary = await client.stream_data(
@@ -518,7 +553,7 @@ def run_deltaflow(
                     options=options,
                 )
             seconds = time.monotonic() - started
-            cpu = _cpu_profile(cpu_before, _cpu_times())
+            cpu = Cpu.now().since(cpu_before)
             counts = (await statistics()).since(before)
         finally:
             await stop()
@@ -536,8 +571,10 @@ def run_deltaflow(
                 f"{summary.batches_retried}; on the nodes, staged to durable: p50 "
                 f"{_fmt_s(counts.durable_quantile(0.5))}, p99 "
                 f"{_fmt_s(counts.durable_quantile(0.99))} (p99 by stage: "
-                f"{counts.stage_quantiles(0.99)}); {cpu}"
+                f"{counts.stage_quantiles(0.99)}); {cpu.describe()}"
             ),
+            client_cpu_s=cpu.client - cpu.bench,
+            nodes_cpu_s=cpu.nodes,
         )
 
     if engine == "spark" and layout == "shared":
@@ -569,29 +606,48 @@ def _process_ticks(pid: int | str) -> int:
     return int(fields[11]) + int(fields[12])
 
 
-def _cpu_times() -> tuple[int, int, int, int]:
-    """CPU time so far, clock ticks: the machine's busy and total (all cores, ``/proc/stat``),
-    this process's (the client) and its descendants' (the nodes and their JVMs)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle and iowait
-    nodes = sum(_process_ticks(pid) for pid in _descendants(os.getpid()))
-    return sum(ticks) - idle, sum(ticks), _process_ticks("self"), nodes
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    """CPU seconds so far: the machine's busy and total (all cores, ``/proc/stat``), this
+    process's (the client and the bench's own work, ``bench``) and its descendants' (the
+    nodes and their JVMs)."""
 
+    busy: float
+    total: float
+    client: float
+    bench: float
+    nodes: float
 
-def _cpu_profile(before: tuple[int, int, int, int], after: tuple[int, int, int, int]) -> str:
-    """Where the CPU went between two :func:`_cpu_times`: the share of all cores busy (near
-    100%: the run was bound by this machine's CPU), and the busy core-seconds of the client,
-    the nodes and the rest (the S3 server, the proxy, the system)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    busy, total, client, nodes = (a - b for a, b in zip(after, before, strict=True))
-    rest = busy - client - nodes  # /proc/stat counts every core's ticks
-    return (
-        f"the machine's cores busy {busy / total:.0%} of the stream (core-seconds: client "
-        f"{client / tick:.1f}, nodes {nodes / tick:.1f}, the rest {rest / tick:.1f})"
-        if total
-        else "no CPU figures"
-    )
+    @classmethod
+    def now(cls) -> Cpu:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle and iowait
+        nodes = sum(_process_ticks(pid) for pid in _descendants(os.getpid()))
+        tick = os.sysconf("SC_CLK_TCK")
+        return cls(
+            (sum(ticks) - idle) / tick,
+            sum(ticks) / tick,
+            _process_ticks("self") / tick,
+            BENCH_CPU.seconds,
+            nodes / tick,
+        )
+
+    def since(self, before: Cpu) -> Cpu:
+        return Cpu(*(a - b for a, b in zip(astuple(self), astuple(before), strict=True)))
+
+    def describe(self) -> str:
+        """The share of all cores busy (near 100%: the run was bound by this machine's CPU),
+        and the busy core-seconds of the client, the nodes and the rest (the S3 server, the
+        proxy, the system)."""
+        rest = self.busy - self.client - self.nodes  # /proc/stat counts every core's ticks
+        return (
+            f"the machine's cores busy {self.busy / self.total:.0%} of the stream "
+            f"(core-seconds: client {self.client - self.bench:.1f} and the bench's source "
+            f"{self.bench:.1f}, nodes {self.nodes:.1f}, the rest {rest:.1f})"
+            if self.total
+            else "no CPU figures"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1079,6 +1135,8 @@ def run_variant(name: str, total: int, warehouse: Path, out: Path) -> None:
         ack_p99_s=run.ack.p99 if run.ack is not None else float("nan"),
         races=run.races,
         sent_back=run.sent_back,
+        client_cpu_s=run.client_cpu_s,
+        nodes_cpu_s=run.nodes_cpu_s,
     )
     out.write_text(json.dumps(asdict(result)))
 
@@ -1169,6 +1227,13 @@ def print_ratios(results: list[Result]) -> None:
                 f"  {name}: table versions {r.versions} ({r.versions / r.seconds:.1f}/s); "
                 f"version races lost {r.races} ({100 * r.races / r.versions:.1f} per 100 "
                 f"versions); groups sent back {r.sent_back}"
+            )
+    for name in by:
+        r = by[name]
+        if name.startswith("deltaflow-") and r.client_cpu_s == r.client_cpu_s:  # not NaN
+            print(
+                f"  {name}: CPU per row: client {1e6 * r.client_cpu_s / r.rows:.2f} µs "
+                f"(the bench's source excluded), nodes {1e6 * r.nodes_cpu_s / r.rows:.2f} µs"
             )
     for name in by:
         if not name.startswith("deltaflow-"):

@@ -6,6 +6,8 @@ import itertools
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from deltaflow.client.accumulator import Accumulator, Batch, SizeBatchCreator
 from deltaflow.errors import UsageError
@@ -370,7 +372,12 @@ def test_a_creator_derived_from_the_default_cuts_exactly_like_it() -> None:
     assert run(SizeBatchCreator(3, 10), many=False) == expected
     assert run(Derived(3, 10), many=False) == expected
     assert run(Derived(3, 10), many=True) == expected
-    assert run(SizeBatchCreator(3, 10), many=True) == expected
+
+    # add_many cuts partition by partition: each partition's batches are add()'s, in order.
+    def per_partition(cuts: list[tuple[str, int, list[Any], int]]) -> list[Any]:
+        return sorted(cuts, key=lambda cut: (cut[0] == "drained", cut[1]))
+
+    assert per_partition(run(SizeBatchCreator(3, 10), many=True)) == per_partition(expected)
 
 
 def test_a_creator_decides_cuts_by_the_items_themselves() -> None:
@@ -555,3 +562,35 @@ def test_arrow_batches_handed_over_together_make_the_pages_they_make_one_by_one(
         routes.admit([batches[0], keyless, batches[1]], None)
     buffered = [i for b in [*cuts, *acc.drain()] for i in b.items.table.column("id").to_pylist()]
     assert sorted(buffered) == list(range(50))  # the batch before it, whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 12), max_size=60),
+    data=st.data(),
+    page=st.integers(1, 5),
+    stagger=st.sampled_from([0, 3]),
+)
+def test_add_many_cuts_each_partition_as_add_does(
+    sizes: list[int], data: st.DataObject, page: int, stagger: int
+) -> None:
+    parts = data.draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
+    deletes = frozenset(data.draw(st.sets(st.integers(0, max(0, len(sizes) - 1)))))
+    items = [f"i{j}" for j in range(len(sizes))]
+    packed = [b"x" * n for n in sizes]
+
+    def run(many: bool) -> dict[int, list[Any]]:
+        acc, _, cuts = make(page_size=page, max_bytes=12, interval=0, stagger=stagger)
+        if many:
+            acc.add_many(7, items, parts, packed, deletes)
+        else:
+            for j, item in enumerate(items):
+                acc.add(parts[j], 7 + j, item, packed[j], j in deletes)
+        batches: dict[int, list[Any]] = {}
+        for b in [*cuts, *acc.drain()]:
+            batches.setdefault(b.partition, []).append(
+                (b.seq, b.items, b.positions, b.packed, b.deletes, b.nbytes)
+            )
+        return batches
+
+    assert run(many=True) == run(many=False)

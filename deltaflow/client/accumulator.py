@@ -7,6 +7,8 @@ hands it to a callback, it never does I/O itself.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast, overload
@@ -265,25 +267,45 @@ class Accumulator:
             for j, item in enumerate(items):
                 self.add(partitions[j], position + j, item, packed[j], j in deletes)
             return
-        max_bytes = self._limits[1]
-        buffers = self._buffers
-        for j, (item, partition, data) in enumerate(zip(items, partitions, packed, strict=False)):
-            nbytes = len(data)
-            buf = buffers.get(partition)
-            if buf is None or buf.batch.nbytes + nbytes > max_bytes:
-                if buf is not None:
+        # Per partition, in source order (a stable sort): each batch takes the run of items
+        # that fits it, copied by C-level slices rather than item by item. A partition's
+        # batches are the ones add() would cut; only the order of cuts across partitions
+        # differs.
+        limit_bytes = self._limits[1]
+        order = sorted(range(len(items)), key=partitions.__getitem__)
+        for partition, run in itertools.groupby(order, key=partitions.__getitem__):
+            picked = list(run)
+            data = list(map(packed.__getitem__, picked))
+            sizes = list(itertools.accumulate(map(len, data)))
+            done = 0
+            while done < len(picked):
+                before = sizes[done - 1] if done else 0
+                buf = self._buffers.get(partition)
+                if buf is None or buf.batch.nbytes + sizes[done] - before > limit_bytes:
+                    if buf is not None:
+                        self._on_cut(self._cut(partition))
+                    buf = self._open(partition)
+                batch = buf.batch
+                batch_items = cast("list[Any]", batch.items)
+                room = limit_bytes - batch.nbytes + before
+                end = min(
+                    done + buf.limit - len(batch_items),
+                    max(done + 1, bisect.bisect_right(sizes, room, done)),
+                )
+                taken = picked[done:end]
+                if deletes:
+                    first = len(batch_items) - done
+                    batch.deletes.extend(
+                        first + bisect.bisect_left(picked, j, done, end)
+                        for j in sorted(deletes.intersection(taken))
+                    )
+                batch_items.extend(map(items.__getitem__, taken))
+                cast("list[int]", batch.positions).extend(map(position.__add__, taken))
+                batch.packed.extend(data[done:end])
+                batch.nbytes += sizes[end - 1] - before
+                done = end
+                if len(batch_items) >= buf.limit:
                     self._on_cut(self._cut(partition))
-                buf = self._open(partition)
-            batch = buf.batch
-            batch_items = cast("list[Any]", batch.items)
-            if deletes and j in deletes:
-                batch.deletes.append(len(batch_items))
-            batch_items.append(item)
-            cast("list[int]", batch.positions).append(position + j)
-            batch.packed.append(data)
-            batch.nbytes += nbytes
-            if len(batch_items) >= buf.limit:
-                self._on_cut(self._cut(partition))
 
     def drain(self) -> list[Batch]:
         """Cut every non-empty buffer (end of stream or explicit flush)."""

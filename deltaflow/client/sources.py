@@ -28,7 +28,9 @@ from ..errors import UsageError
 
 __all__ = ["SourceOverflowError", "aiter_source"]
 
-_CHUNK = 256
+# Items the worker reads ahead of a row source: a chunk is admitted at once, and the
+# admission's per-partition runs grow with it (256 left runs of ~4 items at 64 partitions).
+_CHUNK = 4096
 # How often a stream waiting on a blocking source looks for items its worker has read.
 _POLL = 0.005
 #: Rows of Arrow batches the worker reads ahead (a chunk of an Arrow source).
