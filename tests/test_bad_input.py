@@ -278,3 +278,65 @@ async def test_a_table_name_with_a_trailing_newline_is_refused(
     assert "table name 'events\\n' is not allowed" in str(info.value.cause)
     names = await asyncio.to_thread(lambda: [p.name for p in Path(warehouse).iterdir()])
     assert not any(name.startswith("events") for name in names)
+
+
+async def test_a_row_without_its_key_is_named_or_quarantined(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    import pyarrow as pa
+
+    from .support import open_table
+
+    rows: list[Any] = [{"id": i, "v": i} for i in range(10)]
+    rows[3] = {"v": 3}  # no key column
+    rows[6] = deltaflow.Delete({"name": "x"})  # a delete without its key
+    batches = [
+        pa.table({"id": [10, 11], "v": [1, 2]}),
+        pa.table({"v": [7, 8, 9]}),  # a batch without the key column
+        pa.table({"id": [12], "v": [3]}),
+    ]
+    quarantine = StreamerOptions(on_bad_row="quarantine")
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(rows, table="keyless", key="id")
+        with pytest.raises(DataStreamerError) as arrow_info:
+            await client.stream_data(batches, table="keyless", key="id")
+        summary = await client.stream_data(rows, table="keyless", key="id", options=quarantine)
+        arrow = await client.stream_data(batches, table="keyless", key="id", options=quarantine)
+    cause = str(info.value.cause)
+    assert isinstance(info.value.cause, UsageError)
+    assert "source item #3 has no key column 'id' (its columns: v)" in cause
+    assert "on_bad_row='quarantine'" in cause
+    assert "lacks the key column(s) ['id'] (its columns: v)" in str(arrow_info.value.cause)
+    assert (summary.items_acked, summary.items_quarantined) == (8, 2)
+    assert (summary.items_dead_lettered, summary.items_failed) == (2, 0)
+    assert (arrow.items_acked, arrow.items_quarantined, arrow.items_failed) == (3, 3, 0)
+    assert sorted(read_delta(warehouse / "keyless")) == [0, 1, 2, 4, 5, 7, 8, 9, 10, 11, 12]
+    dead = open_table(warehouse / "deltaflow_dead_letters").to_pyarrow_table().to_pylist()
+    letters = sorted((r["position"], r["partition"], r["seq"], r["deleted"]) for r in dead)
+    assert letters == [(2, -1, -1, False), (3, -1, -1, False), (3, -1, -1, False),
+                       (4, -1, -1, False), (6, -1, -1, True)]  # fmt: skip
+    assert {r["error_code"] for r in dead} == {"SCHEMA_MISMATCH"}
+    by_payload = {msgpack.unpackb(r["payload"]).get("v"): r["error"] for r in dead}
+    assert "no key column 'id'" in by_payload[3]
+    assert "an Arrow batch of 3 rows" in by_payload[8]
+
+
+@pytest.mark.parametrize(
+    ("name", "fix"), [("my-table", "my_table"), ("orders.v2", "orders_v2"), ("über", "_ber")]
+)
+async def test_a_bad_table_name_is_refused_before_anything_is_sent(
+    name: str, fix: str, cluster: list[Node]
+) -> None:
+    sent: list[int] = []
+
+    def rows() -> Any:
+        sent.append(1)
+        yield {"id": 1}
+
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(UsageError, match=rf"table name '{name}' is not allowed.*'{fix}', say"):
+            await client.stream_data(rows(), table=name, key="id")
+    with pytest.raises(UsageError, match=r"dead_letter_table: table name 'dead letters'"):
+        StreamerOptions(dead_letter_table="dead letters")
+    assert sent == []  # not one row was pulled

@@ -8,7 +8,7 @@ chunk go back to the source's leftovers.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..columnar import ArrowRows, byte_offsets, is_arrow
@@ -20,7 +20,15 @@ from .ledger import Ledger
 from .sources import ChunkedIterator
 from .stream_types import Delete, KeyFn, spread
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "Quarantine"]
+
+#: Takes rows the client cannot route: source positions, items, packed items, whether each
+#: is a delete, and the reason.
+Quarantine = Callable[[list[int], list[Any], list[bytes], list[bool], str], None]
+
+
+class _MissingKey(UsageError):
+    """An Arrow batch lacks a key column."""
 
 
 class Admission:
@@ -34,6 +42,9 @@ class Admission:
         max_batch_bytes: the largest packed item a batch may hold.
         accumulator: the stream's partition buffers.
         ledger: where items that cannot be sent are recorded.
+        quarantine: under ``on_bad_row="quarantine"``, where rows whose key cannot be read
+            go (source positions, items, packed items, delete flags, the reason) instead of
+            failing the stream.
 
     Attributes:
         pulled: items taken from the source so far (the next item's source position).
@@ -49,8 +60,10 @@ class Admission:
         max_batch_bytes: int,
         accumulator: Accumulator,
         ledger: Ledger,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.key = key
+        self.quarantine = quarantine
         self.key_columns = list(key_columns) if key_columns is not None else None
         self.partitions = partitions
         self.max_batch_bytes = max_batch_bytes
@@ -72,19 +85,25 @@ class Admission:
                 buffered, and those after it go back to the source's leftovers.
             FrameTooLargeError: an item alone is larger than ``max_batch_bytes``.
         """
-        position = self.pulled
-        values, deletes = taken, frozenset[int]()
-        kinds = set(map(type, taken))
         if self.columnar is None and taken:
             self.columnar = is_arrow(type(taken[0]))
         if self.columnar:
             self._admit_arrow(taken, chunked)
             return
+        while taken:  # a quarantined item leaves the rest of the chunk to admit
+            taken = self._admit_rows(taken, chunked)
+
+    def _admit_rows(self, taken: list[Any], chunked: ChunkedIterator | None) -> list[Any]:
+        """Admit row items (see :meth:`admit`); returns the items after one whose key could
+        not be read and that was quarantined (``on_bad_row="quarantine"``), else []."""
+        position = self.pulled
+        values, deletes = taken, frozenset[int]()
         # The item types are few: no Python-level pass over the chunk unless it holds a Delete.
-        if any(issubclass(t, Delete) for t in kinds):
+        if any(issubclass(t, Delete) for t in set(map(type, taken))):
             values = [x.item if isinstance(x, Delete) else x for x in taken]
             deletes = frozenset(j for j, x in enumerate(taken) if isinstance(x, Delete))
         key, partitions = self.key, self.partitions
+        keyless = False  # the bad item's fault is its key, not its value
         try:
             if key is spread:  # appends: by a hash of the item's bytes
                 packed = pack_items(values)
@@ -97,23 +116,34 @@ class Admission:
             parts, packed, bad, cause = [], [], None, None
             for j, v in enumerate(values):
                 try:
-                    parts.append(partition_of(key(v), partitions))
-                    packed.append(pack_item(v))
+                    data = pack_item(v)
                 except Exception as exc:  # noqa: BLE001 - reported below with the item
                     bad, cause = j, exc
                     break
+                try:
+                    parts.append(partition_of(key(v), partitions))
+                except Exception as exc:  # noqa: BLE001 - reported below with the item
+                    bad, cause, keyless = j, exc, True
+                    packed.append(data)  # the dead letter's payload
+                    break
+                packed.append(data)
         max_item = self.max_batch_bytes
         if max(map(len, packed), default=0) > max_item:
             big = next(j for j, data in enumerate(packed) if len(data) > max_item)
             if bad is None or big < bad:
-                bad, cause = big, None
+                bad, cause, keyless = big, None, False
         good = len(taken) if bad is None else bad
         self.accumulator.add_many(
             position, taken[:good] if bad is not None else taken, parts, packed, deletes
         )
         self.pulled += good
         if bad is None:
-            return
+            return []
+        if keyless and self.quarantine is not None:
+            reason = self._keyless(values[bad], cause, position + bad)
+            self.quarantine([self.pulled], [taken[bad]], [packed[bad]], [bad in deletes], reason)
+            self.pulled += 1
+            return taken[bad + 1 :]
         if chunked is not None:
             chunked.put_back(taken[bad + 1 :])  # never sent: accounted as leftovers
         if cause is None:
@@ -121,16 +151,36 @@ class Admission:
                 f"source item #{position + bad} packs to {len(packed[bad])} bytes, more than "
                 f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
             )
+        elif keyless:
+            error = UsageError(
+                f"{self._keyless(values[bad], cause, position + bad)}: give every row its key, "
+                "or stream with StreamerOptions(on_bad_row='quarantine') to write such rows "
+                "to the dead-letter table and go on"
+            )
+        elif is_arrow(type(values[bad])):
+            error = UsageError(
+                f"source item #{position + bad} is an Arrow batch in a stream of row items: "
+                "a stream carries row items or Arrow batches, not both"
+            )
         else:
             error = UsageError(
                 f"source item #{position + bad} cannot be sent ({cause!r}); items must be "
                 "msgpack values (dict, list, str, int, float, bool, None, bytes, datetime, "
-                "date, Decimal) and carry the key; a stream of row items cannot also carry "
-                "Arrow batches"
+                "date, Decimal)"
             )
         self.ledger.fail([self.pulled], [taken[bad]], [str(error)])
         self.pulled += 1
         raise error from cause
+
+    def _keyless(self, value: Any, cause: BaseException | None, position: int) -> str:
+        """What is wrong with the key of the item at source ``position``, in a phrase."""
+        if self.key_columns is not None and isinstance(value, Mapping):
+            missing = [c for c in self.key_columns if c not in value]
+            if missing:
+                names = ", ".join(map(repr, missing))
+                has = ", ".join(map(str, list(value)[:10])) or "none"
+                return f"source item #{position} has no key column {names} (its columns: {has})"
+        return f"source item #{position}: its key cannot be read ({cause!r})"
 
     def _admit_arrow(self, taken: list[Any], chunked: ChunkedIterator | None) -> None:
         """Route the rows of Arrow items taken from the source by their key columns and buffer
@@ -156,6 +206,19 @@ class Admission:
         for j, item in enumerate(taken):
             try:
                 rows, parts = self._route(item)
+            except _MissingKey as exc:
+                if self._quarantine_batch(item, str(exc)):
+                    continue
+                error = UsageError(
+                    f"source item #{self.pulled} cannot be sent: {exc}; give every batch the "
+                    "key, or stream with StreamerOptions(on_bad_row='quarantine') to write "
+                    "such rows to the dead-letter table and go on"
+                )
+                self.ledger.fail([self.pulled], [item], [str(error)])
+                self.pulled += 1
+                if chunked is not None:
+                    chunked.put_back(taken[j + 1 :])
+                raise error from exc
             except Exception as exc:
                 error = UsageError(f"source item #{self.pulled} cannot be sent: {exc}")
                 self.ledger.fail([self.pulled], [item], [str(error)])
@@ -185,8 +248,32 @@ class Admission:
             return rows, pa.array([self.pulled % self.partitions] * len(rows), pa.int32())
         missing = [k for k in self.key_columns if k not in rows.table.column_names]
         if missing:
-            raise UsageError(f"it lacks the key column(s) {missing}")
+            columns = ", ".join(rows.table.column_names[:10]) or "none"
+            raise _MissingKey(f"it lacks the key column(s) {missing} (its columns: {columns})")
         return rows, partition_table(rows.table, self.key_columns, self.partitions)
+
+    def _quarantine_batch(self, item: Any, reason: str) -> bool:
+        """Quarantine every row of the Arrow batch ``item`` (which cannot be routed); False
+        when the stream does not quarantine or a row cannot be packed."""
+        if self.quarantine is None:
+            return False
+        rows = ArrowRows.of(item)
+        try:
+            dicts = list(rows)
+            packed = pack_items(dicts)
+        except Exception:  # noqa: BLE001 - then the batch fails the stream, as without
+            return False
+        first = self.pulled
+        deletes = rows.deletes
+        self.quarantine(
+            list(range(first, first + len(dicts))),
+            dicts,
+            packed,
+            [j in deletes for j in range(len(dicts))],
+            f"source item #{first} (an Arrow batch of {len(dicts)} rows): {reason}",
+        )
+        self.pulled += len(dicts)
+        return True
 
     def _buffer(self, rows: ArrowRows, parts: Any) -> None:
         """Buffer ``rows`` (the next source positions) by partition ``parts``."""

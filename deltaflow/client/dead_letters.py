@@ -39,6 +39,7 @@ class DeadLetters:
     Attributes:
         sid: the dead-letter stream's id.
         count: items written to the dead-letter table.
+        unrouted: those of them the client could not route (never sent to their table).
     """
 
     def __init__(
@@ -63,6 +64,8 @@ class DeadLetters:
         self._sender: Sender | None = None
         self._seq: dict[int, int] = {}
         self.count = 0
+        self.unrouted = 0
+        self._unrouted: set[int] = set()  # ids of the dead batches never routed
 
     @property
     def started(self) -> bool:
@@ -79,8 +82,16 @@ class DeadLetters:
         if self._sender is not None:
             await self._sender.cancel()
 
-    def send(self, batch: Batch, exc: BaseException, reasons: list[str] | None = None) -> None:
-        """Send a failed batch's items, with its error, to the dead-letter table."""
+    def send(
+        self,
+        batch: Batch,
+        exc: BaseException,
+        reasons: list[str] | None = None,
+        *,
+        routed: bool = True,
+    ) -> None:
+        """Send a failed batch's items, with its error, to the dead-letter table; items the
+        client could not route (``routed=False``) get ``partition`` and ``seq`` -1."""
         if self._sender is None:
             self._sender = Sender(
                 self._routes,
@@ -100,8 +111,8 @@ class DeadLetters:
         rows = [
             {
                 "position": pos,
-                "partition": batch.partition,
-                "seq": batch.seq,
+                "partition": batch.partition if routed else -1,
+                "seq": batch.seq if routed else -1,
                 "error_code": str(code),
                 "error": (reasons[i] if reasons is not None else str(exc))[:2000],
                 "node": getattr(exc, "node", None),
@@ -123,10 +134,15 @@ class DeadLetters:
             packed=[pack_item(r) for r in rows],
         )
         dead.nbytes = sum(len(x) for x in dead.packed)
+        if not routed:
+            self._unrouted.add(id(dead))
         self._sender.submit(dead)
 
     def _acked(self, batch: Batch) -> None:
         self.count += len(batch.items)
+        if id(batch) in self._unrouted:
+            self._unrouted.discard(id(batch))
+            self.unrouted += len(batch.items)
         self._settle(batch)
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:

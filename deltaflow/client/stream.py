@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -108,6 +109,7 @@ class StreamRun:
             max_batch_bytes=options.max_batch_bytes,
             accumulator=self.accumulator,
             ledger=self.ledger,
+            quarantine=self._quarantine if options.on_bad_row == "quarantine" else None,
         )
         self.dead_letters = DeadLetters(
             router,
@@ -260,6 +262,28 @@ class StreamRun:
             return
         self.dead_letters.send(batch, exc, reasons)
 
+    def _quarantine(
+        self,
+        positions: list[int],
+        items: list[Any],
+        packed: list[bytes],
+        deleted: list[bool],
+        reason: str,
+    ) -> None:
+        """Rows the client cannot route (their key cannot be read) go to the dead-letter
+        table with ``partition`` and ``seq`` -1, as ``on_bad_row="quarantine"`` asks."""
+        self.quarantined += len(items)
+        unrouted = Batch(
+            zlib.crc32(packed[0]) % self.partitions,  # any: the dead letters' stream is random
+            -1,
+            items=items,
+            positions=positions,
+            packed=packed,
+            deletes=[j for j, d in enumerate(deleted) if d],
+        )
+        error = SchemaError(f"quarantined {len(items)} row(s) the client cannot route")
+        self.dead_letters.send(unrouted, error, [reason] * len(items), routed=False)
+
     def _key_of(self, item: Any) -> Any:
         """The routing key of a batch item, for messages (None if it has none)."""
         try:
@@ -403,7 +427,10 @@ class StreamRun:
             stream_id=self.sid,
             items_sent=counters.sent_items,
             items_acked=counters.acked_items,
-            items_failed=counters.failed_items - self.dead_letters.count,
+            # Rows quarantined before they were sent are not among the sender's failures.
+            items_failed=(
+                counters.failed_items - self.dead_letters.count + self.dead_letters.unrouted
+            ),
             items_dead_lettered=self.dead_letters.count,
             items_quarantined=self.quarantined,
             batches_retried=counters.retried_batches,

@@ -74,8 +74,9 @@ class DeadLetter(Receiver):
 
     Each item describes one failed source item; it becomes a row of ``ctx.args["table"]``:
     ``stream_id``, ``position`` (index in the source), ``partition``, ``seq`` (the failed
-    batch), ``error_code``, ``error``, ``node``, ``payload`` (the item, msgpack-encoded:
-    ``msgpack.unpackb(payload, timestamp=3)`` gives it back exactly), ``payload_json`` (the
+    batch; both -1 for a row the client could not route), ``error_code``, ``error``,
+    ``node``, ``payload`` (the item, msgpack-encoded: ``msgpack.unpackb(payload,
+    timestamp=3)`` gives it back exactly), ``payload_json`` (the
     item as strict JSON, for people and SQL: see :func:`payload_json`; null if it cannot be
     read), ``deleted`` (it was a :class:`deltaflow.Delete`) and ``failed_at`` (a UTC
     timestamp).
