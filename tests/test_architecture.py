@@ -34,6 +34,7 @@ BASE = {
     "deltaflow.columnar",
     "deltaflow._arrow_ipc",
     "deltaflow._faults",
+    "deltaflow.names",
 }
 
 #: What each layer must never import (besides the foundations, which all may).

@@ -324,8 +324,10 @@ async def test_dead_letter_rows_carry_their_columns_and_a_bounded_error(
 
 
 async def test_a_failed_dead_letter_write_fails_the_stream_listing_its_items(
-    cluster: list[Node],
+    cluster: list[Node], warehouse: Path
 ) -> None:
+    # A dead-letter table that cannot take dead letters: one of other columns.
+    await asyncio.to_thread(create_table, warehouse, "occupied", schema="x:long")
     items = [{"id": i} for i in range(10)]
     async with deltaflow.connect([cluster[0].address]) as client:
         with pytest.raises(DataStreamerError) as info:
@@ -335,13 +337,13 @@ async def test_a_failed_dead_letter_write_fails_the_stream_listing_its_items(
                 receiver="deltaflow.testing.FailOn",
                 receiver_args={"fail_on": items[4]},
                 options=StreamerOptions(
-                    page_size=10, on_failure="fallback", dead_letter_table="not a table name"
+                    page_size=10, on_failure="fallback", dead_letter_table="occupied"
                 ),
             )
     err = info.value
     assert err.failed_items == items
     assert all("dead-letter table failed" in f.reason for f in err.failures), err.failures
-    assert "not a table name" in str(err.cause)
+    assert "SCHEMA_MISMATCH" in str(err.cause) and "stream_id" in str(err.cause)
 
 
 # -- The node's bounds -----------------------------------------------------------------------

@@ -54,7 +54,7 @@ async def test_metrics_say_what_each_table_and_receiver_did(
         await client.stream_data(orders, table="orders", key="id")
         await client.stream_data(customers, table="customers", key="id")
         with pytest.raises(DataStreamerError, match="SCHEMA_MISMATCH"):  # refused by a node
-            await client.stream_data([{"id": 1}], table="bad/name", key="id")
+            await client.stream_data([{"id": None, "amount": 1}], table="orders", key="id")
     samples = [await scrape(n.address) for n in nodes]
     receiver = "deltaflow.receivers.TableUpsert"
     assert total(samples, "deltaflow_table_rows_committed_total", table="orders") == 300

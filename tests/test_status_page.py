@@ -41,11 +41,11 @@ async def test_the_status_page_shows_the_cluster_tables_and_errors(
     async with deltaflow.connect([nodes[0].address], token=TOKEN) as client:
         await client.stream_data([{"id": i, "n": i} for i in range(300)], table="orders", key="id")
         with pytest.raises(DataStreamerError):  # refused by the node that owns the key
-            await client.stream_data([{"id": 1}], table="bad/name", key="id")
+            await client.stream_data([{"id": None, "n": 1}], table="never", key="id")
     # The page is the node's own view: the one that refused the stream shows the error.
     [here] = [n for n in nodes if n.statistics().dispatcher.errors]
     other = next(n for n in nodes if n is not here)
-    page = await browser.new_page(viewport={"width": 1500, "height": 900})
+    page = await browser.new_page(viewport={"width": 1280, "height": 800})
     alerts: list[str] = []
     page.on("dialog", lambda dialog: alerts.append(dialog.message))
     await page.goto(f"http://{here.address}/")
@@ -74,7 +74,17 @@ async def test_the_status_page_shows_the_cluster_tables_and_errors(
     rows_here = here.statistics().engine.tables["orders"].rows_committed
     assert cells[4] == f"{rows_here:,}"
     assert await orders.locator("svg.chart rect").count() >= 1
+    # The count is rows written, and says so; the table its refusal never created is absent.
+    header = page.locator("#tables th").nth(4)
+    assert await header.inner_text() == "Rows written"
+    assert "not the table's row count" in (await header.get_attribute("title") or "")
+    assert await page.locator("#tables tbody tr", has_text="never").count() == 0
     assert "SCHEMA_MISMATCH" in await page.locator("#errors").inner_text()
+    # At 1280 px the page does not scroll sideways.
+    widths = await page.evaluate(
+        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+    )
+    assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in a {widths[1]} px window"
     assert await page.locator("#ready").inner_text() == "ready"
     shot = tmp_path / "status-page.png"
     await page.screenshot(path=str(shot), full_page=True)
@@ -83,9 +93,12 @@ async def test_the_status_page_shows_the_cluster_tables_and_errors(
 
 
 async def test_a_table_name_with_markup_stays_text(
-    tmp_path: Path, start_cluster: StartCluster, browser: Any
+    tmp_path: Path, start_cluster: StartCluster, browser: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     [node] = await start_cluster(tmp_path, count=1, engine="delta-rs")
+    # A client that does not check names first (another language's, an old one): the node's
+    # refusal quotes the name.
+    monkeypatch.setattr("deltaflow.client.client.table_name_problem", lambda name: None)
     async with deltaflow.connect([node.address]) as client:
         # Refused (not a valid table name), but the refusal's message reaches the page.
         with pytest.raises(DataStreamerError):

@@ -10,6 +10,7 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import UsageError
+from ..names import table_name_problem
 from ..partitioning import PartitionMap
 from ..protocol import CALLER_STREAM_ID
 from ..security import ClientTls
@@ -208,6 +209,8 @@ class Client:
             raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
         if (table is None) == (receiver is None):
             raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
+        if table is not None and (problem := table_name_problem(table)) is not None:
+            raise UsageError(problem)
         if stream_id is not None:
             if not isinstance(stream_id, str) or not CALLER_STREAM_ID.fullmatch(stream_id):
                 raise UsageError(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from ..errors import UsageError
+from ..names import table_name_problem
 from ..protocol import DEFAULT_MAX_FRAME_BYTES, LANE_WINDOW
 from .accumulator import BatchCreator
 
@@ -161,6 +162,8 @@ class StreamerOptions:
             raise UsageError("StreamerOptions.receiver_wait must be >= 0 seconds")
         if self.ack_timeout <= 0:
             raise UsageError("StreamerOptions.ack_timeout must be > 0 seconds")
+        if (problem := table_name_problem(self.dead_letter_table)) is not None:
+            raise UsageError(f"StreamerOptions.dead_letter_table: {problem}")
         if self.on_bad_row not in ("fail", "quarantine"):
             raise UsageError(
                 "StreamerOptions.on_bad_row must be 'fail' or 'quarantine', got "

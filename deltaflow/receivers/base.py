@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from ..columnar import ArrowRows
 from ..errors import ReceiverError, SchemaError, TableSettingsError
+from ..names import table_name_problem
 from ..protocol import MAX_ORDINAL, RANDOM_LANE_PREFIX
 
 __all__ = [
@@ -21,17 +21,14 @@ __all__ = [
     "check_table_name",
 ]
 
-_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-
 
 def check_table_name(name: Any) -> str:
-    """A table name is a plain identifier: it becomes a directory under the warehouse."""
-    if not isinstance(name, str) or not _TABLE_NAME.fullmatch(name):
-        raise SchemaError(
-            f"table name {name!r:.140} is not allowed; use letters, digits and '_' (at most 128), "
-            "starting with a letter or '_'"
-        )
-    return name
+    """A table name is a plain identifier (:mod:`deltaflow.names`): it becomes a directory
+    under the warehouse."""
+    problem = table_name_problem(name)
+    if problem is not None:
+        raise SchemaError(problem)
+    return str(name)
 
 
 class SideInputReader(Protocol):

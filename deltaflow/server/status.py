@@ -113,6 +113,8 @@ def status_document(
         member["partitions"] = partitions.get(str(member["node"]), 0)
     tables: dict[str, Any] = {}
     for name, t in sorted(stats.engine.tables.items()):
+        if t.last_version is None and not (t.commits or t.queued_rows or t.in_flight_batches):
+            continue  # never created (its stream was refused): the errors say why
         recent: list[dict[str, Any]] = [
             {"at": at, "rows": rows, "batches": batches, "seconds": round(secs, 4), "version": v}
             for at, rows, batches, secs, v in t.recent

@@ -33,6 +33,7 @@ from ..client.stream_keys import stream_key as make_stream_key
 from ..client.stream_types import KeyFn
 from ..client.sync import stream_data
 from ..errors import DataStreamerError, DeltaflowError, UsageError
+from ..names import table_name_problem
 from ..security import ClientTls
 from .row_values import checked_schema, row_converter
 
@@ -458,6 +459,8 @@ def check_target(
     if key is None:
         raise UsageError("key= is required: a column name, a tuple of column names, or a callable")
 
+    if table is not None and (problem := table_name_problem(table)) is not None:
+        raise UsageError(problem)
 
 def node_list(nodes: Sequence[str] | str) -> tuple[str, ...]:
     """Checked on the driver: a typo should fail once, not once per Spark partition."""
