@@ -83,20 +83,31 @@ def _check(args: argparse.Namespace) -> int:
     checks: list[Check] = []
     problems: list[str] = []
     code = 0
+    # Every problem in one pass: what resolved goes on to the next checks.
+    config = None
     try:
-        config = node_config(settings_of(args))
-        checks.append(Check("settings", True, "keys, types and values"))
+        resolved: Resolved | None = settings_of(args)
     except ConfigError as exc:
-        problems = exc.problems
-        checks.append(Check("settings", False, f"{len(problems)} problem(s)"))
-        config = None
+        problems, resolved = list(exc.problems), exc.resolved
+    if resolved is not None:
+        try:
+            config = node_config(resolved)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    checks.append(
+        Check("settings", True, "keys, types and values")
+        if not problems
+        else Check("settings", False, f"{len(problems)} problem(s)")
+    )
+    found_all = [_classes(resolved)] if resolved is not None else []
     if config is not None:
-        for found in (_classes(config), _warehouse(config, offline=args.offline)):
-            if found is not None:
-                checks.append(found[0])
-                if not found[0].ok:
-                    problems.extend(found[1])
-                    code = code or found[2]
+        found_all.append(_warehouse(config, offline=args.offline))
+    for found in found_all:
+        if found is not None:
+            checks.append(found[0])
+            if not found[0].ok:
+                problems.extend(found[1])
+                code = code or found[2]
     if problems and not code:
         code = EX_CONFIG
     elif any(not c.ok for c in checks) and not code:
@@ -113,13 +124,17 @@ def _check(args: argparse.Namespace) -> int:
         print(f"{'ok ' if c.ok else 'BAD'} {c.name}: {c.detail}")
     for problem in problems:
         print(f"  - {problem}", file=sys.stderr)
-    print("configuration valid" if code == 0 else "configuration NOT valid", file=sys.stderr)
+    verdict = {
+        0: "configuration valid",
+        EX_UNAVAILABLE: "configuration valid, but the warehouse cannot be reached",
+    }.get(code, "configuration NOT valid")
+    print(verdict, file=sys.stderr)
     return code
 
 
-def _classes(config: Any) -> tuple[Check, list[str], int] | None:
+def _classes(r: Resolved) -> tuple[Check, list[str], int] | None:
     """Every receiver and side-input class named can be imported, as the node will."""
-    names = [*config.receivers, *config.receiver_concurrency, *config.side_inputs]
+    names = [*r["receivers"], *r["receiver_concurrency"], *r["side_inputs"]]
     if not names:
         return None
     problems = []
@@ -147,7 +162,7 @@ def _warehouse(config: Any, *, offline: bool) -> tuple[Check, list[str], int] | 
         try:
             reach_store(str(where), config.storage_options)
         except Exception as exc:  # noqa: BLE001 - obstore's errors, named by their first line
-            why = f"warehouse {where} cannot be reached: {first_line(exc)}"
+            why = f"warehouse {where} cannot be reached: {first_line(exc, config.storage_options)}"
             return Check("warehouse", False, "not reachable"), [why], EX_UNAVAILABLE
         return Check("warehouse", True, f"{where} reachable"), [], 0
     path = Path(os.fspath(where)).expanduser()

@@ -57,6 +57,7 @@ __all__ = [
     "ReceiverError",
     "SchemaError",
     "ServerError",
+    "SettingsError",
     "SideInputError",
     "StreamUsageError",
     "TableSettingsError",
@@ -111,6 +112,15 @@ class DeltaflowError(Exception):
 
 class UsageError(DeltaflowError, ValueError):
     """The caller passed bad arguments or used an object in the wrong state."""
+
+
+class SettingsError(UsageError):
+    """Settings that do not make a valid object: every problem found (``problems``), one per
+    line of the message."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 class TransportError(DeltaflowError):

@@ -155,6 +155,34 @@ def test_config_check_validates_values_files_and_classes(tmp_path: Path) -> None
     assert "is not a writable directory" in not_a_dir.stderr
 
 
+def test_config_check_lists_mistakes_of_every_kind_and_source_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "node.toml"
+    config.write_text(
+        f'node_id = "n1"\nwarehouse = "{tmp_path / "w"}"\nengine = "delta-rs"\nprot = 7700\n'
+        'receivers = ["deltaflow.testing.NoSuchReceiver"]\n'
+        '[tls]\ncert = "/nonexistent/cert.pem"\nkey = "/nonexistent/key.pem"\n'
+    )
+    done = deltaflow(
+        "config", "check", str(config), "--failure-timeout", "0.1",
+        env={"DELTAFLOW_PARTITIONS": "x"},
+    )  # fmt: skip
+    assert done.returncode == 78, done.stdout + done.stderr
+    said = [line.removeprefix("  - ") for line in done.stderr.splitlines()]
+    for problem in (
+        f"{config}: prot: unknown key (did you mean port?)",  # the file
+        "DELTAFLOW_PARTITIONS: expected an integer, got 'x'",  # the environment
+        "tls.cert '/nonexistent/cert.pem' is not a readable file",  # named as the file names it
+        "tls.key '/nonexistent/key.pem' is not a readable file",
+        "failure_timeout must exceed heartbeat_interval",  # a flag's value against a default
+        "deltaflow.testing.NoSuchReceiver: module deltaflow.testing has no NoSuchReceiver",
+    ):
+        assert problem in said, done.stderr
+    assert "--tls-cert" not in done.stderr
+    assert said[-1] == "configuration NOT valid"
+
+
 def test_config_check_reaches_the_store_and_names_a_missing_bucket(
     s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
@@ -178,6 +206,10 @@ def test_config_check_reaches_the_store_and_names_a_missing_bucket(
         "The specified bucket does not exist" in missing.stderr
     )
     assert "Traceback" not in missing.stderr
+    # 69 is a valid configuration whose store is out of reach, and says so.
+    assert missing.stderr.splitlines()[-1] == (
+        "configuration valid, but the warehouse cannot be reached"
+    )
     assert s3_server.secret_key not in missing.stdout + missing.stderr
     offline = deltaflow("config", "check", str(config), "--offline", env=secret)
     assert offline.returncode == 0, offline.stderr

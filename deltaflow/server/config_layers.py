@@ -51,8 +51,10 @@ class ConfigError(UsageError):
     ``deltaflow serve`` and ``deltaflow config check`` exit with :data:`EX_CONFIG` on it.
     """
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    def __init__(self, problems: Sequence[str], resolved: Resolved | None = None) -> None:
         self.problems = list(problems)
+        #: What did resolve (the bad settings at their defaults): a check goes on with it.
+        self.resolved = resolved
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"the configuration is not valid:\n{lines}")
 
@@ -191,7 +193,7 @@ def resolve(
             how = f"{s.option}, " if s.option else ""
             problems.append(f"{s.key} is required: set it with {how}{s.env} or in the file")
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, Resolved(values, path))
     return Resolved(values, path)
 
 
@@ -419,7 +421,7 @@ def node_config(resolved: Resolved) -> Any:
     except ConfigError:
         raise
     except UsageError as exc:
-        raise ConfigError([str(exc)]) from exc
+        raise ConfigError(getattr(exc, "problems", None) or [str(exc)], resolved) from exc
 
 
 #: The settings that are SparkConfig's fields of the same name, after ``spark.``.
@@ -429,38 +431,78 @@ SPARK_CONFIG_KEYS: Final = tuple(
 
 
 def _node_config(r: Resolved) -> Any:
+    """The node's config; every problem is found and each named by the key, variable or flag
+    that set it (one pass of ``config check`` lists them all)."""
     from ..engines.options import SPARK, SparkOptions, engine_options
-    from ..security import NodeTls, read_secret
+    from ..security import read_secret
     from ..spark_integration.session import SparkConfig
     from .node_config import NodeConfig
 
-    tls = None
-    if r["tls.cert"] or r["tls.key"]:
-        if not (r["tls.cert"] and r["tls.key"]):
-            raise UsageError("tls.cert and tls.key go together")
-        tls = NodeTls(r["tls.cert"], r["tls.key"], r["tls.ca"], r["tls.client_auth"])
-    elif r["tls.ca"] or r["tls.client_auth"]:
-        raise UsageError("tls.ca and tls.client_auth need tls.cert and tls.key")
-    secrets = {}
+    problems: list[str] = []
+    tls = _tls(r, problems)
+    secrets: dict[str, str | None] = {}
     for name in ("token", "peer_token"):
         path = r[f"{name}_file"]
         if path and r[name]:
-            raise UsageError(f"{name}_file and {BY_KEY[name].env} are both set: keep one")
-        secrets[name] = read_secret(path, r.named(f"{name}_file")) if path else r[name]
-    # Checked whatever the engine, as the Spark settings always were.
-    spark = SparkOptions(
-        config=SparkConfig(
-            app_name=f"deltaflow-{r['node_id']}",  # one application per node
-            log_level=r["log.spark_level"],
-            **{k.removeprefix("spark."): r[k] for k in SPARK_CONFIG_KEYS},
-        ),
-        writer=r["spark.writer"],
-    )
+            problems.append(f"{r.named(name + '_file')} and {r.named(name)} are both set: keep one")
+        try:
+            secrets[name] = read_secret(path, r.named(f"{name}_file")) if path else r[name]
+        except UsageError as exc:
+            problems.append(str(exc))
+            secrets[name] = "unread"  # judged as given by the checks below
+    engine: Any = engine_options(r["engine"]) if r["engine"] != SPARK else None
+    try:  # checked whatever the engine, as the Spark settings always were
+        spark = SparkOptions(
+            config=SparkConfig(
+                app_name=f"deltaflow-{r['node_id']}",  # one application per node
+                log_level=r["log.spark_level"],
+                **{k.removeprefix("spark."): r[k] for k in SPARK_CONFIG_KEYS},
+            ),
+            writer=r["spark.writer"],
+        )
+        engine = engine or spark
+    except UsageError as exc:
+        problems.append(str(exc))
+        engine = engine or engine_options("delta-rs")  # the other checks go on
     # Every other setting is named as NodeConfig's field it fills.
     fields = {f.name: r[f.name] for f in dataclasses.fields(NodeConfig) if f.name in BY_KEY}
-    fields.update(
-        secrets,
-        tls=tls,
-        engine=spark if r["engine"] == SPARK else engine_options(r["engine"]),
+    fields.update(secrets, tls=tls, engine=engine)
+    if tls is None and (r["tls.cert"] or r["tls.key"]):
+        fields["insecure"] = True  # its TLS is reported above: no second word on credentials
+    try:
+        config = NodeConfig(**fields)
+    except UsageError as exc:
+        problems.extend(getattr(exc, "problems", None) or [str(exc)])
+    if problems:
+        raise ConfigError(problems, r)
+    return config
+
+
+def _tls(r: Resolved, problems: list[str]) -> Any:
+    """The node's TLS settings, or None (none given, or their problems added)."""
+    from ..security import NodeTls
+
+    cert, key, ca, client_auth = (
+        r[k] for k in ("tls.cert", "tls.key", "tls.ca", "tls.client_auth")
     )
-    return NodeConfig(**fields)
+    if not (cert or key):
+        if ca or client_auth:
+            problems.append(
+                f"{r.named('tls.ca')} and {r.named('tls.client_auth')} need "
+                f"{r.named('tls.cert')} and {r.named('tls.key')}"
+            )
+        return None
+    found = len(problems)
+    if not (cert and key):
+        problems.append(f"{r.named('tls.cert')} and {r.named('tls.key')} go together")
+    problems.extend(
+        f"{r.named(name)} {r[name]!r} is not a readable file"
+        for name in ("tls.cert", "tls.key", "tls.ca")
+        if r[name] and not os.path.isfile(r[name])
+    )
+    if client_auth and not ca:
+        problems.append(
+            f"{r.named('tls.client_auth')} needs {r.named('tls.ca')}: the CA whose "
+            "certificates clients and peers must present"
+        )
+    return NodeTls(cert, key, ca, client_auth) if len(problems) == found else None

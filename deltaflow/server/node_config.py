@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from ..engines.options import DEFAULT_ENGINE, EngineOptions, engine_options
-from ..errors import UsageError
+from ..errors import SettingsError, UsageError
 from ..partitioning import DEFAULT_PARTITIONS
 from ..protocol import DEFAULT_MAX_FRAME_BYTES
 from ..security import NODE_ID, NodeTls, is_loopback
@@ -174,46 +174,65 @@ class NodeConfig:
     side_input_poll_interval: float = DEFAULT_SIDE_INPUT_POLL_INTERVAL
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.node_id, str) and NODE_ID.fullmatch(self.node_id)):
-            raise UsageError(
-                f"node_id {self.node_id!r:.80} is not allowed: use 1 to 64 characters of A-Z a-z "
-                "0-9 . _ -, starting with a letter or digit"
-            )
+        problems: list[str] = []  # every one, so a config check lists them in one pass
+
+        def need(ok: Any, problem: str) -> None:
+            if not ok:
+                problems.append(problem)
+
+        def checked(check: Callable[[], Any]) -> None:
+            try:
+                check()
+            except UsageError as exc:
+                problems.extend(getattr(exc, "problems", None) or [str(exc)])
+
+        need(
+            isinstance(self.node_id, str) and NODE_ID.fullmatch(self.node_id),
+            f"node_id {self.node_id!r:.80} is not allowed: use 1 to 64 characters of A-Z a-z "
+            "0-9 . _ -, starting with a letter or digit",
+        )
         for name, secret in (("token", self.token), ("peer_token", self.peer_token)):
-            if secret is not None and not secret.strip():
-                raise UsageError(f"{name} is empty; a secret must hold something")
-        if not 1 <= self.partitions <= 65536:
-            raise UsageError("partitions must be between 1 and 65536")
-        if self.max_frame_bytes < 64 * 1024:
-            raise UsageError("max_frame_bytes must be at least 64 KiB")
-        if not 1 <= self.max_connections_per_address <= self.max_connections:
-            raise UsageError("max_connections_per_address must be between 1 and max_connections")
-        if not (self.header_timeout > 0 and self.idle_timeout > 0):
-            raise UsageError("header_timeout and idle_timeout must be > 0")
-        if self.advertise is None and self.host in ("0.0.0.0", "::", ""):
-            raise UsageError(
-                f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
-                "advertise='host:port' (--advertise) so clients and peers can reach it"
-            )
+            need(secret is None or secret.strip(), f"{name} is empty; a secret must hold something")
+        need(1 <= self.partitions <= 65536, "partitions must be between 1 and 65536")
+        need(self.max_frame_bytes >= 64 * 1024, "max_frame_bytes must be at least 64 KiB")
+        need(
+            1 <= self.max_connections_per_address <= self.max_connections,
+            "max_connections_per_address must be between 1 and max_connections",
+        )
+        need(
+            self.header_timeout > 0 and self.idle_timeout > 0,
+            "header_timeout and idle_timeout must be > 0",
+        )
+        need(
+            self.advertise is not None or self.host not in ("0.0.0.0", "::", ""),
+            f"node {self.node_id} listens on all interfaces ({self.host!r}); pass "
+            "advertise='host:port' (--advertise) so clients and peers can reach it",
+        )
         if not (self.insecure or is_loopback(self.host)):
-            self._check_network_credentials()
-        object.__setattr__(self, "engine", engine_options(self.engine))
+            checked(self._check_network_credentials)
+        checked(lambda: object.__setattr__(self, "engine", engine_options(self.engine)))
         for name, bound in self.receiver_concurrency.items():
-            if not isinstance(bound, int) or bound < 1:
-                raise UsageError(
-                    f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}"
-                )
-        if self.failure_timeout <= self.heartbeat_interval:
-            raise UsageError("failure_timeout must exceed heartbeat_interval")
-        if self.peer_expiry <= self.failure_timeout:
-            raise UsageError("peer_expiry must exceed failure_timeout")
-        self.engine_settings()  # checks them
-        if not (isinstance(self.max_tables, int) and self.max_tables >= 1):
-            raise UsageError(f"max_tables must be at least 1, got {self.max_tables!r}")
-        if not (self.side_input_timeout > 0 and self.side_input_poll_interval > 0):
-            raise UsageError("side_input_timeout and side_input_poll_interval must be > 0")
-        if not self.side_input_lease >= 0.3:
-            raise UsageError("side_input_lease must be at least 0.3 seconds")
+            need(
+                isinstance(bound, int) and bound >= 1,
+                f"receiver_concurrency[{name!r}] must be a positive int, got {bound!r}",
+            )
+        need(
+            self.failure_timeout > self.heartbeat_interval,
+            "failure_timeout must exceed heartbeat_interval",
+        )
+        need(self.peer_expiry > self.failure_timeout, "peer_expiry must exceed failure_timeout")
+        checked(self.engine_settings)  # checks them
+        need(
+            isinstance(self.max_tables, int) and self.max_tables >= 1,
+            f"max_tables must be at least 1, got {self.max_tables!r}",
+        )
+        need(
+            self.side_input_timeout > 0 and self.side_input_poll_interval > 0,
+            "side_input_timeout and side_input_poll_interval must be > 0",
+        )
+        need(self.side_input_lease >= 0.3, "side_input_lease must be at least 0.3 seconds")
+        if problems:
+            raise SettingsError(problems)
 
     @property
     def peer_certificates(self) -> bool:
