@@ -123,10 +123,12 @@ def _store_check(args: argparse.Namespace) -> int:
     """Check that a store honours conditional writes, as commits on it need."""
     from .storage.conditional import check_conditional_writes, first_line, store_errors
 
+    options = storage_options_of(args)
     try:
-        check = check_conditional_writes(args.uri, storage_options_of(args))
+        check = check_conditional_writes(args.uri, options)
     except store_errors() as exc:
-        print(f"deltaflow: cannot check the store {args.uri}: {first_line(exc)}", file=sys.stderr)
+        why = first_line(exc, options)
+        print(f"deltaflow: cannot check the store {args.uri}: {why}", file=sys.stderr)
         return 2
     if args.json:
         print_json({

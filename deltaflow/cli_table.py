@@ -89,6 +89,11 @@ def add_table_commands(sub: Any) -> None:
         help="keep files needed by versions of the last N hours (default %(default)s, 7 days)",
     )
     vacuum.add_argument("--dry-run", action="store_true", help="list the files, delete nothing")
+    vacuum.add_argument(
+        "--force",
+        action="store_true",
+        help="vacuum with a retention below the table's delta.deletedFileRetentionDuration",
+    )
     vacuum.set_defaults(func=_vacuum)
     _add_create(
         command(
@@ -288,7 +293,11 @@ def _vacuum(args: argparse.Namespace) -> int:
 
     name = _table_name(args)
     doomed = maintenance.vacuum(
-        warehouse_of(args), name, retention_hours=args.retention_hours, dry_run=args.dry_run
+        warehouse_of(args),
+        name,
+        retention_hours=args.retention_hours,
+        dry_run=args.dry_run,
+        force=args.force,
     )
     if args.json:
         print_json({"table": name, "dry_run": args.dry_run, "files": list(doomed)})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -18,6 +19,7 @@ import os
 import re
 import secrets
 import shlex
+import socket
 import ssl
 import stat
 import time
@@ -38,6 +40,7 @@ __all__ = [
     "answer_proof",
     "call_proof",
     "client_context",
+    "connect_failure",
     "diagnose",
     "has_peer_role",
     "is_loopback",
@@ -344,3 +347,15 @@ async def diagnose(
         "token): pass tls= to deltaflow.connect() (an ssl.SSLContext, or "
         "deltaflow.ClientTls(ca=...)), or --tls-ca on the command line"
     )
+
+
+def connect_failure(exc: BaseException) -> str:
+    """Why a connection could not be made, in the OS's words (aiohttp's own message names
+    its TLS setting, ``ssl:default``, even for a plain connection)."""
+    error = getattr(exc, "os_error", exc)
+    if isinstance(error, socket.gaierror):
+        return f"the host name does not resolve ({error.strerror})"
+    if isinstance(error, OSError) and error.errno is not None and error.errno > 0:
+        hint = " (is a node listening on that port?)" if error.errno == errno.ECONNREFUSED else ""
+        return os.strerror(error.errno).lower() + hint
+    return str(error) or type(error).__name__

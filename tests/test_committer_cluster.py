@@ -214,7 +214,12 @@ async def test_a_writer_killed_between_prepare_and_commit_leaves_only_files_vacu
     orphans = await asyncio.to_thread(_unreferenced, path)
     assert orphans, "node-2 left no files: it died elsewhere"
     doomed = await asyncio.to_thread(
-        maintenance.vacuum, tmp_path / "warehouse", name, retention_hours=0, dry_run=False
+        maintenance.vacuum,
+        tmp_path / "warehouse",
+        name,
+        retention_hours=0,
+        dry_run=False,
+        force=True,
     )
     assert orphans <= set(doomed)
     assert await asyncio.to_thread(_unreferenced, path) == set()

@@ -10,6 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from deltaflow.errors import UsageError
 from deltaflow.tables import maintenance
 
 from .support import read_delta, read_spark, table_engine, upsert
@@ -42,7 +45,12 @@ async def test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors(
         "_deltaflow_bucket=1/part-00000-failed.snappy.parquet",
         "deletion_vector_00000000-0000-0000-0000-000000000000.bin",
     ]
-    assert await asyncio.to_thread(vacuum, dry_run=False) == listed
+    # Delta's retention check: below the table's 7 days only when forced, nothing deleted.
+    with pytest.raises(UsageError, match=r"retention of 24 h is below table swept's "
+                       r"delta.deletedFileRetentionDuration \(168 h\).*--force"):  # fmt: skip
+        await asyncio.to_thread(vacuum, dry_run=False)
+    assert all((path / name).exists() for name in listed)
+    assert await asyncio.to_thread(vacuum, dry_run=False, force=True) == listed
     assert not any((path / name).exists() for name in listed)
     assert {f.name for f in path.glob("deletion_vector_*.bin")} == vectors
     assert read_delta(path) == before

@@ -174,7 +174,17 @@ def test_store_check_names_the_store_it_cannot_reach(tmp_path: Path) -> None:
     done = _deltaflow("store", "check", "s3://nowhere/w", *options, env=secrets)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("deltaflow: cannot check the store s3://nowhere/w: ")
-    assert "Traceback" not in done.stderr
+    # The cause the store client keeps in its debug dump, said in the one line.
+    assert f"error sending request: Connection refused at 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr and "Debug" not in done.stderr
+    # A variable set empty (a shell's `export AWS_ALLOW_HTTP=`): named, with what to do.
+    empty = _deltaflow("store", "check", "s3://nowhere/w", *options[2:],
+                       env={**secrets, "AWS_ALLOW_HTTP": ""})  # fmt: skip
+    assert empty.returncode == 2
+    assert (
+        "failed to parse \"\" as boolean (AWS_ALLOW_HTTP='': set true or false, or unset it)"
+        in empty.stderr
+    ), empty.stderr
 
 
 def test_a_missing_bucket_and_a_plain_http_endpoint_are_named(

@@ -319,6 +319,9 @@ async def test_failed_rows_are_counted_per_partition_or_dead_lettered_and_read_b
     assert failure.partition == 1 and failure.stream_id.endswith(":1")
     assert failure.items_not_applied == 100 and failure.items_applied == 0
     assert "SCHEMA_MISMATCH" in failure.error
+    # The cause, said once: not wrapped in its stream's own "stream ... failed: ...".
+    assert failure.error.startswith("SchemaError: ") and "failed:" not in failure.error
+    assert str(failed.value).count(failure.stream_id) == 1
     assert failed.value.summary.items_applied == 100
     assert sorted(read_delta(warehouse / "orders")) == list(range(100))
 

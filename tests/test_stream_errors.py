@@ -222,3 +222,19 @@ async def test_arrow_batches_whose_type_changes_inexactly_fail_only_those_rows(
         k for k in range(200) if k not in table
     )
     assert "column 'v' of table 't' is long; 2.5 (float) has a fractional part" in str(err)
+
+
+async def test_a_failed_connect_says_why_in_the_systems_words() -> None:
+    from deltaflow.errors import NodeUnavailableError
+    from deltaflow.testing import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(NodeUnavailableError) as refused:
+        async with deltaflow.connect([f"127.0.0.1:{port}"]):
+            pass
+    said = str(refused.value)
+    assert (
+        f"cannot connect to node at 127.0.0.1:{port}: connection refused (is a node listening "
+        "on that port?)"
+    ) in said
+    assert "ssl:default" not in said  # aiohttp's words for a plain connection's TLS setting

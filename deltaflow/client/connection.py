@@ -39,7 +39,7 @@ from ..protocol import (
     decode_frames,
     encode_frame,
 )
-from ..security import diagnose, tls_failure, url
+from ..security import connect_failure, diagnose, tls_failure, url
 
 __all__ = ["Connection", "ResultSink", "explain_dropped", "map_transport_errors"]
 
@@ -72,7 +72,7 @@ def _transport_error(
     if failure is not None:
         return failure
     if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
-        return NodeUnavailableError(f"cannot connect to node at {address}: {exc}")
+        return NodeUnavailableError(f"cannot connect to node at {address}: {connect_failure(exc)}")
     if isinstance(exc, aiohttp.WSServerHandshakeError) and exc.status == 401:
         return AuthenticationError(
             f"node at {address} rejected the token in the WebSocket upgrade; pass the token "

@@ -309,6 +309,13 @@ def stream_partitions(df: DataFrame, streamer: PartitionStreamer) -> DataFrameSu
     return summary
 
 
+def _named(exc: BaseException) -> str:
+    """An error as ``Class: message``, a nested stream's own wrapping peeled off."""
+    while isinstance(exc, DataStreamerError) and exc.cause is not None:
+        exc = exc.cause
+    return f"{type(exc).__name__}: {exc}"
+
+
 def check_tls(tls: object) -> None:
     """The executors build their own SSL context from files: only a ClientTls travels there."""
     if tls is not None and not isinstance(tls, ClientTls):
@@ -417,7 +424,8 @@ class PartitionStreamer:
                 stream_id=sid,
                 applied=applied,
                 not_applied=sum(map(_count, exc.failed_items)) + left(),
-                error=str(exc),
+                # The cause alone: the failure names its partition and stream already.
+                error=_named(exc.cause if exc.cause is not None else exc),
             )
         except DeltaflowError as exc:  # the stream never started (no node, bad arguments)
             log.warning("stream %s (Spark partition %d) did not start: %s", sid, index, exc)
@@ -425,7 +433,7 @@ class PartitionStreamer:
                 partition=index,
                 stream_id=sid,
                 not_applied=first_rows + left(),
-                error=f"{type(exc).__name__}: {exc}",
+                error=_named(exc),
             )
         return _Outcome(
             partition=index,
@@ -451,6 +459,8 @@ def check_target(
     """The driver-side checks of ``Client.stream_data``, before any Spark job runs."""
     if (table is None) == (receiver is None):
         raise UsageError("pass exactly one of table= (built-in upsert) or receiver=")
+    if table is not None and (problem := table_name_problem(table)) is not None:
+        raise UsageError(problem)
     if table is not None and key is not None and not isinstance(key, (str, tuple, list)):
         raise UsageError(
             f"table={table!r} needs key= naming the key column(s), not {key!r}; without key= "
@@ -459,8 +469,6 @@ def check_target(
     if key is None:
         raise UsageError("key= is required: a column name, a tuple of column names, or a callable")
 
-    if table is not None and (problem := table_name_problem(table)) is not None:
-        raise UsageError(problem)
 
 def node_list(nodes: Sequence[str] | str) -> tuple[str, ...]:
     """Checked on the driver: a typo should fail once, not once per Spark partition."""

@@ -9,6 +9,7 @@ refused, and of ``racers`` writers creating one key at once exactly one must win
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import uuid
@@ -78,7 +79,7 @@ def require_conditional_writes(uri: str, options: Mapping[str, str] | None = Non
     try:
         check = check_conditional_writes(uri, options)
     except store_errors() as exc:
-        raise UsageError(f"cannot reach the store {uri}: {first_line(exc)}") from exc
+        raise UsageError(f"cannot reach the store {uri}: {first_line(exc, options)}") from exc
     if not check.ok:
         raise UsageError(
             check.refusal() + " (`deltaflow store check` tells what it does; a store with "
@@ -94,10 +95,12 @@ def store_errors() -> tuple[type[BaseException], ...]:
     return (BaseError, OSError)
 
 
-def first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException, options: Mapping[str, str] | None = None) -> str:
     """An object-store error, short: the store's own code and message when its answer holds
     them (``404 Not Found: NoSuchBucket: The specified bucket does not exist``), else the
-    first line, which names the problem (the rest is debug detail)."""
+    first line, which names the problem (the rest is debug detail), with what the debug
+    detail holds that the line leaves out: the connection's own error (``Connection refused
+    at 127.0.0.1:9000``), the variable or option a value that is not a boolean came from."""
     text = str(exc).strip()
     code, message = _XML_CODE.search(text), _XML_MESSAGE.search(text)
     if code and message:
@@ -107,9 +110,31 @@ def first_line(exc: BaseException) -> str:
     line = text.splitlines()[0] if text else type(exc).__name__
     if "builder error" in line and "http://" in text:
         line += " (an http:// endpoint needs AWS_ALLOW_HTTP=true among the storage options)"
+    connect = _CONNECT.search(text)
+    if connect is not None:
+        causes = _OS_MESSAGE.findall(text)
+        why = causes[-1] if causes else connect.group(1)
+        line += f": {why} at {connect.group(2)} (is the store running there? the endpoint is "
+        line += "AWS_ENDPOINT_URL or the endpoint storage option)"
+    boolean = _NOT_BOOLEAN.search(text)
+    if boolean is not None:
+        value = boolean.group(1)
+        named = [
+            f"{name}={value!r}"
+            for name, given in [*os.environ.items(), *(options or {}).items()]
+            if given == value and name.upper().startswith(_STORE_VARIABLES)
+        ]
+        if named:
+            line += f" ({', '.join(sorted(set(named)))}: set true or false, or unset it)"
     return line
 
 
+_CONNECT: Final = re.compile(r'ConnectError\(\s*"([^"]{1,100})",\s*([^\s,]{1,200}),')
+_OS_MESSAGE: Final = re.compile(r'message: "([^"]{1,200})"')
+_NOT_BOOLEAN: Final = re.compile(r'failed to parse "([^"]{0,100})" as boolean')
+#: Where object_store's settings come from: these variables, and storage options by the
+#: same names.
+_STORE_VARIABLES: Final = ("AWS_", "GOOGLE_", "AZURE_", "OBJECT_STORE_")
 _XML_CODE: Final = re.compile(r"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE: Final = re.compile(r"<Message>([^<]{1,300})</Message>")
 _STATUS: Final = re.compile(r"status code: (\d{3}[A-Za-z ]{0,40}?)(?::|$)", re.MULTILINE)

@@ -24,6 +24,7 @@ from .atomicity import atomicity_for
 from .log import commit_text, commit_versions, delta_table, table_path
 from .log import log_dir as delta_log_dir
 from .marks import METADATA_KEY
+from .sequence import parse_interval
 
 __all__ = [
     "DEFAULT_RETENTION_HOURS",
@@ -60,6 +61,7 @@ def vacuum(
     *,
     retention_hours: int = DEFAULT_RETENTION_HOURS,
     dry_run: bool = True,
+    force: bool = False,
 ) -> list[str]:
     """Delete the table's files that no version within ``retention_hours`` needs (older than
     that, and named by none of its live files), keeping every deletion vector file the log
@@ -68,12 +70,27 @@ def vacuum(
     Files younger than the retention are kept whatever they are: a node may be writing the
     files of a commit that has not landed yet, so keep the retention well above a commit's
     duration.
+
+    Raises:
+        UsageError: a retention below the table's ``delta.deletedFileRetentionDuration``
+            without ``force`` (Delta's own retention check), unless ``dry_run``.
     """
     if retention_hours < 0:
         raise UsageError(f"retention_hours must be >= 0, got {retention_hours}")
     path = table_path(warehouse, table)
     with atomicity_for(warehouse).hold(table):
-        unreferenced = delta_table(path).vacuum(
+        dt = delta_table(path)
+        configured = dt.metadata().configuration.get("delta.deletedFileRetentionDuration")
+        kept = parse_interval(configured) // 3600 if configured else DEFAULT_RETENTION_HOURS
+        if retention_hours < kept and not (dry_run or force):
+            raise UsageError(
+                f"a retention of {retention_hours} h is below table {table}'s "
+                f"delta.deletedFileRetentionDuration ({kept} h): a reader of an older version, "
+                "or a node whose commit has not landed yet, may need the files it deletes. "
+                "Look first with --dry-run; --force vacuums anyway (Delta's "
+                "retentionDurationCheck.enabled=false)"
+            )
+        unreferenced = dt.vacuum(
             retention_hours=retention_hours,
             dry_run=True,
             enforce_retention_duration=False,
