@@ -179,6 +179,19 @@ async def test_a_lossy_value_fails_its_item_with_its_source_position_and_key(
     assert all("was refused" in f.reason or "stopped" in f.reason for f in others), others
 
 
+async def upsert_on_one_node(
+    start_cluster: StartCluster, warehouse: Path, engine: str, **sources: Any
+) -> None:
+    """Stream each source into the table of its name, by ``id``, on one node of ``engine``."""
+    nodes = await start_cluster(warehouse, count=1, engine=engine)
+    try:
+        async with deltaflow.connect([nodes[0].address]) as client:
+            for table, source in sources.items():
+                await client.stream_data(source, table=table, key="id")
+    finally:
+        await nodes[0].stop()
+
+
 @pytest.mark.parametrize("engine", ["spark", "delta-rs"])
 async def test_python_value_types_round_trip_exactly_through_both_readers(
     warehouse: Path, engine: str, spark: Any, start_cluster: StartCluster
@@ -201,14 +214,8 @@ async def test_python_value_types_round_trip_exactly_through_both_readers(
         }
         for i in range(50)
     ]
-    nodes = await start_cluster(warehouse, count=1, engine=engine)
-    try:
-        async with deltaflow.connect([nodes[0].address]) as client:
-            await client.stream_data(rows, table="typed", key="id")
-            # A table made on first write from such rows takes their types.
-            await client.stream_data(rows, table="inferred", key="id")
-    finally:
-        await nodes[0].stop()
+    # A table made on first write from such rows ("inferred") takes their types.
+    await upsert_on_one_node(start_cluster, warehouse, engine, typed=rows, inferred=rows)
     want = {r["id"]: {**r, "ts": r["ts"].astimezone(UTC)} for r in rows}
     for name in ("typed", "inferred"):
         path = warehouse / name
@@ -235,3 +242,45 @@ async def test_python_value_types_round_trip_exactly_through_both_readers(
     types = {f.name: str(f.type) for f in pa.schema(schema)}
     assert types["amount"] == "decimal128(38, 18)"
     assert types["at"] == "timestamp[us]"
+
+
+@pytest.mark.parametrize("engine", ["spark", "delta-rs"])
+async def test_a_table_made_by_the_first_write_takes_the_sources_declared_types(
+    warehouse: Path, engine: str, spark: Any, start_cluster: StartCluster
+) -> None:
+    import pandas as pd
+
+    at = [datetime.datetime(2026, 1, 1, 12, tzinfo=UTC), datetime.datetime(2026, 1, 2, tzinfo=UTC)]
+    arrow = pa.table({
+        "id": pa.array([1, 2], pa.int32()),
+        "price": pa.array([D("1.25"), D("9999999999.99")], pa.decimal128(12, 2)),
+        "at": pa.array(at, pa.timestamp("us", tz="UTC")),
+        "ratio": pa.array([0.5, 1.5], pa.float32()),
+        "tags": pa.array([["a"], ["b", "c"]], pa.list_(pa.string())),
+    })  # fmt: skip
+    frame = pd.DataFrame({
+        "id": pd.array([1, 2], dtype="int16"),
+        "score": pd.array([0.25, 0.75], dtype="float32"),
+        "at": pd.to_datetime(at, utc=True),
+        "ok": [True, False],
+    })  # fmt: skip
+    await upsert_on_one_node(start_cluster, warehouse, engine, from_arrow=arrow, from_pandas=frame)
+
+    def types(name: str) -> dict[str, str]:
+        schema = pa.schema(DeltaTable(str(warehouse / name)).schema().to_arrow())
+        return {f.name: str(f.type) for f in schema if not f.name.startswith("_deltaflow")}
+
+    assert types("from_arrow") == {
+        "id": "int32",
+        "price": "decimal128(12, 2)",
+        "at": "timestamp[us, tz=UTC]",
+        "ratio": "float",
+        "tags": "list<element: string>",
+    }
+    assert types("from_pandas") == {
+        "id": "int16",
+        "score": "float",
+        "at": "timestamp[us, tz=UTC]",
+        "ok": "bool",
+    }
+    assert read_delta(warehouse / "from_arrow")[2]["price"] == D("9999999999.99")
