@@ -4,19 +4,29 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 export DELTAFLOW_JARS_DIR ?= $(HOME)/.cache/deltaflow/jars
 
+# The demo's packages (deltaflow with Spark and delta-rs), then the developer's on top.
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
+# setuptools warns at every editable install that a folder named like the package may shadow
+# it; here that folder is the package.
+PIP_QUIET := PYTHONWARNINGS='ignore:Editable installation'
 # A second environment with only `deltaflow[connect]` (pyspark-client, no JVM): the Spark
 # Connect tests run a node from it.
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup test-setup demo test fuzz bench bench-transport bench-layout mutation breaks lint clean versitygw toxiproxy
+.PHONY: setup dev-setup test-setup demo demo-cdc test fuzz bench bench-transport bench-layout mutation breaks lint clean versitygw toxiproxy
 
-$(STAMP): pyproject.toml
-	@echo "==> virtualenv $(VENV) with deltaflow[dev] (pip: about 2 minutes the first time)"
+$(DEMO_STAMP): pyproject.toml
+	@echo "==> virtualenv $(VENV) with deltaflow[spark,deltars] (pip: about a minute the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --progress-bar off -e '.[dev]'
+	$(PIP_QUIET) $(PY) -m pip install --quiet --progress-bar off -e '.[spark,deltars]'
+	touch $@
+
+$(STAMP): $(DEMO_STAMP)
+	@echo "==> deltaflow[dev] into $(VENV): the test, lint and benchmark tools (pip, once)"
+	$(PIP_QUIET) $(PY) -m pip install --quiet --progress-bar off -e '.[dev]'
 	touch $@
 
 # A real S3-compatible server for the object-storage tests: versitygw, pinned, built by Go
@@ -45,7 +55,7 @@ $(CONNECT_STAMP): pyproject.toml
 	@echo "==> virtualenv $(CONNECT_VENV) with deltaflow[connect] alone (the Spark Connect tests' node)"
 	$(PYTHON) -m venv $(CONNECT_VENV)
 	$(CONNECT_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(CONNECT_VENV)/bin/python -m pip install --quiet -e '.[connect]'
+	$(PIP_QUIET) $(CONNECT_VENV)/bin/python -m pip install --quiet -e '.[connect]'
 	touch $@
 
 # Debian's chromium, for the status page's browser tests (Playwright drives it; no download).
@@ -65,20 +75,31 @@ $(SYSTEMD_ANALYZE):
 	$(SUDO) apt-get install -y --no-install-recommends systemd >/dev/null 2>&1 || \
 	  ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y --no-install-recommends systemd)
 
-# What the demo needs: the virtualenv and Delta's jars.
-setup: $(STAMP)
+# What the demo needs: the virtualenv with deltaflow's Spark and delta-rs engines, and
+# Delta's jars.
+setup: $(DEMO_STAMP)
 	@echo "==> Delta's jars into $(DELTAFLOW_JARS_DIR) (Maven Central, once)"
 	$(VENV)/bin/deltaflow jars >/dev/null
 	@echo "==> set up"
 
+# What development needs besides: pytest, ruff, mypy, the benchmarks' libraries.
+dev-setup: setup $(STAMP)
+
 # What the tests need besides: the Connect environment, S3A's jars (about 690 MB, once), the
 # S3 server, the browser and systemd-analyze.
-test-setup: setup $(CONNECT_STAMP) $(VERSITYGW) $(CHROMIUM) $(SYSTEMD_ANALYZE)
+test-setup: dev-setup $(CONNECT_STAMP) $(VERSITYGW) $(CHROMIUM) $(SYSTEMD_ANALYZE)
 	@echo "==> S3A's jars and deltaflow's S3 log store (about 690 MB from Maven Central, once)"
 	$(VENV)/bin/deltaflow jars --object-store >/dev/null
 
+# `make demo DEMO_ARGS="--keep"` keeps the table; `--warehouse DIR` puts it there.
+DEMO_ARGS ?=
 demo: setup
-	$(PY) -m deltaflow.cli demo
+	$(PY) -m deltaflow.cli demo $(DEMO_ARGS)
+
+# examples/cdc_debezium.py on its sample events, out of order: the table ends at the source's rows.
+demo-cdc: setup
+	$(PY) examples/cdc_debezium.py examples/data/customers.jsonl --local \
+		--expect examples/data/customers.expected.json
 
 test: test-setup
 	@echo "==> the test suite (about 20 minutes on 2 cores)"
@@ -90,12 +111,12 @@ bench: test-setup $(TOXIPROXY)
 bench-transport: test-setup
 	$(PY) bench/transport.py
 
-bench-layout: setup
+bench-layout: dev-setup
 	$(PY) bench/layout.py
 
 # The fuzzing net of the wire protocol with many more examples than `make test` runs:
 # hypothesis over the decoders, the Arrow page reader and a live node's WebSocket. About 6 min.
-fuzz: setup
+fuzz: dev-setup
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest tests/test_fuzz.py tests/test_arrow_bounds.py \
 		-p no:cacheprovider --timeout=1200
 
@@ -109,7 +130,7 @@ mutation: test-setup
 breaks: test-setup
 	$(PY) tools/breaks.py
 
-lint: setup
+lint: dev-setup
 	$(VENV)/bin/ruff check deltaflow tests examples bench tools
 	$(VENV)/bin/ruff format --check deltaflow tests examples bench tools
 	$(VENV)/bin/mypy

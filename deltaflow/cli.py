@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine)
+    return run_demo(rows=args.rows, warehouse=args.warehouse, engine=args.engine, keep=args.keep)
 
 
 def _spark_default(name: str) -> Any:
@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, default=200_000, help="changes to stream (default %(default)s)"
     )
     demo.add_argument(
-        "--warehouse", default=None, help="where the table goes (default: a temporary directory)"
+        "--warehouse",
+        default=None,
+        help="where the table goes, and stays (default: a temporary directory, removed)",
+    )
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the temporary directory and say where it is"
     )
     demo.add_argument(
         "--engine",

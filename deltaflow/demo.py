@@ -9,6 +9,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,19 +42,41 @@ def demo_rows(count: int, *, seed: int = 7) -> Iterator[Any]:
         }
 
 
-def _expected(count: int) -> int:
-    from .client import Delete
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the demo's changes leave in the table, counted from the changes themselves."""
 
-    live: set[int] = set()
-    for row in demo_rows(count):
-        if isinstance(row, Delete):
-            live.discard(row.item["id"])
-        else:
-            live.add(row["id"])
-    return len(live)
+    created: int
+    updates: int
+    deleted: int
+
+    @property
+    def rows(self) -> int:
+        return self.created - self.deleted
+
+    @classmethod
+    def of(cls, count: int) -> Expected:
+        from .client import Delete
+
+        live: set[int] = set()
+        created = updates = deleted = 0
+        for row in demo_rows(count):
+            if isinstance(row, Delete):
+                deleted += row.item["id"] in live
+                live.discard(row.item["id"])
+            elif row["id"] in live:
+                updates += 1
+            else:
+                created += 1
+                live.add(row["id"])
+        return cls(created, updates, deleted)
 
 
-def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str = "spark") -> int:
+def run_demo(
+    *, rows: int = 200_000, warehouse: str | None = None, engine: str = "spark", keep: bool = False
+) -> int:
+    """Stream ``rows`` changes into the table ``orders`` under ``warehouse`` (a temporary
+    directory, removed at the end unless ``keep``), read it back and check its rows."""
     from tqdm import tqdm
 
     import deltaflow
@@ -111,19 +134,23 @@ def run_demo(*, rows: int = 200_000, warehouse: str | None = None, engine: str =
         spark = get_spark()
         path = wh / "orders"
         count = spark.sql(f"SELECT COUNT(*) AS n FROM delta.`{path}`").collect()[0]["n"]
-        expected = _expected(rows)
+        want = Expected.of(rows)
+        expected = want.rows
         columns = "id, customer, amount, ts, note"  # not deltaflow's own bucket column
         sample = spark.sql(f"SELECT {columns} FROM delta.`{path}` ORDER BY id LIMIT 5").collect()
         print(f"\nDelta table {path}, its first rows (read back through Spark):")
         print_table(columns.split(", "), ([readable(v) for v in row] for row in sample))
         versions = spark.sql(f"DESCRIBE HISTORY delta.`{path}`").count()
-        verdict = "as expected" if count == expected else f"EXPECTED {expected:,}"
+        verdict = "as the changes leave it" if count == expected else f"NOT {expected:,}"
         print(
             f"\n{'OK' if count == expected else 'WRONG'}: {summary.items_acked:,} changes "
             f"streamed by 2 nodes in {elapsed:.1f} s ({summary.items_acked / elapsed:,.0f}/s); "
-            f"table orders holds {count:,} rows {verdict}, in {versions} versions"
+            f"table orders holds {count:,} rows, {verdict} ({want.created:,} orders created, "
+            f"{want.updates:,} updates, {want.deleted:,} deleted), in {versions} versions"
         )
+        if keep or warehouse:
+            print(f"the table stays at {path} (read it with Spark, or deltalake.QueryBuilder)")
         return 0 if count == expected else 1
     finally:
-        if tmp:
+        if tmp and not keep:
             shutil.rmtree(tmp, ignore_errors=True)
