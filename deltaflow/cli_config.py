@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from .cli_output import print_json, print_table
 from .server.config_layers import EX_CONFIG, ConfigError, Resolved, add_flags, node_config, resolve
+from .server.node_settings import SETTINGS
 
 __all__ = ["EX_UNAVAILABLE", "add_config_commands", "settings_of"]
 
@@ -89,7 +90,9 @@ def _check(args: argparse.Namespace) -> int:
         resolved: Resolved | None = settings_of(args)
     except ConfigError as exc:
         problems, resolved = list(exc.problems), exc.resolved
-    if resolved is not None:
+    # The node's own checks need its required settings; without one, its absence is the
+    # problem (said above), not what NodeConfig would make of a None.
+    if resolved is not None and not any(s.required and not resolved[s.key] for s in SETTINGS):
         try:
             config = node_config(resolved)
         except ConfigError as exc:
@@ -100,7 +103,7 @@ def _check(args: argparse.Namespace) -> int:
         else Check("settings", False, f"{len(problems)} problem(s)")
     )
     found_all = [_classes(resolved)] if resolved is not None else []
-    if config is not None:
+    if config is not None and not problems:  # 69 only for a configuration that is valid
         found_all.append(_warehouse(config, offline=args.offline))
     for found in found_all:
         if found is not None:

@@ -343,3 +343,34 @@ async def test_a_bad_table_name_is_refused_before_anything_is_sent(
     with pytest.raises(UsageError, match=r"dead_letter_table: table name 'dead letters'"):
         StreamerOptions(dead_letter_table="dead letters")
     assert sent == []  # not one row was pulled
+
+
+async def test_a_misnamed_key_fails_the_stream_rather_than_quarantine_every_row(
+    cluster: list[Node],
+) -> None:
+    """Under quarantine, rows without their key are set aside; but when none of the first
+    1,000 rows has it, the key is misnamed: the stream fails and says so."""
+    import pyarrow as pa
+
+    from deltaflow.client.admission import KEYLESS_LIMIT
+
+    rows = [{"Id": i, "v": i} for i in range(KEYLESS_LIMIT + 500)]
+    quarantine = StreamerOptions(on_bad_row="quarantine")
+    async with deltaflow.connect([cluster[0].address]) as client:
+        with pytest.raises(DataStreamerError) as info:
+            await client.stream_data(rows, table="misnamed", key="id", options=quarantine)
+        with pytest.raises(DataStreamerError) as arrow_info:
+            await client.stream_data(
+                [pa.table({"Id": list(range(2_000))})], table="misnamed", key="id",
+                options=quarantine,
+            )  # fmt: skip
+        # An empty batch without the key quarantines nothing and fails nothing.
+        empty = await client.stream_data(
+            [pa.table({"Id": pa.array([], pa.int64())}), pa.table({"id": [1]})],
+            table="misnamed", key="id", options=quarantine,
+        )  # fmt: skip
+    said = str(info.value.cause)
+    assert f"the first {KEYLESS_LIMIT:,} rows of the stream all lack their key" in said
+    assert "is key=['id'] right?" in said
+    assert "lacks the key column(s) ['id']" in str(arrow_info.value.cause)
+    assert (empty.items_acked, empty.items_quarantined, empty.items_failed) == (1, 0, 0)

@@ -129,6 +129,10 @@ def test_config_check_lists_every_problem_with_exit_78(tmp_path: Path) -> None:
     missing = deltaflow("config", "check", "--offline")
     assert missing.returncode == 78
     assert "node_id is required: set it with --node-id, DELTAFLOW_NODE_ID" in missing.stderr
+    no_warehouse = deltaflow("config", "check", "--offline", "--node-id", "n1")
+    assert no_warehouse.returncode == 78, no_warehouse.stderr
+    assert "warehouse is required" in no_warehouse.stderr
+    assert "unexpected" not in no_warehouse.stderr and "None" not in no_warehouse.stderr
 
 
 def test_config_check_validates_values_files_and_classes(tmp_path: Path) -> None:
@@ -213,6 +217,10 @@ def test_config_check_reaches_the_store_and_names_a_missing_bucket(
     assert s3_server.secret_key not in missing.stdout + missing.stderr
     offline = deltaflow("config", "check", str(config), "--offline", env=secret)
     assert offline.returncode == 0, offline.stderr
+    # A configuration that is not valid is 78, whatever the store: 69 promises it is valid.
+    bad = deltaflow("config", "check", str(config), env={**secret, "DELTAFLOW_PARTITIONS": "x"})
+    assert bad.returncode == 78, bad.stderr
+    assert bad.stderr.splitlines()[-1] == "configuration NOT valid"
 
 
 def test_version_is_printed() -> None:

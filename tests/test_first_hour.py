@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,6 +92,18 @@ def wait_for(log: Path, text: str, process: subprocess.Popen[bytes]) -> None:
         time.sleep(0.1)
 
 
+def wait_for_port(port: int, process: subprocess.Popen[bytes]) -> None:
+    """Until something accepts connections on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def read_back(newcomer: Newcomer, table: str, options: str = "") -> str:
     """docs/troubleshooting.md's read-back snippet on ``table`` (its stdout)."""
     docs = (ROOT / "docs" / "troubleshooting.md").read_text()
@@ -172,6 +185,7 @@ def test_the_object_storage_recipe_puts_the_ten_lines_in_a_bucket(
                 stderr=subprocess.STDOUT,
             )
         )
+    wait_for_port(s3_port, started[-1])  # the recipe's `&`: the shell goes on at once
     check, serve = (part.strip() for part in check_and_serve.split("&&"))
     shell = f". {newcomer.venv}/bin/activate && {exports} && "
     with node_log.open("w") as sink:

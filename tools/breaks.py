@@ -634,8 +634,8 @@ BREAKS: dict[str, Break] = {
     # Delta's retention check: vacuum below the table's retention only when forced.
     "vacuum_without_retention_check": Break(
         "deltaflow/tables/maintenance.py",
-        "        if retention_hours < kept and not (dry_run or force):\n",
-        "        if False:\n",
+        "        if not (dry_run or force):\n            _check_retention(",
+        "        if False:\n            _check_retention(",
         (
             "tests/test_maintenance.py::test_vacuum_deletes_what_no_version_needs_and_keeps_deletion_vectors",
         ),

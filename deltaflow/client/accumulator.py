@@ -38,6 +38,8 @@ class Batch:
         wire: an Arrow page's IPC encoding (``items`` is then :class:`ArrowRows` and
             ``packed`` is empty), made on first send.
         first_sent: ``time.monotonic()`` of its first send (0.0 before it).
+        unrouted: a dead-letter batch of rows the client could not route (never sent to
+            their table).
     """
 
     partition: int
@@ -52,6 +54,7 @@ class Batch:
     node: str | None = None
     wire: bytes | None = None
     first_sent: float = 0.0
+    unrouted: bool = False
 
     def packed_items(self) -> list[bytes]:
         """Each item's msgpack encoding (an Arrow page's rows are packed on demand)."""

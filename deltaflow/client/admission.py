@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from ..columnar import ArrowRows, byte_offsets, is_arrow
 from ..errors import FrameTooLargeError, UsageError
@@ -23,8 +23,11 @@ from .stream_types import Delete, KeyFn, spread
 __all__ = ["Admission", "Quarantine"]
 
 #: Takes rows the client cannot route: source positions, items, packed items, whether each
-#: is a delete, and the reason.
-Quarantine = Callable[[list[int], list[Any], list[bytes], list[bool], str], None]
+#: is a delete, and why.
+Quarantine = Callable[[list[int], list[Any], list[bytes], list[bool], list[str]], None]
+#: Rows without their key quarantined before any row of the stream could be routed, at most:
+#: past that, the key is likely misnamed, and the stream fails rather than set all aside.
+KEYLESS_LIMIT: Final = 1_000
 
 
 class _MissingKey(UsageError):
@@ -70,6 +73,9 @@ class Admission:
         self.accumulator = accumulator
         self.ledger = ledger
         self.pulled = 0
+        self.routed = 0  # items (rows) buffered for their partition
+        self.keyless = 0  # rows quarantined because their key could not be read
+        self._keyless_rows: list[tuple[int, Any, bytes, bool, str]] = []
         self.columnar: bool | None = None  # Arrow pages or row items; the first item decides
 
     def leftovers(self, items: list[Any]) -> None:
@@ -90,8 +96,11 @@ class Admission:
         if self.columnar:
             self._admit_arrow(taken, chunked)
             return
-        while taken:  # a quarantined item leaves the rest of the chunk to admit
-            taken = self._admit_rows(taken, chunked)
+        try:
+            while taken:  # a quarantined item leaves the rest of the chunk to admit
+                taken = self._admit_rows(taken, chunked)
+        finally:
+            self._release_keyless()
 
     def _admit_rows(self, taken: list[Any], chunked: ChunkedIterator | None) -> list[Any]:
         """Admit row items (see :meth:`admit`); returns the items after one whose key could
@@ -137,11 +146,12 @@ class Admission:
             position, taken[:good] if bad is not None else taken, parts, packed, deletes
         )
         self.pulled += good
+        self.routed += good
         if bad is None:
             return []
-        if keyless and self.quarantine is not None:
+        if keyless and self.quarantine is not None and not self._misnamed(1):
             reason = self._keyless(values[bad], cause, position + bad)
-            self.quarantine([self.pulled], [taken[bad]], [packed[bad]], [bad in deletes], reason)
+            self._hold_keyless(self.pulled, taken[bad], packed[bad], bad in deletes, reason)
             self.pulled += 1
             return taken[bad + 1 :]
         if chunked is not None:
@@ -150,6 +160,13 @@ class Admission:
             error: Exception = FrameTooLargeError(
                 f"source item #{position + bad} packs to {len(packed[bad])} bytes, more than "
                 f"StreamerOptions.max_batch_bytes={max_item}; split it or raise the limit"
+            )
+        elif keyless and self.quarantine is not None:  # held so far, but too many: failed
+            held, self._keyless_rows = self._keyless_rows, []
+            failed = [(p, x) for p, x, *_ in held]
+            self.ledger.fail([p for p, _ in failed], [x for _, x in failed])
+            error = UsageError(
+                f"{self._keyless(values[bad], cause, position + bad)}; {self._misnamed_hint()}"
             )
         elif keyless:
             error = UsageError(
@@ -171,6 +188,32 @@ class Admission:
         self.ledger.fail([self.pulled], [taken[bad]], [str(error)])
         self.pulled += 1
         raise error from cause
+
+    def _misnamed(self, more: int) -> bool:
+        """Whether quarantining ``more`` keyless rows would pass :data:`KEYLESS_LIMIT` while
+        no row of the stream was routed yet."""
+        return self.routed == 0 and self.keyless + len(self._keyless_rows) + more > KEYLESS_LIMIT
+
+    def _misnamed_hint(self) -> str:
+        return (
+            f"the first {KEYLESS_LIMIT:,} rows of the stream all lack their key: is "
+            f"key={self.key_columns or self.key!r} right?"
+        )
+
+    def _hold_keyless(
+        self, position: int, item: Any, packed: bytes, deleted: bool, reason: str
+    ) -> None:
+        """Keep a row the client cannot route, to quarantine with the rest of its chunk's (one
+        dead-letter batch per chunk, not one per row)."""
+        self._keyless_rows.append((position, item, packed, deleted, reason))
+
+    def _release_keyless(self) -> None:
+        """Quarantine the rows :meth:`_hold_keyless` kept."""
+        held, self._keyless_rows = self._keyless_rows, []
+        if held and self.quarantine is not None:
+            self.keyless += len(held)
+            positions, items, packed, deleted, reasons = (list(x) for x in zip(*held, strict=True))
+            self.quarantine(positions, items, packed, deleted, reasons)
 
     def _keyless(self, value: Any, cause: BaseException | None, position: int) -> str:
         """What is wrong with the key of the item at source ``position``, in a phrase."""
@@ -210,9 +253,14 @@ class Admission:
                 if self._quarantine_batch(item, str(exc)):
                     continue
                 error = UsageError(
-                    f"source item #{self.pulled} cannot be sent: {exc}; give every batch the "
-                    "key, or stream with StreamerOptions(on_bad_row='quarantine') to write "
-                    "such rows to the dead-letter table and go on"
+                    f"source item #{self.pulled} cannot be sent: {exc}; "
+                    + (
+                        self._misnamed_hint()
+                        if self.quarantine is not None
+                        else "give every batch the key, or stream with StreamerOptions("
+                        "on_bad_row='quarantine') to write such rows to the dead-letter table "
+                        "and go on"
+                    )
                 )
                 self.ledger.fail([self.pulled], [item], [str(error)])
                 self.pulled += 1
@@ -258,6 +306,8 @@ class Admission:
         if self.quarantine is None:
             return False
         rows = ArrowRows.of(item)
+        if self._misnamed(len(rows)):
+            return False  # the key is likely misnamed: the stream fails, naming it
         try:
             dicts = list(rows)
             packed = pack_items(dicts)
@@ -265,13 +315,16 @@ class Admission:
             return False
         first = self.pulled
         deletes = rows.deletes
-        self.quarantine(
-            list(range(first, first + len(dicts))),
-            dicts,
-            packed,
-            [j in deletes for j in range(len(dicts))],
-            f"source item #{first} (an Arrow batch of {len(dicts)} rows): {reason}",
-        )
+        why = f"source item #{first} (an Arrow batch of {len(dicts)} rows): {reason}"
+        self.keyless += len(dicts)
+        if dicts:
+            self.quarantine(
+                list(range(first, first + len(dicts))),
+                dicts,
+                packed,
+                [j in deletes for j in range(len(dicts))],
+                [why] * len(dicts),
+            )
         self.pulled += len(dicts)
         return True
 
@@ -299,6 +352,7 @@ class Admission:
             )
             start = end
         self.pulled += len(rows)
+        self.routed += len(rows)
 
 
 def _one_table(items: list[Any]) -> Any:

@@ -65,12 +65,21 @@ class DeadLetters:
         self._seq: dict[int, int] = {}
         self.count = 0
         self.unrouted = 0
-        self._unrouted: set[int] = set()  # ids of the dead batches never routed
 
     @property
     def started(self) -> bool:
         """Whether any batch was sent to the dead-letter table."""
         return self._sender is not None
+
+    @property
+    def has_room(self) -> bool:
+        """Whether the dead-letter sender's window has room (a stream waits for it too, so
+        rows it sets aside cannot pile up faster than they are written)."""
+        return self._sender is None or self._sender.has_room
+
+    async def wait_for_room(self) -> None:
+        if self._sender is not None:
+            await self._sender.wait_for_room()
 
     async def join(self) -> None:
         """Wait until every dead letter is written or failed."""
@@ -134,14 +143,12 @@ class DeadLetters:
             packed=[pack_item(r) for r in rows],
         )
         dead.nbytes = sum(len(x) for x in dead.packed)
-        if not routed:
-            self._unrouted.add(id(dead))
+        dead.unrouted = not routed
         self._sender.submit(dead)
 
     def _acked(self, batch: Batch) -> None:
         self.count += len(batch.items)
-        if id(batch) in self._unrouted:
-            self._unrouted.discard(id(batch))
+        if batch.unrouted:
             self.unrouted += len(batch.items)
         self._settle(batch)
 

@@ -268,21 +268,33 @@ class StreamRun:
         items: list[Any],
         packed: list[bytes],
         deleted: list[bool],
-        reason: str,
+        reasons: list[str],
     ) -> None:
         """Rows the client cannot route (their key cannot be read) go to the dead-letter
-        table with ``partition`` and ``seq`` -1, as ``on_bad_row="quarantine"`` asks."""
+        table with ``partition`` and ``seq`` -1, as ``on_bad_row="quarantine"`` asks: in
+        batches of at most ``page_size`` rows and a quarter of ``max_batch_bytes`` (a dead
+        letter carries its row, reason and context)."""
         self.quarantined += len(items)
-        unrouted = Batch(
-            zlib.crc32(packed[0]) % self.partitions,  # any: the dead letters' stream is random
-            -1,
-            items=items,
-            positions=positions,
-            packed=packed,
-            deletes=[j for j, d in enumerate(deleted) if d],
-        )
         error = SchemaError(f"quarantined {len(items)} row(s) the client cannot route")
-        self.dead_letters.send(unrouted, error, [reason] * len(items), routed=False)
+        limit, budget = max(1, self.options.page_size), self.options.max_batch_bytes // 4
+        start = 0
+        while start < len(items):
+            end, size = start, 0
+            while end < len(items) and end - start < limit:
+                size += len(packed[end]) + len(reasons[end]) + 256
+                if size > budget and end > start:
+                    break
+                end += 1
+            unrouted = Batch(
+                zlib.crc32(packed[start]) % self.partitions,  # any: the stream is random
+                -1,
+                items=items[start:end],
+                positions=positions[start:end],
+                packed=packed[start:end],
+                deletes=[j - start for j in range(start, end) if deleted[j]],
+            )
+            self.dead_letters.send(unrouted, error, reasons[start:end], routed=False)
+            start = end
 
     def _key_of(self, item: Any) -> Any:
         """The routing key of a batch item, for messages (None if it has none)."""
@@ -332,6 +344,10 @@ class StreamRun:
             while not self.errors:
                 if not sender.has_room:
                     await sender.wait_for_room()
+                    if self.errors:
+                        break
+                if not self.dead_letters.has_room:  # quarantined rows count against it too
+                    await self.dead_letters.wait_for_room()
                     if self.errors:
                         break
                 if self.results is not None and self.results.error is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from ..errors import UsageError
-from .stores import open_store
+from .stores import is_secret_option, open_store
 
 __all__ = [
     "ConditionalWriteCheck",
@@ -119,13 +119,18 @@ def first_line(exc: BaseException, options: Mapping[str, str] | None = None) -> 
     boolean = _NOT_BOOLEAN.search(text)
     if boolean is not None:
         value = boolean.group(1)
-        named = [
-            f"{name}={value!r}"
+        # Settings holding that value, secrets never named; those that are switches first.
+        holding = {
+            name
             for name, given in [*os.environ.items(), *(options or {}).items()]
-            if given == value and name.upper().startswith(_STORE_VARIABLES)
-        ]
-        if named:
-            line += f" ({', '.join(sorted(set(named)))}: set true or false, or unset it)"
+            if given == value
+            and name.upper().startswith(_STORE_VARIABLES)
+            and not is_secret_option(name)
+        }
+        switches = {n for n in holding if any(w in n.upper() for w in _SWITCH_WORDS)}
+        if switches or holding:
+            named = ", ".join(f"{name}={value!r}" for name in sorted(switches or holding))
+            line += f" ({named}: set true or false, or unset it)"
     return line
 
 
@@ -135,6 +140,19 @@ _NOT_BOOLEAN: Final = re.compile(r'failed to parse "([^"]{0,100})" as boolean')
 #: Where object_store's settings come from: these variables, and storage options by the
 #: same names.
 _STORE_VARIABLES: Final = ("AWS_", "GOOGLE_", "AZURE_", "OBJECT_STORE_")
+#: Words in the names of object_store's true-or-false settings (ALLOW_HTTP, SKIP_SIGNATURE,
+#: USE_EMULATOR, DISABLE_TAGGING, VIRTUAL_HOSTED_STYLE_REQUEST, S3_EXPRESS...).
+_SWITCH_WORDS: Final = (
+    "ALLOW",
+    "SKIP",
+    "USE_",
+    "DISABLE",
+    "VIRTUAL_HOSTED",
+    "EXPRESS",
+    "UNSIGNED",
+    "IMDSV1",
+    "PAYER",
+)
 _XML_CODE: Final = re.compile(r"<Code>([^<]{1,100})</Code>")
 _XML_MESSAGE: Final = re.compile(r"<Message>([^<]{1,300})</Message>")
 _STATUS: Final = re.compile(r"status code: (\d{3}[A-Za-z ]{0,40}?)(?::|$)", re.MULTILINE)

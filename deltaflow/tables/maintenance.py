@@ -80,16 +80,8 @@ def vacuum(
     path = table_path(warehouse, table)
     with atomicity_for(warehouse).hold(table):
         dt = delta_table(path)
-        configured = dt.metadata().configuration.get("delta.deletedFileRetentionDuration")
-        kept = parse_interval(configured) // 3600 if configured else DEFAULT_RETENTION_HOURS
-        if retention_hours < kept and not (dry_run or force):
-            raise UsageError(
-                f"a retention of {retention_hours} h is below table {table}'s "
-                f"delta.deletedFileRetentionDuration ({kept} h): a reader of an older version, "
-                "or a node whose commit has not landed yet, may need the files it deletes. "
-                "Look first with --dry-run; --force vacuums anyway (Delta's "
-                "retentionDurationCheck.enabled=false)"
-            )
+        if not (dry_run or force):
+            _check_retention(dt, table, retention_hours)
         unreferenced = dt.vacuum(
             retention_hours=retention_hours,
             dry_run=True,
@@ -102,6 +94,29 @@ def vacuum(
             for name in doomed:
                 (path / name).unlink(missing_ok=True)
     return doomed
+
+
+def _check_retention(dt: Any, table: str, retention_hours: int) -> None:
+    """Delta's retention check: vacuuming below the table's
+    ``delta.deletedFileRetentionDuration`` may delete files a reader or a commit in flight
+    still needs.
+
+    Raises:
+        UsageError: ``retention_hours`` is below it, or it cannot be read.
+    """
+    name = "delta.deletedFileRetentionDuration"
+    configured = dt.metadata().configuration.get(name)
+    fix = "; --force vacuums anyway (Delta's retentionDurationCheck.enabled=false)"
+    try:
+        kept = parse_interval(configured) if configured else DEFAULT_RETENTION_HOURS * 3600
+    except UsageError as exc:
+        raise UsageError(f"table {table}'s {name} {configured!r} cannot be read{fix}") from exc
+    if retention_hours * 3600 < kept:
+        raise UsageError(
+            f"a retention of {retention_hours} h is below table {table}'s {name} "
+            f"({kept / 3600:g} h): a reader of an older version, or a node whose commit has not "
+            f"landed yet, may need the files it deletes. Look first with --dry-run{fix}"
+        )
 
 
 def _vector_files(path: Location) -> set[Location]:
