@@ -150,8 +150,10 @@ class Admission:
         if bad is None:
             return []
         if keyless and self.quarantine is not None and not self._misnamed(1):
+            # Held, to quarantine with the rest of its chunk's in one dead-letter batch.
             reason = self._keyless(values[bad], cause, position + bad)
-            self._hold_keyless(self.pulled, taken[bad], packed[bad], bad in deletes, reason)
+            row = (self.pulled, taken[bad], packed[bad], bad in deletes, reason)
+            self._keyless_rows.append(row)
             self.pulled += 1
             return taken[bad + 1 :]
         if chunked is not None:
@@ -163,8 +165,7 @@ class Admission:
             )
         elif keyless and self.quarantine is not None:  # held so far, but too many: failed
             held, self._keyless_rows = self._keyless_rows, []
-            failed = [(p, x) for p, x, *_ in held]
-            self.ledger.fail([p for p, _ in failed], [x for _, x in failed])
+            self.ledger.fail([row[0] for row in held], [row[1] for row in held])
             error = UsageError(
                 f"{self._keyless(values[bad], cause, position + bad)}; {self._misnamed_hint()}"
             )
@@ -200,15 +201,8 @@ class Admission:
             f"key={self.key_columns or self.key!r} right?"
         )
 
-    def _hold_keyless(
-        self, position: int, item: Any, packed: bytes, deleted: bool, reason: str
-    ) -> None:
-        """Keep a row the client cannot route, to quarantine with the rest of its chunk's (one
-        dead-letter batch per chunk, not one per row)."""
-        self._keyless_rows.append((position, item, packed, deleted, reason))
-
     def _release_keyless(self) -> None:
-        """Quarantine the rows :meth:`_hold_keyless` kept."""
+        """Quarantine the keyless rows the chunk held."""
         held, self._keyless_rows = self._keyless_rows, []
         if held and self.quarantine is not None:
             self.keyless += len(held)
