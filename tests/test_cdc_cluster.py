@@ -21,7 +21,7 @@ import pytest_asyncio
 import deltaflow
 from deltaflow import StreamerOptions
 from deltaflow.errors import DataStreamerError, StreamUsageError
-from deltaflow.testing.changes import Change, change_feed
+from deltaflow.testing.changes import Change, ChangeFeed, change_feed
 
 from .support import NODE_FLAGS, Cluster, commit_writers, open_table, read_delta
 
@@ -246,12 +246,25 @@ async def test_partial_updates_and_a_history_from_producers_out_of_order(
         deltaflow.create_table, cluster.warehouse, "versions", schema=schema, key="id",
         sequence_by="lsn", history="scd2",
     )  # fmt: skip
+    await asyncio.to_thread(
+        deltaflow.create_table, cluster.warehouse, "patched_by_lsn", schema=schema, key="id",
+        merge="partial", sequence_by="lsn",
+    )  # fmt: skip
     # Partial updates in each key's order (two producers, each with its own keys); the
-    # history's changes out of order (two producers, late ones).
+    # history's changes out of order (two producers, late ones); the same partial updates
+    # shuffled, some twice, the newer half streamed before the older one: ordered by their
+    # sequence column by column.
     streams = [("patched", [c for c in partial if c.row["id"] % 2 == p]) for p in (0, 1)]
     streams += [("versions", share) for share in feed.arrivals(producers=2, late=0.1, seed=7)]
-    client = await cluster.wait_members(3)
-    async with client:
+    half = len(partial) // 2
+    newer, older = [
+        ChangeFeed(part).arrivals(producers=2, late=0.0, seed=8, repeat=0.05)
+        for part in (partial[half:], partial[:half])
+    ]
+    for share in (*newer, *older):
+        rng.shuffle(share)
+
+    async def stream(streams: list[tuple[str, list[Change]]]) -> None:
         await asyncio.gather(
             *(
                 client.stream_data(
@@ -260,7 +273,13 @@ async def test_partial_updates_and_a_history_from_producers_out_of_order(
                 for table, changes in streams
             )
         )
+
+    client = await cluster.wait_members(3)
+    async with client:
+        await stream([*streams, *(("patched_by_lsn", share) for share in newer)])
+        await stream([("patched_by_lsn", share) for share in older])
     assert rows_of(cluster, "patched") == partial_reference(partial)
+    assert rows_of(cluster, "patched_by_lsn") == partial_reference(partial)
     versions = open_table(Path(cluster.warehouse) / "versions").to_pyarrow_table().to_pylist()
     got = sorted((r["id"], r["__start_at"], r["__end_at"], r["name"]) for r in versions)
     assert got == history_reference(feed.changes)

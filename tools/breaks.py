@@ -1307,6 +1307,62 @@ BREAKS: dict[str, Break] = {
             "tests/test_compaction.py::test_the_committer_compacts_small_files_beside_three_writers[delta-rs]",
         ),
     ),
+    "column_sequences_off": Break(
+        "deltaflow/tables/merging.py",
+        "        if not sequenced:\n            return rule\n",
+        "        if True:\n            return rule\n",
+        (
+            "tests/test_cdc_cluster.py::test_partial_updates_and_a_history_from_producers_out_of_order",
+        ),
+    ),
+    "older_changes_lose_whole": Break(
+        "deltaflow/tables/merging.py",
+        "    return np.ones(data.num_rows, dtype=bool)\n",
+        "    return None\n",
+        (
+            "tests/test_column_sequences.py::test_a_shuffled_feed_of_partial_changes_ends_as_applied_in_order[delta-rs]",
+            "tests/test_column_sequences.py::test_a_shuffled_feed_of_partial_changes_ends_as_applied_in_order[delta-rs-dv]",
+        ),
+    ),
+    "older_changes_lose_whole_in_a_merge": Break(
+        "deltaflow/tables/merging.py",
+        '        clauses.append((f"NOT {flag}", sets))\n',
+        "        clauses.append((newer, sets))\n",
+        (
+            "tests/test_column_sequences.py::test_a_partial_change_sets_its_columns_in_any_arrival_order[spark-sql]",
+        ),
+    ),
+    "fold_stamps_no_column_sequence": Break(
+        "deltaflow/tables/merging.py",
+        "            folded = stamp(folded, tail, key, sequence, rule.sequenced, floors)\n",
+        "            pass\n",
+        (
+            "tests/test_column_sequences.py::test_a_partial_change_sets_its_columns_in_any_arrival_order[delta-rs]",
+        ),
+    ),
+    "late_delete_nulls_nothing": Break(
+        "deltaflow/tables/merging.py",
+        "        data = wiped(data, rows, stored, sequence, rule.sequenced)\n",
+        "        pass\n",
+        (
+            "tests/test_column_sequences.py::test_a_shuffled_feed_of_partial_changes_ends_as_applied_in_order[delta-rs]",
+            "tests/test_column_sequences.py::test_a_shuffled_feed_of_partial_changes_ends_as_applied_in_order[delta-rs-dv]",
+        ),
+    ),
+    "recorded_delete_floors_nothing": Break(
+        "deltaflow/tables/commit/owner_state.py",
+        "            data = floored(data, floors, settings.sequence_by, sequenced)\n",
+        "            pass\n",
+        (
+            "tests/test_column_sequences.py::test_a_shuffled_feed_of_partial_changes_ends_as_applied_in_order[delta-rs]",
+        ),
+    ),
+    "forged_column_sequence_accepted": Break(
+        "deltaflow/tables/rows.py",
+        '    return isinstance(column, str) and column.startswith("_deltaflow_")\n',
+        '    return column == "_deltaflow_bucket"\n',
+        ("tests/test_column_sequences.py::test_a_column_s_own_sequence_is_deltaflow_s_to_set",),
+    ),
 }
 
 
@@ -1318,7 +1374,7 @@ def run(name: str, brk: Break) -> bool:
             ROOT,
             tree,
             ignore=shutil.ignore_patterns(
-                ".venv", "mutants", ".git", "__pycache__", ".*_cache", "bench"
+                ".venv", "mutants", ".git", "__pycache__", ".*_cache", "bench", "site"
             ),
         )
         target = tree / brk.path

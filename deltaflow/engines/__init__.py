@@ -20,10 +20,11 @@ from ..errors import CommitConflictError, UsageError
 from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
 from ..tables.atomicity import atomicity_for
+from ..tables.column_sequences import own_sequence_fields
 from ..tables.history import END, START, with_history_columns
 from ..tables.layout import DEFAULT_BUCKET_ROWS
 from ..tables.log import is_table
-from ..tables.merging import check_aggregate_type
+from ..tables.merging import MergeRule, check_aggregate_type
 from ..tables.sequence import DEFAULT_TOMBSTONE_RETENTION, check_sequence_type, parse_interval
 from ..tables.settings import DEFAULT_BUCKETS, TableSettings, parse_schema
 from .options import (
@@ -122,7 +123,10 @@ def create_table(
         merge: how a change merges with the row the table holds for its key (``docs/cdc.md``):
             ``"last"`` (default: it replaces the row), ``"partial"`` (its non-null columns
             replace the row's, the others keep the stored values), ``"first"`` (the first
-            change of a key wins), ``"aggregate"`` (per column, as ``aggregates`` says).
+            change of a key wins), ``"aggregate"`` (per column, as ``aggregates`` says). With
+            ``sequence_by``, ``partial`` and ``aggregate`` merge column by column: each column
+            keeping the last value set gets ``_deltaflow_seq_<column>``, the sequence of the
+            change that set it.
         aggregates: with ``merge="aggregate"``, column -> ``"sum"``, ``"min"``, ``"max"`` or
             ``"last_non_null"`` (the default for a column not named).
         history: ``"scd2"`` keeps every version of a key (needs a one-column ``key`` and
@@ -138,9 +142,14 @@ def create_table(
     Raises:
         UsageError: bad arguments, or the table exists already.
     """
+    import pyarrow as pa
+
     check_table_name(name)
     options = engine_options(engine)
     data_schema = parse_schema(schema)
+    reserved = [c for c in data_schema.names if c.startswith(("_deltaflow_", "__deltaflow_"))]
+    if reserved:
+        raise UsageError(f"column(s) {reserved}: names starting with _deltaflow_ are deltaflow's")
     keys = (key,) if isinstance(key, str) else tuple(key)
     missing = [k for k in keys if k not in data_schema.names]
     if missing:
@@ -181,6 +190,12 @@ def create_table(
         if taken:
             raise UsageError(f"column(s) {taken} are the history's own: name yours otherwise")
         data_schema = with_history_columns(data_schema, sequence[0])
+    # Columns that keep their last value set carry the sequence that set it (cdc.md).
+    types = {c: data_schema.field(c).type for c in sequence}
+    rule = MergeRule.of(settings)
+    data_schema = pa.schema(
+        [*data_schema, *own_sequence_fields(data_schema, keys, sequence, rule, types)]
+    )
     warehouse = location(warehouse)
     path = warehouse / name
     with atomicity_for(warehouse).hold(name):

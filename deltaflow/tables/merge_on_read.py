@@ -54,7 +54,7 @@ from .data_files import (
 from .deletion_vectors import DvWriter, descriptor_id, read
 from .footprint import Footprint
 from .history import as_group_rows, rebuild
-from .merging import LAST, MergeRule, merge_stored
+from .merging import LAST, MergeRule, merge_stored, merges_older
 from .rewrite import VECTOR_FEATURES, unsupported_by
 from .sequence import resolve
 from .settings import BUCKET_COLUMN, PROP_DELETION_VECTORS
@@ -282,6 +282,7 @@ def write_merge_on_read(
             pa.chunked_array([k.keys for k in stored], type=keys.type),
             stored_sequence,
             live,
+            merges_older(data, rule),
         )
         if rule.history:  # every stored version of the group's keys
             at = np.flatnonzero(hits)

@@ -16,7 +16,8 @@ group ends the stored row: the changes after it fold into a row that *replaces* 
 (:data:`REPLACE_COLUMN`; on a ``sequence_by`` table only if the delete is newer than the stored
 row, so the delete's sequence travels along). Against the table the folded row meets the
 stored row where deltaflow's writers read it (:func:`combine`), or in a MERGE's update
-(:func:`update_clauses`).
+(:func:`update_clauses`). On a ``sequence_by`` table whose columns carry their own sequence,
+they merge column by column (:mod:`.column_sequences`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from ..columnar import DELETE_COLUMN, NULLS_COLUMN
+from .column_sequences import (
+    contains,
+    key_runs,
+    last_setting,
+    merged_columns,
+    merged_sql,
+    sequenced_columns,
+    setting,
+    stamp,
+    wiped,
+)
 
 __all__ = [
     "LAST",
@@ -35,6 +47,7 @@ __all__ = [
     "fold",
     "internal",
     "merge_stored",
+    "merges_older",
     "replaced_sequence",
     "update_clauses",
 ]
@@ -66,12 +79,14 @@ class MergeRule:
         history: the table keeps every version of a key (``history="scd2"``, :mod:`.history`):
             the changes rebuild its versions instead of merging with one row.
         tracked: with ``history``, the columns whose change opens a version (empty: all).
+        sequenced: the columns that carry their own sequence (:mod:`.column_sequences`).
     """
 
     mode: str = "last"
     aggregates: Mapping[str, str] = field(default_factory=dict)
     history: bool = False
     tracked: tuple[str, ...] = ()
+    sequenced: tuple[str, ...] = ()
 
     @property
     def folds(self) -> bool:
@@ -79,16 +94,21 @@ class MergeRule:
         return self.mode != "last"
 
     @classmethod
-    def of(cls, settings: Any) -> MergeRule:
-        """The rule of a table with ``settings`` (:class:`.TableSettings`)."""
+    def of(cls, settings: Any, names: Sequence[str] = ()) -> MergeRule:
+        """The rule of a table with ``settings`` (:class:`.TableSettings`) and columns
+        ``names``."""
         if settings is None or (settings.merge == "last" and settings.history == "none"):
             return LAST
-        return cls(
+        rule = cls(
             settings.merge,
             dict(settings.aggregates),
             settings.history == "scd2",
             tuple(settings.track_history_on),
         )
+        sequenced = sequenced_columns(names, settings.key, settings.sequence_by, rule)
+        if not sequenced:
+            return rule
+        return cls(rule.mode, rule.aggregates, rule.history, rule.tracked, sequenced)
 
     def function(self, column: str) -> str:
         """What a column does when a change meets the stored row (``partial``: keep the
@@ -163,13 +183,16 @@ def fold(data: Any, key: Sequence[str], sequence: Sequence[str], rule: MergeRule
         folded = _fold_tail(tail, data, key, sequence, rule)
         replaced = last_delete[folding]
         replacing = replaced >= 0
+        floors: dict[str, Any] = {}  # the sequence a replacing row starts its columns at
         if replacing.any():
             folded = folded.append_column(REPLACE_COLUMN, pa.array(replacing))
             if sequence:
                 deletes = ordered.take(pa.array(np.where(replacing, replaced, 0)))
                 for c in sequence:
-                    column = pc.if_else(pa.array(replacing), deletes.column(c), None)
-                    folded = folded.append_column(replaced_sequence(c), column)
+                    floors[c] = pc.if_else(pa.array(replacing), deletes.column(c), None)
+                    folded = folded.append_column(replaced_sequence(c), floors[c])
+        if rule.sequenced:
+            folded = stamp(folded, tail, key, sequence, rule.sequenced, floors)
         parts.append(folded)
     if len(parts) == 2:
         parts[0] = _padded(parts[0], parts[1].schema)
@@ -238,38 +261,20 @@ def _explicit_nulls(tail: Any, key: Sequence[str], names: list[str], keys: int) 
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    # A key's changes are contiguous: each row's key, numbered in order.
-    counts = tail.group_by(list(key), use_threads=False).aggregate([([], "count_all")])
-    run = np.repeat(np.arange(keys), counts.column("count_all").to_numpy())
+    run = key_runs(tail, key, keys)
     explicit_out: list[list[str]] = [[] for _ in range(keys)]
     out: dict[str, Any] = {}
     for name in names:
         named = contains(tail.column(NULLS_COLUMN), name)
         if not named.any():
             continue
-        setting = np.asarray(tail.column(name).is_valid().to_numpy(zero_copy_only=False)) | named
-        last = np.full(keys, -1, dtype=np.int64)
-        np.maximum.at(last, run[setting], np.flatnonzero(setting))
+        last = last_setting(run, setting(tail, name), keys)
         value = tail.column(name).take(pa.array(np.maximum(last, 0)))
         value = pc.if_else(pa.array(last >= 0), value, pa.nulls(keys, value.type))
         out[name] = value
         for k in np.flatnonzero((last >= 0) & named[np.maximum(last, 0)]):
             explicit_out[k].append(name)
     out[NULLS_COLUMN] = pa.array([n or None for n in explicit_out], pa.list_(pa.string()))
-    return out
-
-
-def contains(lists: Any, value: str) -> Any:
-    """Per row of a list column, whether its list holds ``value`` (numpy bools)."""
-    import numpy as np
-    import pyarrow.compute as pc
-
-    lists = lists.combine_chunks() if hasattr(lists, "combine_chunks") else lists
-    out = np.zeros(len(lists), dtype=bool)
-    flat = pc.list_flatten(lists)
-    if len(flat):
-        parents = pc.list_parent_indices(lists).to_numpy()
-        out[parents[np.asarray(pc.equal(flat, value).to_numpy(zero_copy_only=False), bool)]] = True
     return out
 
 
@@ -308,6 +313,8 @@ def merge_stored(
     from .sequence import newer
 
     rows = np.asarray(group_of, dtype=np.int64)
+    if rule.sequenced:  # a delete older than the row nulls what was set before it
+        data = wiped(data, rows, stored, sequence, rule.sequenced)
     upserts = ~np.asarray(data.column(DELETE_COLUMN).to_numpy(zero_copy_only=False), bool)[rows]
     keep = np.ones(len(rows), dtype=bool)
     dropped = np.zeros(data.num_rows, dtype=bool)
@@ -328,12 +335,14 @@ def merge_stored(
         return data, ~lose, dropped
     order = np.argsort(rows[upserts])  # the merged rows in the group's row order
     at = rows[upserts][order]
+    met = stored.filter(pa.array(upserts)).take(pa.array(order))
+    ahead = None
+    if rule.sequenced:  # rows older than their stored row merge too (:func:`merges_older`)
+        ahead = newer(
+            [data.column(c).take(pa.array(at)) for c in sequence], [met.column(c) for c in sequence]
+        )
     merged = combine(
-        data.take(pa.array(at)),
-        stored.filter(pa.array(upserts)).take(pa.array(order)),
-        replace[upserts][order],
-        rule,
-        key,
+        data.take(pa.array(at)), met, replace[upserts][order], rule, key, ahead, sequence
     )
     # Each row from the group, or from the merged rows where it met a stored one.
     source = np.arange(data.num_rows, dtype=np.int64)
@@ -348,20 +357,34 @@ def merge_stored(
     return pa.table(columns, schema=data.schema), keep, dropped
 
 
-def combine(group: Any, stored: Any, replace: Any, rule: MergeRule, key: Sequence[str]) -> Any:
+def combine(
+    group: Any,
+    stored: Any,
+    replace: Any,
+    rule: MergeRule,
+    key: Sequence[str],
+    ahead: Any = None,
+    sequence: Sequence[str] = (),
+) -> Any:
     """The rows of ``group`` (upserts that meet a stored row of their key, aligned with
     ``stored``) as ``rule`` merges them with it; ``replace`` (numpy bools) marks the rows that
-    replace the stored row instead (a delete came before them)."""
+    replace the stored row instead (a delete came before them). On a table whose columns carry
+    their own sequence, ``ahead`` (numpy bools) marks the rows newer than their stored row:
+    those columns merge by their own sequences, the others only where the row is ahead."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     replacing = pa.array(replace, type=pa.bool_())
     explicit = NULLS_COLUMN in group.column_names
+    own = merged_columns(group, stored, sequence, rule.sequenced) if rule.sequenced else {}
     columns = []
     for f in group.schema:
         mine = group.column(f.name)
         if f.name in key or internal(f.name) or f.name not in stored.column_names:
             columns.append(mine)
+            continue
+        if f.name in own:
+            columns.append(pc.if_else(replacing, mine, own[f.name]))
             continue
         theirs = stored.column(f.name)
         if theirs.type != mine.type:
@@ -380,6 +403,8 @@ def combine(group: Any, stored: Any, replace: Any, rule: MergeRule, key: Sequenc
             merged = pc.min_element_wise(mine, theirs)
         else:  # max
             merged = pc.max_element_wise(mine, theirs)
+        if ahead is not None:  # (a sequence column: the higher one)
+            merged = pc.if_else(pa.array(ahead, type=pa.bool_()), merged, theirs)
         columns.append(pc.if_else(replacing, mine, merged))
     return pa.table(columns, schema=group.schema)
 
@@ -416,12 +441,33 @@ def matched_clauses(
                 f" AND {newer} AND {merge_condition(sequence, quote, source_columns=deleted)}"
             )
         clauses.append((replace, plain))
-    if rule.mode != "first":
+    if rule.mode != "first" and rule.sequenced and newer is not None:
+        # Every change merges, older ones too: its columns by their own sequences, the rest
+        # (and the row's sequence) only where it is newer; an older delete nulls the values
+        # set before it (:mod:`.column_sequences`).
+        sets = update_clauses(columns, rule, quote, nulls=nulls)
+        sets = {c: f"CASE WHEN {newer} THEN {v} ELSE t.{quote(c)} END" for c, v in sets.items()}
+        sets |= merged_sql(rule.sequenced, sequence, quote)
+        clauses.append((flag, merged_sql(rule.sequenced, sequence, quote, wipe=True)))
+        clauses.append((f"NOT {flag}", sets))
+    elif rule.mode != "first":
         clauses.append((newer, update_clauses(columns, rule, quote, nulls=nulls)))
     if moved:
         bucket = {BUCKET_COLUMN: f"s.{quote(BUCKET_COLUMN)}"}
         clauses = [(when, None if sets is None else sets | bucket) for when, sets in clauses]
     return clauses
+
+
+def merges_older(data: Any, rule: MergeRule) -> Any:
+    """Per row of the group ``data``, whether it merges with a stored row of its key even
+    when that one is newer (every row, on a table whose columns carry their own sequence: an
+    upsert by those sequences, a delete as :func:`.column_sequences.wiped` says); None where
+    none does."""
+    if not rule.sequenced:
+        return None
+    import numpy as np
+
+    return np.ones(data.num_rows, dtype=bool)
 
 
 def update_clauses(

@@ -56,7 +56,7 @@ from .data_files import (
 from .footprint import Footprint
 from .history import as_group_rows, rebuild
 from .layout import Levels
-from .merging import LAST, MergeRule, merge_stored
+from .merging import LAST, MergeRule, merge_stored, merges_older
 from .sequence import resolve
 from .settings import BUCKET_COLUMN
 
@@ -193,6 +193,7 @@ def write_files(
                 [data.column(c) for c in sequence] if sequence else None,
                 rows.column(key),
                 [rows.column(c) for c in sequence] if sequence else None,
+                merging=merges_older(data, rule),
             )
             if rule.folds and replaced.any():  # the stored rows the group merges with
                 hits = np.flatnonzero(replaced)

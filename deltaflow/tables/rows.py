@@ -141,7 +141,7 @@ def _row_columns(
         schema is not None
         and set(map(type, rows)) <= {dict}
         and all(k in schema.names for k in required.columns)
-        and all(map(frozenset(schema.names).issuperset, rows))
+        and all(map(frozenset(n for n in schema.names if not _reserved(n)).issuperset, rows))
     )
     if not fast:
         if any(isinstance(r, Mapping) and NULLS_COLUMN in r for r in rows):
@@ -230,12 +230,13 @@ def _page_columns(
     import pyarrow.compute as pc
 
     data = page.table
-    if BUCKET_COLUMN in data.column_names:  # the delete column never reaches here
+    reserved = [c for c in data.column_names if _reserved(c)]  # (the delete column is not here)
+    if reserved:
         raise SchemaError(
-            f"the page sets column {BUCKET_COLUMN!r}, which deltaflow reserves (the bucket "
-            "layout is computed on the node)",
+            f"the page sets column {reserved[0]!r}, which deltaflow reserves (its columns "
+            "starting with _deltaflow_ are computed on the node)",
             node=node,
-            details={"column": BUCKET_COLUMN},
+            details={"column": reserved[0]},
         )
     for k in required.columns:
         if k in data.column_names and data.column(k).null_count:
@@ -316,13 +317,14 @@ def _check_rows(
                 raise SchemaError(
                     required.missing(i, k, table), node=node, details={"item": i, "column": k}
                 )
-        if BUCKET_COLUMN in row or DELETE_COLUMN in row:
-            reserved = BUCKET_COLUMN if BUCKET_COLUMN in row else DELETE_COLUMN
+        reserved = [c for c in row if c == DELETE_COLUMN or _reserved(c)]
+        if reserved:
             raise SchemaError(
-                f"item #{i} of the batch sets column {reserved!r}, which deltaflow reserves "
-                "(the bucket layout and the delete flag are computed on the node)",
+                f"item #{i} of the batch sets column {reserved[0]!r}, which deltaflow reserves "
+                "(the bucket layout, columns' own sequences and the delete flag are computed "
+                "on the node)",
                 node=node,
-                details={"item": i, "column": reserved},
+                details={"item": i, "column": reserved[0]},
             )
         if columns is not None and i not in deletes:
             unknown = [c for c in row if c not in columns]
@@ -335,3 +337,8 @@ def _check_rows(
                 )
             new.update(dict.fromkeys(unknown))
     return new
+
+
+def _reserved(column: Any) -> bool:
+    """Whether a column is deltaflow's own (``_deltaflow_bucket``, a column's own sequence)."""
+    return isinstance(column, str) and column.startswith("_deltaflow_")

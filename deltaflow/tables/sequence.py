@@ -170,6 +170,7 @@ def resolve(
     stored_keys: Any,
     stored_sequence: Sequence[Any] | None,
     live: Any = None,
+    merging: Any = None,
 ) -> tuple[Any, Any, Any]:
     """Which stored rows a group replaces, and which of the group's rows lose to a stored row.
 
@@ -181,6 +182,8 @@ def resolve(
         stored_sequence: their sequence columns (None with ``group_sequence`` None).
         live: numpy bool per stored row, False for rows a deletion vector removed already
             (None: all live).
+        merging: numpy bool per group row, True for those that merge with a stored row of a
+            higher sequence instead of losing to it (:func:`.merging.merges_older`).
 
     Returns ``(replaced, losers, group_of)``: numpy bool arrays over the stored rows (the group
     replaces or deletes them) and over the group's rows (a stored row of a sequence not lower
@@ -207,6 +210,8 @@ def resolve(
     wins = newer(
         [c.take(at[hit]) for c in group_sequence], [c.filter(mask) for c in stored_sequence]
     )
+    if merging is not None:
+        wins |= merging[at[hit]]
     replaced = hit.copy()
     replaced[hit] = wins
     losers[at[hit][~wins]] = True
@@ -226,14 +231,16 @@ def merge_condition(
     source: str = "s",
     target: str = "t",
     source_columns: Mapping[str, str] | None = None,
+    target_columns: Mapping[str, str] | None = None,
 ) -> str:
     """A MERGE's ``WHEN MATCHED`` condition that the source row's sequence is greater than the
-    target's (columns compared in order; a target without one is older). ``source_columns``:
-    the source's columns to compare instead of the sequence's own names."""
+    target's (columns compared in order; a target without one is older). ``source_columns``,
+    ``target_columns``: the columns to compare instead of the sequence's own names."""
     cond = ""
     for column in reversed(sequence):
         mine = (source_columns or {}).get(column, column)
-        s, t = f"{source}.{quote(mine)}", f"{target}.{quote(column)}"
+        theirs = (target_columns or {}).get(column, column)
+        s, t = f"{source}.{quote(mine)}", f"{target}.{quote(theirs)}"
         here = f"{s} > {t} OR {t} IS NULL"
         cond = f"({here})" if not cond else f"({here} OR ({s} = {t} AND {cond}))"
     return cond
@@ -420,6 +427,24 @@ class Tombstones:
         if not dropped:
             return data, 0
         return data.filter(pa.array(keep, type=pa.bool_())), dropped
+
+    def held(self, data: Any, key: Sequence[str], sequence: Sequence[str]) -> list[Any] | None:
+        """Per sequence column, the sequence of the recorded delete of each row's key in
+        ``data`` (null where none); None where no key of ``data`` has one."""
+        if not (self._held and data.num_rows):
+            return None
+        import pyarrow as pa
+
+        keys = _rows([encode(data.column(k)) for k in key])
+        found = [self._held.get(k) for k in keys]
+        if not any(found):
+            return None
+        return [
+            pa.array([None if f is None else f[0][n] for f in found]).cast(
+                data.schema.field(column).type
+            )
+            for n, column in enumerate(sequence)
+        ]
 
 
 def recorded(data: Any, key: Sequence[str], sequence: Sequence[str]) -> dict[str, list[Any]] | None:

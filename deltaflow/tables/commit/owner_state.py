@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SchemaError, TableSettingsError
+from ..column_sequences import floored, own_sequence_fields
 from ..constraints import CONSTRAINT_PREFIX
 from ..grouping import conform, last_per_key
 from ..layout import live_rows
@@ -169,7 +170,7 @@ class TableState:
     @property
     def rule(self) -> MergeRule:
         """The table's merge mode (``last`` until it exists)."""
-        return MergeRule.of(self.settings)
+        return MergeRule.of(self.settings, self.schema.names if self.schema is not None else ())
 
     @property
     def sequence_by(self) -> tuple[str, ...]:
@@ -209,6 +210,10 @@ class TableState:
         self.tombstones.expire(settings.tombstone_retention)
         data, dropped = self.tombstones.bury(data, self.key, settings.sequence_by)
         self.engine.stats.changes_superseded += dropped
+        sequenced = self.rule.sequenced
+        floors = self.tombstones.held(data, self.key, settings.sequence_by) if sequenced else None
+        if floors is not None:  # columns of the changes before the delete: not set
+            data = floored(data, floors, settings.sequence_by, sequenced)
         return data
 
     def _deleted(self, data: Any) -> dict[str, list[Any]] | None:
@@ -251,6 +256,11 @@ class TableState:
                     node=node,
                     details={"column": untyped[0]},
                 )
+            # On a table whose columns carry their own sequence, so do the new ones.
+            types = {c: schema.field(c).type for c in settings.sequence_by}
+            rule = self.rule
+            if rule.sequenced:
+                new += own_sequence_fields(new, settings.key, settings.sequence_by, rule, types)
             self.engine.add_columns(self.name, self.path, new)
             self.engine.stats.columns_added += len(new)
             log.info("table %s: added columns %s", self.name, names)
