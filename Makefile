@@ -15,7 +15,7 @@ PIP_QUIET := PYTHONWARNINGS='ignore:Editable installation'
 CONNECT_VENV  ?= .venv-connect
 CONNECT_STAMP := $(CONNECT_VENV)/.installed
 
-.PHONY: setup dev-setup test-setup demo demo-cdc test fuzz bench bench-transport bench-layout mutation breaks lint clean versitygw toxiproxy
+.PHONY: setup dev-setup test-setup demo demo-cdc test fuzz bench bench-transport bench-layout mutation breaks lint docs clean versitygw toxiproxy
 
 $(DEMO_STAMP): pyproject.toml
 	@echo "==> virtualenv $(VENV) with deltaflow[spark,deltars] (pip: about a minute the first time)"
@@ -135,5 +135,11 @@ lint: dev-setup
 	$(VENV)/bin/ruff format --check deltaflow tests examples bench tools
 	$(VENV)/bin/mypy
 
+# The documentation site (mkdocs.yml): README.md as its home page, docs/, bench/README.md and
+# the API reference from the docstrings, built strictly (a broken link or reference fails).
+docs: dev-setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	@echo "==> the site is in $(CURDIR)/site (open site/index.html)"
+
 clean:
-	rm -rf $(VENV) $(CONNECT_VENV) .tools .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) $(CONNECT_VENV) .tools .pytest_cache .mypy_cache .ruff_cache mutants site

@@ -374,7 +374,7 @@ def _create_spark_table(spark: Any, path: Path) -> None:
 #: per page's bucket in the commit), so on 2 cores the defaults measured 315,000 rows/s
 #: (delta-rs) and 208,000 (Spark) from an Arrow source, these 375,000 and 258,000, with acks
 #: 25-40% sooner once sent; a row waits longer in its partition's buffer before, so time to
-#: table grows (see docs/configuration.md). Their first pages are staggered
+#: table grows (see StreamerOptions, docs/reference/client.md). Their first pages are staggered
 #: (``stagger_pages``) so that pages leave evenly spread.
 #: delta-rs keeps half the window: its commits take 15-20 ms, Spark's direct writer's 85-120
 #: ms (Spark with 16: 200,000 rows/s against 300,000 with 32). For delta-rs the larger window
@@ -394,7 +394,7 @@ def _window(engine: str) -> int:
 #: The client's window for the Spark SQL writer's variant: up to 512 batches (512,000 rows) in
 #: flight, 16 per partition. Under load a node's group commit is what arrived during the
 #: previous commits, so a larger window makes larger groups that amortise Spark's MERGE fixed
-#: cost of seconds (see docs/configuration.md); the defaults (128 and 4) measure about 40%
+#: cost of seconds (see StreamerOptions); the defaults (128 and 4) measure about 40%
 #: lower with it. The other variants (delta-rs, and Spark's direct writer) keep 64,000 and
 #: 128,000 rows in flight (above): their commits take a fraction of a second, and a larger
 #: window only adds queueing.

@@ -90,10 +90,15 @@ class Batch:
 
 
 class BatchCreator(Protocol):
-    """Decides where a partition's buffer is cut into batches (Flink FLIP-509's idea).
+    """Decides where a partition's buffer is cut into batches (Flink FLIP-509's idea):
+    ``StreamerOptions(batch_creator=...)``, any object with the two methods below.
 
     Batches of one partition keep the source order, so a creator decides only *when* to cut.
-    The flush timer (``auto_flush_interval``) still cuts a buffer that waited long enough.
+    The flush timer (``auto_flush_interval``) still cuts a buffer that waited long enough, and
+    every item is still checked against ``max_batch_bytes``. The default is
+    :class:`SizeBatchCreator`. A custom creator must keep its batches under the node's frame
+    limit itself; subclass :class:`SizeBatchCreator` to keep its limits and add a cut. A
+    creator applies to row items only, not to Arrow batches.
     """
 
     def cut_before(self, batch: Batch, item: Any, nbytes: int) -> bool:
@@ -107,7 +112,26 @@ class BatchCreator(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SizeBatchCreator:
-    """The default: cut at ``page_size`` items, or before ``max_batch_bytes`` would be passed."""
+    """The default: cut at ``page_size`` items, or before ``max_batch_bytes`` would be passed.
+
+    Examples:
+        Cut at the end of each upstream transaction too, keeping the size limits:
+
+        ```python
+        from deltaflow import StreamerOptions
+        from deltaflow.client import Batch, SizeBatchCreator
+
+
+        class EndOfTransaction(SizeBatchCreator):
+            def cut_after(self, batch: Batch) -> bool:
+                return batch.items[-1].get("commit", False) or super().cut_after(batch)
+
+
+        options = StreamerOptions(
+            batch_creator=EndOfTransaction(page_size=1000, max_batch_bytes=4 * 1024 * 1024)
+        )
+        ```
+    """
 
     page_size: int
     max_batch_bytes: int

@@ -35,7 +35,17 @@ __all__ = ["Client", "ClientState", "ClientStatistics", "ConnectionFactory", "co
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientStatistics:
-    """A snapshot of a client: its view of the cluster and its running streams."""
+    """A snapshot of a client: its view of the cluster and its running streams
+    (:meth:`Client.statistics`).
+
+    Attributes:
+        state: the client's :class:`ClientState`, by value (``"unopened"``, ``"open"``,
+            ``"closed"``).
+        map_version: the version of the partition map it holds (None before it has one).
+        nodes: the nodes in that map.
+        connections: the connections open to them.
+        streams: one :class:`~deltaflow.client.StreamStatistics` per running stream.
+    """
 
     state: str
     map_version: int | None
@@ -45,6 +55,9 @@ class ClientStatistics:
 
 
 class ClientState(enum.Enum):
+    """Where a client is in its life: ``UNOPENED`` until :meth:`Client.start`, ``OPEN``, then
+    ``CLOSED`` for good (a closed client cannot be opened again; connect a new one)."""
+
     UNOPENED = "unopened"
     OPEN = "open"
     CLOSED = "closed"
@@ -55,7 +68,18 @@ class Client:
 
     Create with :func:`connect`. The client learns the partition map from the first node it
     reaches and sends each batch straight to the partition's owner, reconnecting and refreshing
-    the map when a node is lost or says it is not the owner.
+    the map when a node is lost or says it is not the owner. Use it as an async context
+    manager (:meth:`start` on entry, :meth:`close` on exit); a closed client is not reused.
+    ``repr(client)`` shows its state, the node count, the map version, the open connections
+    and the number of running streams.
+
+    Args:
+        nodes: as for :func:`connect`.
+        token: as for :func:`connect`.
+        tls: as for :func:`connect`.
+        connection_factory: as for :func:`connect`.
+        connect_timeout: seconds; bounds the map fetch, the TCP connect and the wait for the
+            node's ``welcome``. Default 10.0 (what :func:`connect` uses).
     """
 
     def __init__(
@@ -145,23 +169,42 @@ class Client:
 
         Args:
             source: an async iterable, an iterable, or a reactivex Observable of items. Wrap an
-                item in :class:`~deltaflow.Delete` to delete its key.
+                item in :class:`~deltaflow.Delete` to delete its key. Or of
+                ``pyarrow.RecordBatch`` / ``pyarrow.Table`` objects, each of whose rows is an
+                item (see "Arrow sources" below). Or one table: a ``pyarrow.Table``, a pandas
+                or a polars ``DataFrame`` (converted to Arrow in a worker thread: zero-copy for
+                polars and most numeric pandas columns; a named pandas index becomes a column).
             table: upsert rows (dicts, or Arrow batches) into this Delta table on the nodes,
                 merging on ``key``; without ``key``, append them (an append table, created on
-                first write), exactly once per stream id as upserts are.
-            key: the routing key: a column name, a tuple of column names, or a callable of an
-                item. With ``table=`` it names the key column(s), or is left out to append.
-            receiver: name of a receiver class registered on the nodes (instead of ``table``).
-            receiver_args: a msgpack value handed to the receiver with every batch.
+                first write), exactly once per stream id as upserts are. Pass exactly one of
+                ``table`` and ``receiver``. A table name is letters, digits and ``_`` (at most
+                128, not starting with a digit), checked before anything is sent
+                (:class:`~deltaflow.errors.UsageError`, with a name that would do). Names are
+                case-sensitive (``Orders`` and ``orders`` are two directories) but fold to one
+                on case-insensitive file systems (macOS, Windows) and in catalogs that store
+                names in lower case (Hive, Glue, Unity): use lower-case names.
+            key: the routing key: a column name, a tuple or list of column names, or a callable
+                of an item. With ``table=`` it names the key column(s), or is left out to
+                append.
+            receiver: the class name of a receiver registered on the nodes (instead of
+                ``table``).
+            receiver_args: any msgpack value, handed to the receiver as ``ctx.args`` with
+                every batch.
             on_result: receives each per-item result the receiver produces: a callable, an
                 async callable, or a reactivex Observer. Results of a resent batch may repeat.
+                If it raises, the stream fails with that error.
             on_ack: called (synchronously, on the event loop) with the items of each batch once
                 it is acknowledged as applied: the place to ack an upstream queue or drive a
-                progress bar. Keep it quick.
-            on_commit: called with a :class:`CommitPosition` whenever the contiguous prefix of
-                settled source items grows: the position an upstream that commits cumulatively
-                (Kafka offsets) may safely commit.
-            options: batching, window and retry settings (:class:`StreamerOptions`).
+                progress bar. Keep it quick. Not called for dropped or dead-lettered items, nor
+                for items the receiver marked failed (``ctx.fail``). If it raises, the stream
+                fails with that error.
+            on_commit: called on the event loop with a :class:`CommitPosition` ``(count,
+                last)`` whenever the contiguous prefix of settled source items grows: the
+                position an upstream that commits cumulatively (Kafka offsets) may safely
+                commit. Tracked only when given. If it raises, the stream fails with that
+                error (``docs/guarantees.md``, "Upstream acknowledgement").
+            options: batching, window and retry settings (:class:`StreamerOptions`). Default:
+                ``StreamerOptions()``.
             stream_id: the stream's id, 1 to 128 characters of ``A-Z a-z 0-9 . _ : -``.
                 Default None: a random id. A deterministic id makes a replay of the same input
                 exactly-once: the nodes skip every table write whose lane mark (stream id,
@@ -169,8 +212,9 @@ class Client:
                 same id after a crash writes only what the first run did not. The replay must
                 cut the same batches: the same items in the same order, the same options, and
                 ``auto_flush_interval=0`` and no ``linger`` (batches cut by count and bytes
-                only, never by time).
-                Two streams running at the same time must not share an id.
+                only, never by time). This is how ``foreach_batch`` makes a replayed
+                micro-batch exactly-once (``docs/spark.md``). Two streams running at the same
+                time on a client must not share an id.
             stream_key: the secret that makes the stream yours, with ``stream_id``: a str or
                 bytes of at least 16 bytes (e.g. ``secrets.token_hex(16)``), the same for a
                 replay. Nodes know a stream by its id and its key: only connections that opened
@@ -178,7 +222,8 @@ class Client:
                 so a stream of the same id under another key neither skips nor is skipped for
                 yours. Default None: a random stream has a random key; a ``stream_id`` without
                 ``stream_key`` has one derived from the token, which keeps strangers out but
-                not other clients holding the token (see ``docs/security.md``).
+                not other clients holding the token (``docs/guarantees.md``, "Streams belong
+                to whoever opened them").
             sequence_by: with ``table=``, the column(s) that order the changes to a key (a
                 log sequence number, a commit time; several are compared in order): a change
                 applies only if its sequence is greater than the one the table holds for the
@@ -204,6 +249,25 @@ class Client:
         already acknowledged stay applied. The ``CancelledError`` raised then carries
         ``applied`` (count), ``not_applied`` (items never sent, or failed) and ``in_doubt``
         (items sent whose acknowledgement had not arrived: they may or may not be applied).
+
+        Arrow sources:
+            A source that yields ``pyarrow.RecordBatch`` or ``pyarrow.Table`` objects streams
+            their rows without a Python object per row; ``key=`` must name columns. The client
+            computes each row's partition from its key columns (the same ``partition_of`` as
+            for dicts), sorts the rows by partition once per source batch, and cuts each
+            partition's rows into pages of ``page_size`` rows (and at most
+            ``max_batch_bytes``, measured as Arrow bytes); a page travels as one Arrow IPC
+            stream (``docs/protocol.md``, "batch (client → node)") and the table engine stages
+            its columns as they are. A boolean column :data:`deltaflow.DELETE_COLUMN`
+            (``"__deltaflow_delete"``), when present, marks the rows that delete their key.
+
+            Everything else is as for row items: positions count rows in source order,
+            ``on_ack`` gets a :class:`deltaflow.ArrowRows` (a sequence of row dicts, built on
+            access, with the page as ``.table``), ``DataStreamerError.failed_items`` and the
+            dead-letter table hold the rows as dicts. A stream carries either row items or
+            Arrow batches; a custom ``batch_creator`` applies to row items only. Rows are
+            checked as columns on the node: a column the table lacks, or one whose type does
+            not convert, fails the page naming the column; a null key names the row.
         """
         if self._state is not ClientState.OPEN:
             raise UsageError("the client is not open; use 'async with deltaflow.connect(...)'")
@@ -270,7 +334,9 @@ class Client:
         )
 
     def statistics(self) -> ClientStatistics:
-        """A snapshot of the client and of every stream running on it."""
+        """A snapshot of the client and of every stream running on it (its ``streams``: one
+        :class:`~deltaflow.client.StreamStatistics` each); a finished stream reports through
+        the :class:`StreamSummary` its :meth:`stream_data` returned."""
         return ClientStatistics(
             state=self._state.value,
             map_version=self._router.map_version,
@@ -327,16 +393,34 @@ def connect(
 ) -> Client:
     """A client for the cluster reachable at any of ``nodes`` (``"host:port"`` strings).
 
-    Use as ``async with deltaflow.connect(["127.0.0.1:7700"]) as client: ...``.
+    Use as ``async with deltaflow.connect(["127.0.0.1:7700"]) as client: ...``: the client
+    reaches a node on entry and closes its connections on exit. The connect timeout is 10
+    seconds; it bounds the map fetch, the TCP connect and the wait for ``welcome``. Only
+    :class:`Client` takes another (``Client(..., connect_timeout=...)``).
 
     Args:
-        nodes: addresses of one or more nodes; one reachable node is enough to learn the rest.
-        token: shared secret, when the nodes were started with ``--token-file``.
-        tls: reach the nodes over TLS: an :class:`ssl.SSLContext`, or a
-            :class:`deltaflow.ClientTls` (the CA file, and a client certificate for nodes that
-            require one). None: plain text (see ``docs/security.md``).
-        connection_factory: replaces how connections are opened (fault-injection seam, see
-            :mod:`deltaflow.testing`).
+        nodes: one ``"host:port"`` string or a list of them. One reachable node is enough: the
+            client learns the rest from its partition map. A leading ``http://`` or ``ws://``
+            is stripped.
+        token: the client token, when the nodes run with ``--token-file``. It is sent as
+            ``Authorization: Bearer`` on ``/v1/cluster`` and on the WebSocket upgrade (so the
+            node reads the connection as a client's from the start and never holds it to its
+            strangers' handshake caps), and in ``hello``. In plain text the first
+            ``/v1/cluster`` request goes without it: the token goes only to a cluster whose
+            node has answered plain HTTP (its 401), never to the port of a node that serves
+            TLS.
+        tls: None (plain text), an :class:`ssl.SSLContext`, or a :class:`deltaflow.ClientTls`
+            (file paths; it pickles, so the Spark helpers can send it to executors): ``ca``,
+            the CA that signed the nodes' certificates; ``cert``/``key``, this client's
+            certificate for nodes with ``--tls-client-auth``. A TLS failure raises
+            :class:`~deltaflow.errors.TlsError` (not retried) saying what to change: an
+            untrusted certificate, a missing client certificate, or TLS on one side only
+            (``docs/security.md``).
+        connection_factory: replaces how connections are opened: a seam for fault injection,
+            e.g. :class:`deltaflow.testing.ConnectionDropper`.
+
+    Returns:
+        A :class:`Client`, not connected yet (``async with`` or :meth:`Client.start` does).
     """
     if isinstance(nodes, str):
         nodes = [nodes]

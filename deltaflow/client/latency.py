@@ -28,6 +28,13 @@ class AckLatency:
     """Quantiles of a stream's ack latency, in seconds: from a batch's first send to its
     acknowledgement (resends included), over its acknowledged batches.
 
+    A node acknowledges a batch once the commit holding its rows landed, so this is what the
+    group commit adds: the wait for the commit in progress when the batch arrived, and the
+    batch's own commit. It leaves out the time items spent in the client before their batch
+    was sent (filling a page, waiting for the window); measure from your own clock for the
+    time from an item's production to the table. Quantiles come from a histogram of fixed
+    size (buckets 4.4% wide), within about 2% of the exact value.
+
     Attributes:
         batches: acknowledged batches measured (0: the quantiles are 0.0).
         p50: the median.

@@ -55,7 +55,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class NodeStatistics:
-    """Per-node counters of one stream."""
+    """Per-node counters of one stream (``StreamSummary.per_node``).
+
+    Attributes:
+        batches_acked: batches the node acknowledged.
+        items_acked: their items.
+        errors: errors naming this node after which a batch was resent.
+    """
 
     batches_acked: int = 0
     items_acked: int = 0

@@ -44,7 +44,7 @@ class Delete:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamSummary:
-    """What a finished stream did.
+    """What a finished stream did: what :meth:`~deltaflow.client.Client.stream_data` returns.
 
     Attributes:
         stream_id: the id the nodes saw (in their logs and metrics).
@@ -59,9 +59,10 @@ class StreamSummary:
         batches_retried: batch resends after retriable errors.
         results: per-item results delivered to ``on_result``.
         duration: seconds from start to the last acknowledgement.
-        per_node: acknowledged batches/items and errors by node id.
+        per_node: a :class:`~deltaflow.client.NodeStatistics` per node id: acknowledged
+            batches and items, and errors.
         ack_latency: quantiles of the seconds from a batch's first send to its
-            acknowledgement (:class:`.AckLatency`).
+            acknowledgement (:class:`~deltaflow.client.AckLatency`).
     """
 
     stream_id: str
@@ -78,6 +79,7 @@ class StreamSummary:
 
     @property
     def rows_per_second(self) -> float:
+        """Items acknowledged per second of ``duration`` (0.0 for a stream of no time)."""
         return self.items_acked / self.duration if self.duration > 0 else 0.0
 
 
@@ -86,20 +88,20 @@ KeyFn = Callable[[Any], Any]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamStatistics:
-    """A snapshot of a running stream (``Client.statistics()``).
+    """A snapshot of a running stream (in :meth:`~deltaflow.client.Client.statistics`).
 
     Attributes:
         stream_id: the stream's id.
         pulled: items taken from the source so far.
-        buffered: items waiting in partition buffers (not yet in a batch).
-        in_flight: batches sent and not yet acknowledged.
+        buffered: items waiting in partition buffers, not yet in a batch.
+        in_flight: batches being sent, retries and backoff included.
         acked: items acknowledged as applied.
-        failed: items that failed (or were dropped).
-        dead_lettered: items written to the dead-letter table.
+        failed: items whose batch failed for good, dropped and dead-lettered items included.
+        dead_lettered: items acknowledged by the dead-letter table.
         retried: batch resends.
-        commit_position: :class:`CommitPosition` count (contiguous settled prefix; tracked
-            only when ``on_commit`` is given).
-        per_node: per-node acknowledged batches/items and errors.
+        commit_position: the :class:`~deltaflow.CommitPosition` count (the contiguous settled
+            prefix; 0 unless ``on_commit`` was given).
+        per_node: a :class:`~deltaflow.client.NodeStatistics` per node id.
         ack_latency: quantiles of the ack latency so far (as :attr:`StreamSummary.ack_latency`).
     """
 

@@ -48,6 +48,21 @@ def stream_data(
     same input exactly-once (see :meth:`~deltaflow.client.Client.stream_data` for what a
     replay must keep the same), with the same ``stream_key`` (the secret that makes the stream
     the caller's; default: derived from the token).
+
+    Args:
+        source: as for :meth:`~deltaflow.client.Client.stream_data`, as are the other
+            keyword arguments but the three below.
+        nodes: the nodes to connect to, as for :func:`deltaflow.connect`.
+        token: the client token, as for :func:`deltaflow.connect`.
+        tls: TLS to the nodes, as for :func:`deltaflow.connect`.
+
+    Returns:
+        The stream's :class:`~deltaflow.StreamSummary`.
+
+    Raises:
+        UsageError: called from a thread that runs an event loop, or the arguments are
+            inconsistent.
+        DataStreamerError: some items were not applied; ``failed_items`` lists exactly those.
     """
     try:
         asyncio.get_running_loop()

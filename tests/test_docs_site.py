@@ -1,0 +1,285 @@
+"""The documentation as a site: it builds strictly, its Python examples run, and every page
+opens with what it is for and an example.
+
+- ``mkdocs build --strict`` passes: no broken link or anchor, no API reference (``::: name``)
+  that cannot be resolved (mkdocs.yml, tools/docs_site.py).
+- Every ```` ```python ```` block of README.md and docs/*.md runs, against a real node started
+  for its page (``deltaflow serve --engine delta-rs`` on a free port, its warehouse a
+  temporary directory): in each block ``127.0.0.1:7700`` becomes the node's address and
+  ``/data/wh`` its warehouse, the node and warehouse the examples assume (the README says so
+  above its list of pages). A page's blocks run in order, in one namespace, in a fresh Python
+  process whose working directory is a temporary one, as a reader would run that page alone;
+  a block with a top-level ``await`` runs on the page's event loop. A block whose first line
+  names a module file (``# myapp/receivers.py``) is also written there, on the node's
+  ``PYTHONPATH``, and the receivers it defines are allowed on the node (``--receiver``).
+- A block is skipped only when the line before it (blank lines aside, and an HTML comment such
+  as ``<!-- read-back -->``) is ``<!-- docs-test: skip: REASON -->``; the reason is required.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from deltaflow.testing import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Pages that need not open with an example: the roadmap is a list of work.
+NO_OPENING_EXAMPLE = {"roadmap.md"}
+
+FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+SKIP = re.compile(r"^\s*<!--\s*docs-test:\s*skip\b:?(.*?)-->\s*$")
+COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
+#: A node or host address a block would reach (``"10.0.0.5:7700"``), not a URL's
+#: (``spark://10.0.0.5:7077`` only configures a session that a block may never start).
+IP_ADDRESS = re.compile(r"(?<![/\w.])\d{1,3}(?:\.\d{1,3}){3}\b")
+MODULE_FILE = re.compile(r"^#\s*([A-Za-z_][\w/]*\.py)\s*$")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A Python block of a page: its number among the page's Python blocks, from 1."""
+
+    page: str
+    number: int
+    line: int
+    code: str
+    skip: str | None  # the reason given, "" for a marker without one; None: it runs
+
+    @property
+    def name(self) -> str:
+        return f"{self.page}, Python block {self.number} (line {self.line})"
+
+    @property
+    def module_file(self) -> str | None:
+        """The file the block says it is (``# myapp/receivers.py`` as its first line)."""
+        first = self.code.split("\n", 1)[0]
+        match = MODULE_FILE.match(first)
+        return match[1] if match else None
+
+
+def python_blocks(path: Path) -> list[Block]:
+    """The page's ```` ```python ```` blocks (indented ones dedented), with their skip marks."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    page = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else path.name
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        fence = FENCE.match(lines[i])
+        if fence is None:
+            i += 1
+            continue
+        indent, lang = fence[1], fence[2]
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        if lang == "python":
+            code = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end])
+            blocks.append(Block(page, len(blocks) + 1, i + 1, code + "\n", skip_reason(lines, i)))
+        i = end + 1
+    return blocks
+
+
+def skip_reason(lines: list[str], fence: int) -> str | None:
+    """The reason of the ``docs-test: skip`` mark before the block opening at ``fence``."""
+    j = fence - 1
+    while j >= 0 and (not lines[j].strip() or COMMENT.match(lines[j])) and not SKIP.match(lines[j]):
+        j -= 1
+    mark = SKIP.match(lines[j]) if j >= 0 else None
+    return mark[1].strip() if mark else None
+
+
+def receivers_of(code: str, module: str) -> list[str]:
+    """``module.Class`` of each class in ``code`` that subclasses a ``Receiver``."""
+    return [
+        f"{module}.{node.name}"
+        for node in ast.parse(code).body
+        if isinstance(node, ast.ClassDef)
+        and any(ast.unparse(base).split(".")[-1] == "Receiver" for base in node.bases)
+    ]
+
+
+ALL_BLOCKS = [block for page in PAGES for block in python_blocks(page)]
+RUNNABLE_PAGES = list(dict.fromkeys(b.page for b in ALL_BLOCKS if b.skip is None))
+#: The node and warehouse the examples assume, replaced by the test's.
+DOCS_ADDRESS, DOCS_WAREHOUSE = "127.0.0.1:7700", "/data/wh"
+
+
+@dataclass(frozen=True)
+class DocsNode:
+    address: str
+    warehouse: Path
+    modules: Path  # the module files of the page's blocks, the node's PYTHONPATH
+
+
+@contextlib.contextmanager
+def docs_node(blocks: list[Block], base: Path) -> Iterator[DocsNode]:
+    """A fresh node for one page's examples, allowed the receivers the page defines in files;
+    stopped by its pid (SIGTERM, then SIGKILL)."""
+    warehouse, modules = base / "wh", base / "modules"
+    receivers = []
+    modules.mkdir(parents=True)
+    for block in blocks:
+        if (file := block.module_file) is not None:
+            (modules / file).parent.mkdir(parents=True, exist_ok=True)
+            (modules / file).write_text(block.code, encoding="utf-8")
+            module = file.removesuffix(".py").replace("/", ".")
+            receivers += [f"--receiver={name}" for name in receivers_of(block.code, module)]
+    port = free_port()
+    log = base / "node.log"
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "deltaflow.cli", "serve", "--engine", "delta-rs"),
+                *("--node-id", "docs", "--port", str(port), "--warehouse", str(warehouse)),
+                *receivers,
+            ],
+            cwd=modules,
+            env={**os.environ, "PYTHONPATH": str(modules)},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 90
+        while "ready on" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield DocsNode(f"127.0.0.1:{port}", warehouse, modules)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+#: Runs one page's blocks in order, in one namespace (a fresh ``__main__``): argv[1] is a JSON
+#: list of [number, code]. A block with a top-level ``await`` runs on one event loop.
+RUNNER = """
+import ast, asyncio, inspect, json, linecache, sys, traceback, types
+
+main = types.ModuleType("__main__")
+sys.modules["__main__"] = main
+loop = asyncio.new_event_loop()
+for number, code in json.load(open(sys.argv[1])):
+    print(f"--- block {number}", flush=True)
+    name = f"<block {number}>"
+    linecache.cache[name] = (len(code), None, code.splitlines(True), name)  # in tracebacks
+    try:
+        compiled = compile(code, name, "exec", ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        if compiled.co_flags & inspect.CO_COROUTINE:
+            loop.run_until_complete(eval(compiled, main.__dict__))
+        else:
+            exec(compiled, main.__dict__)
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED block {number}", file=sys.stderr, flush=True)
+        sys.exit(1)
+"""
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    """A broken link, a missing anchor or an API reference that does not resolve fails."""
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stderr
+    assert (tmp_path / "index.html").exists() and (tmp_path / "benchmarks" / "index.html").exists()
+    reference = (tmp_path / "reference" / "client" / "index.html").read_text(encoding="utf-8")
+    assert 'id="deltaflow.StreamerOptions"' in reference
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in ALL_BLOCKS if b.skip is not None], ids=lambda b: f"{b.page}-{b.number}"
+)
+def test_a_skipped_block_says_why(block: Block) -> None:
+    """Each skipped block is listed as a skipped test, with its reason."""
+    assert block.skip, f"{block.name}: say why it is skipped: <!-- docs-test: skip: REASON -->"
+    pytest.skip(f"{block.name}: {block.skip}")
+
+
+def test_the_block_finder_reads_marks_and_indented_blocks(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- docs-test: skip: needs a cluster -->\n\n```python\na = 1\n```\n\n"
+        "<!-- docs-test: skip: why -->\n<!-- read-back -->\n```python\nb = 2\n```\n\n"
+        "```sh\nls\n```\n- a list:\n\n  ```python\n  c = 3\n  ```\n"
+        "<!-- docs-test: skip -->\n```python\nd = 4\n```\n"
+    )
+    found = python_blocks(page)
+    assert [(b.code, b.skip) for b in found] == [
+        ("a = 1\n", "needs a cluster"),
+        ("b = 2\n", "why"),
+        ("c = 3\n", None),
+        ("d = 4\n", ""),
+    ]
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES)
+def test_the_python_blocks_of_a_page_run(page: str, tmp_path: Path) -> None:
+    """The page's blocks in order, against a node of their own, as a reader would run them."""
+    blocks = [b for b in ALL_BLOCKS if b.page == page and b.skip is None]
+    for block in blocks:  # the examples reach this machine's test node, nothing else
+        elsewhere = set(IP_ADDRESS.findall(block.code)) - {"127.0.0.1"}
+        assert not elsewhere, f"{block.name} reaches {elsewhere}: use 127.0.0.1:7700, or skip it"
+    with docs_node(blocks, tmp_path / "node") as node:
+        codes = [
+            (
+                b.number,
+                b.code.replace(DOCS_ADDRESS, node.address).replace(
+                    DOCS_WAREHOUSE, str(node.warehouse)
+                ),
+            )
+            for b in blocks
+        ]
+        (tmp_path / "blocks.json").write_text(json.dumps(codes))
+        (tmp_path / "run.py").write_text(RUNNER)
+        run = subprocess.run(
+            [sys.executable, "run.py", "blocks.json"],
+            cwd=tmp_path,
+            env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": str(node.modules)},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    failed = re.search(r"FAILED block (\d+)", run.stderr)
+    which = next((b.name for b in blocks if failed and b.number == int(failed[1])), page)
+    assert run.returncode == 0, (
+        f"{which}: exit {run.returncode}\n--- stdout:\n{run.stdout[-3000:]}\n"
+        f"--- stderr:\n{run.stderr[-5000:]}"
+    )
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p.name for p in PAGES[1:] if p.name not in NO_OPENING_EXAMPLE],
+)
+def test_every_page_opens_with_what_it_is_for_and_an_example(page: str) -> None:
+    """Before its first ``## `` heading a page says what it is for and shows a code block."""
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8")
+    opening = re.split(r"^## ", text, maxsplit=1, flags=re.MULTILINE)[0]
+    prose = re.sub(r"^\s*```.*?^\s*```", "", opening, flags=re.MULTILINE | re.DOTALL)
+    assert prose.split("\n", 1)[-1].strip(), f"docs/{page} opens with no words on what it is for"
+    assert re.search(r"^\s*```", opening, re.MULTILINE), (
+        f"docs/{page} shows no example before its first '## ' heading"
+    )
