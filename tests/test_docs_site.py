@@ -9,7 +9,10 @@ opens with what it is for and an example.
   ``/data/wh`` its warehouse, the node and warehouse the examples assume (the README says so
   above its list of pages). A page's blocks run in order, in one namespace, in a fresh Python
   process whose working directory is a temporary one, as a reader would run that page alone;
-  a block with a top-level ``await`` runs on the page's event loop. A block whose first line
+  a block with a top-level ``await`` runs on the page's event loop. A page whose blocks use
+  Spark runs in the test's own process instead, on the run's one SparkSession (a reader's
+  ``getOrCreate()`` and ``get_spark()`` return it; a JVM per page would cost half a minute).
+  A block whose first line
   names a module file (``# myapp/receivers.py``) is also written there, on the node's
   ``PYTHONPATH``, and the receivers it defines are allowed on the node (``--receiver``).
 - A block is skipped only when the line before it (blank lines aside, and an HTML comment such
@@ -47,6 +50,7 @@ COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
 #: (``spark://10.0.0.5:7077`` only configures a session that a block may never start).
 IP_ADDRESS = re.compile(r"(?<![/\w.])\d{1,3}(?:\.\d{1,3}){3}\b")
 MODULE_FILE = re.compile(r"^#\s*([A-Za-z_][\w/]*\.py)\s*$")
+SPARK = re.compile(r"\bpyspark\b|\bspark_integration\b")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -235,8 +239,22 @@ def test_the_block_finder_reads_marks_and_indented_blocks(tmp_path: Path) -> Non
     ]
 
 
+def run_here(blocks: list[tuple[int, str]], page: str) -> None:
+    """The blocks in order in one namespace, in this process (a page that uses Spark)."""
+    import traceback
+
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for number, code in blocks:
+        try:
+            exec(compile(code, f"<{page} block {number}>", "exec"), namespace)
+        except Exception:
+            pytest.fail(f"{page}, Python block {number}:\n{traceback.format_exc()[-5000:]}")
+
+
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
-def test_the_python_blocks_of_a_page_run(page: str, tmp_path: Path) -> None:
+def test_the_python_blocks_of_a_page_run(
+    page: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The page's blocks in order, against a node of their own, as a reader would run them."""
     blocks = [b for b in ALL_BLOCKS if b.page == page and b.skip is None]
     for block in blocks:  # the examples reach this machine's test node, nothing else
@@ -252,6 +270,11 @@ def test_the_python_blocks_of_a_page_run(page: str, tmp_path: Path) -> None:
             )
             for b in blocks
         ]
+        if any(SPARK.search(code) for _, code in codes):
+            request.getfixturevalue("spark")  # the run's session, started on first use
+            monkeypatch.chdir(tmp_path)
+            run_here(codes, page)
+            return
         (tmp_path / "blocks.json").write_text(json.dumps(codes))
         (tmp_path / "run.py").write_text(RUNNER)
         run = subprocess.run(

@@ -419,15 +419,16 @@ def with_layout(schema: Any, settings: TableSettings) -> tuple[Any, list[str]]:
     return schema.append(pa.field(BUCKET_COLUMN, pa.int32())), [BUCKET_COLUMN]
 
 
-def read_table_settings(warehouse: Location, name: str) -> TableSettings:
+def read_table_settings(warehouse: Location | str, name: str) -> TableSettings:
     """The settings of an existing table, read with delta-rs (no JVM).
 
     Raises:
         UsageError: no such table.
     """
+    from ..storage.paths import location
     from .log import delta_table, table_path
 
-    dt = delta_table(table_path(warehouse, name))
+    dt = delta_table(table_path(location(warehouse), name))
     columns = _column_names(dt.schema().to_arrow())
     return TableSettings.from_table(dt.metadata().configuration, columns)
 
