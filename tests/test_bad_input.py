@@ -325,6 +325,41 @@ async def test_a_row_without_its_key_is_named_or_quarantined(
     assert "an Arrow batch of 3 rows" in by_payload[8]
 
 
+async def test_rows_set_aside_wait_for_the_dead_letter_table(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """Quarantined rows cannot pile up in the client: while the dead-letter table's writes
+    are held, the stream stops pulling its source once the dead-letter window is full, and
+    goes on when they land."""
+    from .support import holding, open_table
+
+    pulled = 0
+
+    async def source() -> AsyncIterator[dict[str, int]]:
+        nonlocal pulled
+        for i in range(60):
+            pulled += 1
+            yield {"id": i, "v": i} if i == 0 else {"v": i}  # the rest without their key
+
+    window = 4
+    options = StreamerOptions(on_bad_row="quarantine", max_in_flight=window, page_size=10)
+    async with deltaflow.connect([cluster[0].address]) as client:
+        async with holding(warehouse, "deltaflow_dead_letters"):
+            stream = asyncio.create_task(
+                client.stream_data(source(), table="aside", key="id", options=options)
+            )
+            seen = -1
+            while pulled != seen:  # until the source is no longer pulled
+                seen = pulled
+                await asyncio.sleep(0.5)  # (no event marks "nothing happens")
+            assert not stream.done()
+            assert pulled <= 1 + window + 1, f"{pulled} items pulled past a full window"
+        summary = await asyncio.wait_for(stream, 120)
+    assert (summary.items_acked, summary.items_quarantined, summary.items_failed) == (1, 59, 0)
+    dead = open_table(warehouse / "deltaflow_dead_letters").to_pyarrow_table()
+    assert sorted(dead.column("position").to_pylist()) == list(range(1, 60))
+
+
 @pytest.mark.parametrize(
     ("name", "fix"), [("my-table", "my_table"), ("orders.v2", "orders_v2"), ("über", "_ber")]
 )
