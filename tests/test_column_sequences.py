@@ -14,7 +14,7 @@ import pytest
 import deltaflow
 from deltaflow.errors import SchemaError
 
-from .support import creating_engine, read_delta, table_engine
+from .support import creating_engine, read_all, read_delta, table_engine
 from .test_cdc import cdc_engine
 
 __all__ = ["cdc_engine"]  # the engine fixture: every write path
@@ -91,6 +91,16 @@ async def test_aggregate_tables_order_their_last_non_null_columns(
             eng, "agg", [{"id": 2, "lsn": 9, "total": 1}, {"id": 2, "lsn": 3, "label": "x"}]
         )
     assert rows(warehouse, "agg", "lsn", "total", "label") == {1: (12, 4, "ten"), 2: (9, 1, "x")}
+
+
+async def test_a_column_added_later_gets_its_own_sequence(warehouse: Any, engine: str) -> None:
+    """A column a write adds (schema evolution) carries its sequence like the others."""
+    await create(warehouse, engine, "grown", merge="partial", allow_schema_evolution=True)
+    async with table_engine(engine, warehouse) as eng:
+        await groups(eng, "grown", [{"id": 1, "lsn": 10, "email": "e@", "city": "Lyon"}])
+        await groups(eng, "grown", [{"id": 1, "lsn": 5, "city": "Paris", "phone": "5"}])
+    assert rows(warehouse, "grown", "lsn", "email", "phone", "city") == {1: (10, "e@", "5", "Lyon")}
+    assert "_deltaflow_seq_city" in read_all(warehouse / "grown")[0]
 
 
 def random_feed(rng: random.Random, keys: int, changes: int) -> list[Any]:

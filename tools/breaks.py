@@ -1340,7 +1340,7 @@ BREAKS: dict[str, Break] = {
     ),
     "fold_stamps_no_column_sequence": Break(
         "deltaflow/tables/merging.py",
-        "            folded = stamp(folded, tail, key, sequence, rule.sequenced, floors)\n",
+        "            folded = stamp(folded, tail, key, sequence, own, floors)\n",
         "            pass\n",
         (
             "tests/test_column_sequences.py::test_a_partial_change_sets_its_columns_in_any_arrival_order[delta-rs]",

@@ -39,6 +39,7 @@ __all__ = [
     "sequenced_columns",
     "setting",
     "stamp",
+    "stamped_columns",
     "wiped",
 ]
 
@@ -92,6 +93,21 @@ def sequenced_columns(
         if _eligible(c, key, sequence, rule)
         and all(h in present for h in sequence_columns(c, sequence))
     )
+
+
+def stamped_columns(
+    names: Sequence[str], key: Sequence[str], sequence: Sequence[str], rule: Any
+) -> list[str]:
+    """The columns a fold stamps with their own sequence on a table whose columns carry one
+    (``rule.sequenced``): those, and the group's columns the table will add (schema
+    evolution) that keep the last value set."""
+    if not rule.sequenced:
+        return []
+    known = set(rule.sequenced)
+    return [
+        *rule.sequenced,
+        *(c for c in names if c not in known and _eligible(c, key, sequence, rule)),
+    ]
 
 
 def contains(lists: Any, value: str) -> Any:

@@ -36,6 +36,7 @@ from .column_sequences import (
     sequenced_columns,
     setting,
     stamp,
+    stamped_columns,
     wiped,
 )
 
@@ -192,7 +193,8 @@ def fold(data: Any, key: Sequence[str], sequence: Sequence[str], rule: MergeRule
                     floors[c] = pc.if_else(pa.array(replacing), deletes.column(c), None)
                     folded = folded.append_column(replaced_sequence(c), floors[c])
         if rule.sequenced:
-            folded = stamp(folded, tail, key, sequence, rule.sequenced, floors)
+            own = stamped_columns(data.column_names, key, sequence, rule)
+            folded = stamp(folded, tail, key, sequence, own, floors)
         parts.append(folded)
     if len(parts) == 2:
         parts[0] = _padded(parts[0], parts[1].schema)

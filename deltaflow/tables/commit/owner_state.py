@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...errors import SchemaError, TableSettingsError
+from ..column_sequences import PREFIX as SEQUENCE_PREFIX
 from ..column_sequences import floored, own_sequence_fields
 from ..constraints import CONSTRAINT_PREFIX
 from ..grouping import conform, last_per_key
@@ -243,6 +244,7 @@ class TableState:
             if f.name not in schema.names
             and f.name not in INTERNAL_COLUMNS
             and not internal(f.name)
+            and not f.name.startswith(SEQUENCE_PREFIX)  # a fold's: added with their column
         ]
         if new:
             names = [f.name for f in new]
