@@ -295,10 +295,15 @@ def test_the_python_blocks_of_a_page_run(
 
 @pytest.mark.parametrize(
     "page",
-    [p.name for p in PAGES[1:] if p.name not in NO_OPENING_EXAMPLE],
+    [
+        str(p.relative_to(ROOT / "docs"))
+        for p in [*PAGES[1:], *sorted((ROOT / "docs" / "internals").glob("*.md"))]
+        if p.name not in NO_OPENING_EXAMPLE
+    ],
 )
 def test_every_page_opens_with_what_it_is_for_and_an_example(page: str) -> None:
-    """Before its first ``## `` heading a page says what it is for and shows a code block."""
+    """Before its first ``## `` heading a page says what it is for and shows a code block (the
+    how-it-works pages of docs/internals/ too)."""
     text = (ROOT / "docs" / page).read_text(encoding="utf-8")
     opening = re.split(r"^## ", text, maxsplit=1, flags=re.MULTILINE)[0]
     prose = re.sub(r"^\s*```.*?^\s*```", "", opening, flags=re.MULTILINE | re.DOTALL)
