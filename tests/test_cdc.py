@@ -408,3 +408,54 @@ async def test_a_row_breaking_a_check_constraint_is_named_when_staged(
             await eng.stage("checked", ["id"], rows[2:], frozenset())
         await (await eng.stage("checked", ["id"], [*rows[:1], rows[1]], frozenset({1})))
     assert {k: r["amount"] for k, r in read_delta(warehouse / "checked").items()} == {1: 1.0}
+
+
+def test_a_large_group_folds_every_key_with_its_own_changes() -> None:
+    """150,000 changes of 77,000 keys in one group, folded as a ``partial`` table does: each
+    key's row is its own changes after its last delete (and says it replaces the stored row
+    when there was one). Arrow's groups do not always come in order of first appearance at
+    this size; a fold that assumed so gave 24 keys another key's delete."""
+    import random
+
+    import pyarrow as pa
+
+    from deltaflow.columnar import DELETE_COLUMN
+    from deltaflow.tables.merging import REPLACE_COLUMN, MergeRule, fold
+
+    rng = random.Random(3)
+    rows = []
+    for lsn in rng.sample(range(1, 1_500_000), 150_000):
+        deleted = rng.random() < 0.1
+        name = None if deleted or rng.random() < 0.5 else f"n{lsn}"
+        rows.append(
+            {"id": rng.randrange(100_000), "lsn": lsn, "name": name, DELETE_COLUMN: deleted}
+        )
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("lsn", pa.int64()),
+            ("name", pa.string()),
+            (DELETE_COLUMN, pa.bool_()),
+        ]
+    )
+    folded = fold(pa.Table.from_pylist(rows, schema=schema), ["id"], ["lsn"], MergeRule("partial"))
+    want: dict[int, tuple[Any, ...]] = {}
+    by_key: dict[int, list[dict[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: r["lsn"]):
+        by_key.setdefault(row["id"], []).append(row)
+    for key, changes in by_key.items():
+        last = max((i for i, r in enumerate(changes) if r[DELETE_COLUMN]), default=-1)
+        if last == len(changes) - 1:
+            want[key] = (True, changes[-1]["lsn"], None, False)
+            continue
+        after = changes[last + 1 :]
+        name = next((r["name"] for r in reversed(after) if r["name"] is not None), None)
+        want[key] = (False, after[-1]["lsn"], name, last >= 0)
+    got = {
+        r["id"]: (
+            r[DELETE_COLUMN], r["lsn"], None if r[DELETE_COLUMN] else r["name"],
+            bool(r.get(REPLACE_COLUMN)),
+        )
+        for r in folded.to_pylist()
+    }  # fmt: skip
+    assert got == want

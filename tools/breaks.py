@@ -1313,6 +1313,12 @@ BREAKS: dict[str, Break] = {
         "                if False:\n",
         ("tests/test_bad_input.py::test_rows_set_aside_wait_for_the_dead_letter_table",),
     ),
+    "fold_groups_taken_in_arrival_order": Break(
+        "deltaflow/tables/merging.py",
+        "tail.group_by(list(key), use_threads=False).aggregate(aggregations).sort_by(by_key(key))",
+        "tail.group_by(list(key), use_threads=False).aggregate(aggregations)",
+        ("tests/test_cdc.py::test_a_large_group_folds_every_key_with_its_own_changes",),
+    ),
     "column_sequences_off": Break(
         "deltaflow/tables/merging.py",
         "        if not sequenced:\n            return rule\n",

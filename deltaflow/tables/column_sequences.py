@@ -28,6 +28,7 @@ from ..columnar import NULLS_COLUMN
 
 __all__ = [
     "PREFIX",
+    "by_key",
     "contains",
     "floored",
     "key_runs",
@@ -124,11 +125,21 @@ def contains(lists: Any, value: str) -> Any:
     return out
 
 
+def by_key(key: Sequence[str]) -> list[tuple[str, str]]:
+    """The sort order of a group's rows by key (what a fold's steps align on)."""
+    return [(k, "ascending") for k in key]
+
+
 def key_runs(rows: Any, key: Sequence[str], keys: int) -> Any:
     """Per row of ``rows`` (sorted by key, ``keys`` of them), the number of its key in order."""
     import numpy as np
 
-    counts = rows.group_by(list(key), use_threads=False).aggregate([([], "count_all")])
+    # Arrow's groups do not always come in order of first appearance: sorted by key again.
+    counts = (
+        rows.group_by(list(key), use_threads=False)
+        .aggregate([([], "count_all")])
+        .sort_by(by_key(key))
+    )
     return np.repeat(np.arange(keys), counts.column("count_all").to_numpy())
 
 

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from ..columnar import DELETE_COLUMN, NULLS_COLUMN
 from .column_sequences import (
+    by_key,
     contains,
     key_runs,
     last_setting,
@@ -167,8 +168,11 @@ def fold(data: Any, key: Sequence[str], sequence: Sequence[str], rule: MergeRule
         deleted, pc.if_else(ordered.column(DELETE_COLUMN), ranks, -1)
     )
     # A key's rows are contiguous in that order: its first and last rank, its last delete.
-    per_key = ordered.group_by(list(key), use_threads=False).aggregate(
-        [(rank, "min"), (rank, "max"), (deleted, "max")]
+    # (Arrow's groups do not always come in order of first appearance: sorted again.)
+    per_key = (
+        ordered.group_by(list(key), use_threads=False)
+        .aggregate([(rank, "min"), (rank, "max"), (deleted, "max")])
+        .sort_by(by_key(key))
     )
     low = per_key.column(f"{rank}_min").to_numpy()
     high = per_key.column(f"{rank}_max").to_numpy()
@@ -242,7 +246,9 @@ def _fold_tail(
         else:  # sum, min, max: null only when every change is
             options = pc.ScalarAggregateOptions(skip_nulls=True, min_count=1)
             aggregations.append((name, function, options))
-    grouped = tail.group_by(list(key), use_threads=False).aggregate(aggregations)
+    grouped = (
+        tail.group_by(list(key), use_threads=False).aggregate(aggregations).sort_by(by_key(key))
+    )
     columns = {
         name: grouped.column(f"{name}_{how}").cast(data.schema.field(name).type)
         for name, how, _ in aggregations
