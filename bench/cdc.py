@@ -159,19 +159,20 @@ def run_bulk_deltars(warehouse: Path, history: Any, _shares: Any, _nodes: int) -
 
 def run_deltaflow(
     warehouse: Path, history: Any, shares: list[list[Any]], nodes: int, *, engine: str,
-    sequence: bool, scd2: bool = False,
+    sequence: bool, scd2: bool = False, merge: str = "last",
 ) -> Result:  # fmt: skip
     """Node processes; the producers stream their shares at once as Arrow pages with an
     operation column (``Changelog(op="op")``); without ``sequence`` the table has no
     ``sequence_by`` (plain upserts, in arrival order: the cost of ordering); with ``scd2`` it
-    keeps every version (``history="scd2"``: the cost of history)."""
+    keeps every version (``history="scd2"``: the cost of history); with ``merge="partial"``
+    its columns carry their own sequences (the cost of merging column by column)."""
     import deltaflow
     from deltaflow.testing import NodeProcess, free_port, wait_for_members
 
-    table = "scd2" if scd2 else "cdc" if sequence else "plain"
+    table = "scd2" if scd2 else merge if merge != "last" else "cdc" if sequence else "plain"
     deltaflow.create_table(
         warehouse, table, schema=SCHEMA, key="id", sequence_by="lsn" if sequence else (),
-        history="scd2" if scd2 else "none",
+        history="scd2" if scd2 else "none", merge=merge,
     )  # fmt: skip
     sent = [pages(share) for share in shares]
 
@@ -218,7 +219,8 @@ def run_deltaflow(
             for proc in reversed(procs):
                 await proc.stop()
         n = sum(s.items_acked for s in summaries)
-        name = f"deltaflow-{engine}" + ("-scd2" if scd2 else "" if sequence else "-plain")
+        kind = "-scd2" if scd2 else f"-{merge}" if merge != "last" else ""
+        name = f"deltaflow-{engine}" + (kind if sequence else "-plain")
         return Result(
             name,
             n,
@@ -268,6 +270,9 @@ VARIANTS: Final = {
     "deltaflow-delta-rs-scd2": lambda w, h, s, n: run_deltaflow(
         w, h, s, n, engine="delta-rs", sequence=True, scd2=True
     ),
+    "deltaflow-delta-rs-partial": lambda w, h, s, n: run_deltaflow(
+        w, h, s, n, engine="delta-rs", sequence=True, merge="partial"
+    ),
 }
 TABLES: Final = {
     "bulk-spark": "bulk_spark",
@@ -277,6 +282,7 @@ TABLES: Final = {
     "deltaflow-spark-plain": "plain",
     "deltaflow-delta-rs-plain": "plain",
     "deltaflow-delta-rs-scd2": "scd2",
+    "deltaflow-delta-rs-partial": "partial",
 }
 
 
