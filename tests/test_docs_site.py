@@ -15,6 +15,10 @@ opens with what it is for and an example.
   A block whose first line
   names a module file (``# myapp/receivers.py``) is also written there, on the node's
   ``PYTHONPATH``, and the receivers it defines are allowed on the node (``--receiver``).
+- What a page says a block prints is checked against what it printed: a ``print(...)`` line
+  whose comment is a literal (``print(rows)  # [{'n': 1000}]``) needs a line equal to it; the
+  code spans of an "It prints `...`" sentence right after the block must each appear (``...``
+  standing for any text). The examples' node is ``n1``, as the pages say.
 - A block is skipped only when the line before it (blank lines aside, and an HTML comment such
   as ``<!-- read-back -->``) is ``<!-- docs-test: skip: REASON -->``; the reason is required.
 """
@@ -29,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ COMMENT = re.compile(r"^\s*<!--.*-->\s*$")
 #: (``spark://10.0.0.5:7077`` only configures a session that a block may never start).
 IP_ADDRESS = re.compile(r"(?<![/\w.])\d{1,3}(?:\.\d{1,3}){3}\b")
 MODULE_FILE = re.compile(r"^#\s*([A-Za-z_][\w/]*\.py)\s*$")
+PRINT_SAYS = re.compile(r"^\s*print\(.*\)\s+#\s*(.+?)\s*$")
 SPARK = re.compile(r"\bpyspark\b|\bspark_integration\b")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -64,10 +70,49 @@ class Block:
     line: int
     code: str
     skip: str | None  # the reason given, "" for a marker without one; None: it runs
+    told: tuple[str, ...] = ()  # the spans of the "It prints `...`" sentence after it
+
+    def said_outputs(self) -> list[object]:
+        """The literal of each ``print`` line's comment (its text when it holds a call, such
+        as ``Decimal('9.99')``); a comment that is not a literal is a remark."""
+        said: list[object] = []
+        for line in self.code.splitlines():
+            if (match := PRINT_SAYS.match(line)) is None:
+                continue
+            try:
+                tree = ast.parse(match[1], mode="eval")
+            except SyntaxError:  # a remark, not an output
+                continue
+            if isinstance(tree.body, (ast.List, ast.Dict, ast.Tuple, ast.Set, ast.Constant)):
+                try:
+                    said.append(ast.literal_eval(tree))
+                except ValueError:
+                    said.append(match[1])
+        return said
 
     @property
     def name(self) -> str:
         return f"{self.page}, Python block {self.number} (line {self.line})"
+
+    def check_prints(self, output: str) -> None:
+        """Each output the block is said to print is in ``output``: a literal as one of its
+        lines; a span of the sentence after it anywhere, ``...`` standing for any text."""
+        lines: list[object] = []
+        for text in output.splitlines():
+            lines.append(text)
+            with contextlib.suppress(ValueError, SyntaxError):
+                lines.append(ast.literal_eval(text))
+        for said in self.said_outputs():
+            assert said in lines, (
+                f"{self.name} says it prints {said!r}; it printed:\n{output[-3000:]}"
+            )
+        for span in self.told:
+            pattern = ".*?".join(
+                r"\s+".join(map(re.escape, piece.split())) for piece in span.split("...")
+            )
+            assert re.search(pattern, output, re.DOTALL), (
+                f"the text after {self.name} says it prints `{span}`; it printed:\n{output[-3000:]}"
+            )
 
     @property
     def module_file(self) -> str | None:
@@ -92,9 +137,35 @@ def python_blocks(path: Path) -> list[Block]:
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
         if lang == "python":
             code = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end])
-            blocks.append(Block(page, len(blocks) + 1, i + 1, code + "\n", skip_reason(lines, i)))
+            told = told_prints(lines, end + 1)
+            blocks.append(
+                Block(page, len(blocks) + 1, i + 1, code + "\n", skip_reason(lines, i), told)
+            )
         i = end + 1
     return blocks
+
+
+def told_prints(lines: list[str], after: int) -> tuple[str, ...]:
+    """The code spans of the first sentence of the paragraph after a block, when it opens
+    with "It prints" (the sentence ends at a ``.`` or ``:`` outside the spans)."""
+    j = after
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    paragraph: list[str] = []
+    while j < len(lines) and lines[j].strip():
+        paragraph.append(lines[j].strip())
+        j += 1
+    text = " ".join(paragraph)
+    if not text.startswith("It prints"):
+        return ()
+    parts = text.split("`")
+    spans: list[str] = []
+    for k, part in enumerate(parts):
+        if k % 2:
+            spans.append(part)
+        elif re.search(r"[.:](\s|$)", part):
+            break
+    return tuple(spans)
 
 
 def skip_reason(lines: list[str], fence: int) -> str | None:
@@ -148,7 +219,7 @@ def docs_node(blocks: list[Block], base: Path) -> Iterator[DocsNode]:
         process = subprocess.Popen(
             [
                 *(sys.executable, "-m", "deltaflow.cli", "serve", "--engine", "delta-rs"),
-                *("--node-id", "docs", "--port", str(port), "--warehouse", str(warehouse)),
+                *("--node-id", "n1", "--port", str(port), "--warehouse", str(warehouse)),
                 *receivers,
             ],
             cwd=modules,
@@ -239,16 +310,47 @@ def test_the_block_finder_reads_marks_and_indented_blocks(tmp_path: Path) -> Non
     ]
 
 
-def run_here(blocks: list[tuple[int, str]], page: str) -> None:
-    """The blocks in order in one namespace, in this process (a page that uses Spark)."""
+def test_a_block_is_held_to_what_it_says_it_prints(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint(rows)  # [{'n': 1000}]\nprint(x)  # the table is made later\n"
+        "print(d)  # [Decimal('9.99')]\nprint(len(rows))  # 3\n```\n\n"
+        "It prints `one ... two`, then `three\nfour`: not `five`.\n"
+    )
+    [block] = python_blocks(page)
+    assert block.said_outputs() == [[{"n": 1000}], "[Decimal('9.99')]", 3]  # remarks skipped
+    assert block.told == ("one ... two", "three four")
+    block.check_prints("[{'n': 1000}]\n[Decimal('9.99')]\n3\none, and two\nthree\nfour\n")
+    with pytest.raises(AssertionError, match=r"says it prints \[\{'n': 1000\}\]"):
+        block.check_prints("[{'n': 999}]\n[Decimal('9.99')]\n3\none two\nthree four\n")
+    with pytest.raises(AssertionError, match="says it prints `three four`"):
+        block.check_prints("[{'n': 1000}]\n[Decimal('9.99')]\n3\none two\nthree five\n")
+    assert printed_by_block("--- block 1\na\n--- block 3\nb\nc\n") == {1: "a\n", 3: "b\nc\n"}
+
+
+def run_here(blocks: list[tuple[int, str]], page: str) -> dict[int, str]:
+    """The blocks in order in one namespace, in this process (a page that uses Spark); what
+    each printed."""
+    import io
     import traceback
 
     namespace: dict[str, object] = {"__name__": "__main__"}
+    printed: dict[int, str] = {}
     for number, code in blocks:
+        out = io.StringIO()
         try:
-            exec(compile(code, f"<{page} block {number}>", "exec"), namespace)
+            with contextlib.redirect_stdout(out):
+                exec(compile(code, f"<{page} block {number}>", "exec"), namespace)
         except Exception:
             pytest.fail(f"{page}, Python block {number}:\n{traceback.format_exc()[-5000:]}")
+        printed[number] = out.getvalue()
+    return printed
+
+
+def printed_by_block(stdout: str) -> dict[int, str]:
+    """The runner's output cut at its ``--- block N`` lines."""
+    parts = re.split(r"^--- block (\d+)\n", stdout, flags=re.MULTILINE)
+    return {int(number): text for number, text in zip(parts[1::2], parts[2::2], strict=True)}
 
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES)
@@ -273,14 +375,20 @@ def test_the_python_blocks_of_a_page_run(
         if any(SPARK.search(code) for _, code in codes):
             request.getfixturevalue("spark")  # the run's session, started on first use
             monkeypatch.chdir(tmp_path)
-            run_here(codes, page)
+            monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # a block's mkdtemp()
+            check_what_blocks_print(blocks, run_here(codes, page))
             return
         (tmp_path / "blocks.json").write_text(json.dumps(codes))
         (tmp_path / "run.py").write_text(RUNNER)
         run = subprocess.run(
             [sys.executable, "run.py", "blocks.json"],
             cwd=tmp_path,
-            env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONPATH": str(node.modules)},
+            env={
+                **os.environ,
+                "SPARK_LOCAL_IP": "127.0.0.1",
+                "PYTHONPATH": str(node.modules),
+                "TMPDIR": str(tmp_path),
+            },
             capture_output=True,
             text=True,
             timeout=240,
@@ -291,6 +399,12 @@ def test_the_python_blocks_of_a_page_run(
         f"{which}: exit {run.returncode}\n--- stdout:\n{run.stdout[-3000:]}\n"
         f"--- stderr:\n{run.stderr[-5000:]}"
     )
+    check_what_blocks_print(blocks, printed_by_block(run.stdout))
+
+
+def check_what_blocks_print(blocks: list[Block], printed: dict[int, str]) -> None:
+    for block in blocks:
+        block.check_prints(printed.get(block.number, ""))
 
 
 @pytest.mark.parametrize(
