@@ -195,20 +195,6 @@ async def test_quarantined_rows_go_to_the_dead_letters_and_their_batches_apply(
     assert msgpack.unpackb(letters[333]["payload"]) == {"id": 333, "colour": "red"}
 
 
-def partial_reference(changes: list[Change]) -> dict[int, dict[str, Any]]:
-    """Each key's row as partial updates applied in order: a change's non-null columns over
-    the stored ones; a delete ends the row."""
-    rows: dict[int, dict[str, Any]] = {}
-    for change in sorted(changes, key=lambda c: c.lsn):
-        key = change.row["id"]
-        if change.op == "d":
-            rows.pop(key, None)
-            continue
-        stored = rows.get(key, {})
-        rows[key] = {**stored, **{c: v for c, v in change.row.items() if v is not None}}
-    return rows
-
-
 def history_reference(changes: list[Change]) -> list[tuple[Any, ...]]:
     """Every version: (id, start, end, name), a version per upsert, ended by the next change."""
     out = []
@@ -232,11 +218,7 @@ async def test_partial_updates_and_a_history_from_producers_out_of_order(
     feed = change_feed(keys=150, changes=1_500, deletes=0.05, seed=5)
     rng = random.Random(6)
     # An update carries some of its columns only (the others absent): a partial update.
-    partial = [
-        c if c.op != "u" else Change("u", {k: v for k, v in c.row.items()
-                                           if k in ("id", "lsn") or rng.random() < 0.5}, c.before)
-        for c in feed.changes
-    ]  # fmt: skip
+    partial = feed.partial(seed=6).changes
     schema = "id:long,lsn:long,name:string,amount:long"
     await asyncio.to_thread(
         deltaflow.create_table, cluster.warehouse, "patched", schema=schema, key="id",
@@ -278,8 +260,8 @@ async def test_partial_updates_and_a_history_from_producers_out_of_order(
     async with client:
         await stream([*streams, *(("patched_by_lsn", share) for share in newer)])
         await stream([("patched_by_lsn", share) for share in older])
-    assert rows_of(cluster, "patched") == partial_reference(partial)
-    assert rows_of(cluster, "patched_by_lsn") == partial_reference(partial)
+    assert rows_of(cluster, "patched") == ChangeFeed(partial).final_partial()
+    assert rows_of(cluster, "patched_by_lsn") == ChangeFeed(partial).final_partial()
     versions = open_table(Path(cluster.warehouse) / "versions").to_pyarrow_table().to_pylist()
     got = sorted((r["id"], r["__start_at"], r["__end_at"], r["name"]) for r in versions)
     assert got == history_reference(feed.changes)

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest_asyncio
 from deltalake import DeltaTable
 
 import deltaflow
+from deltaflow.testing.changes import Change, change_feed
 
 from .support import FAILOVER_OPTIONS as OPTIONS
 from .support import (
@@ -24,6 +26,7 @@ from .support import (
     FailoverWatch,
     KillAt,
     assert_appended_once,
+    commit_writers,
     read_delta,
     read_spark,
 )
@@ -145,6 +148,72 @@ async def test_the_bootstrap_node_dying_does_not_stop_the_stream(
     assert summary.items_acked == n
     assert lost_answers(caplog) == []  # no batch waited for its ack timeout
     assert len(read_rows(cluster.warehouse / "bootstrap")) == n
+
+
+async def test_a_change_feed_through_a_sigkill_ends_at_the_source(tmp_path: Path) -> None:
+    """Two delta-rs nodes take a change feed into two ``sequence_by`` tables, one last-wins
+    and one of partial updates (per-column sequences); one node is SIGKILLed in the middle of
+    the newer half. The survivor takes its partitions with what the dead node recorded (each
+    key's and each column's sequence, its deletes), so the older half, streamed afterwards,
+    changes only what is newer than the table holds, and both tables end as the source's."""
+    flags = (*NODE_FLAGS[2:6], "--engine", "delta-rs")
+    c = Cluster(tmp_path / "warehouse", count=2, flags=flags)
+    await asyncio.gather(*(c.start(n) for n in c.ports))
+    feed = change_feed(keys=300, changes=6_000, deletes=0.05, seed=11)
+    partial = feed.partial(seed=12)
+    schema = "id:long,lsn:long,name:string,amount:long"
+    for table, merge in (("last", "last"), ("patched", "partial")):
+        await asyncio.to_thread(
+            deltaflow.create_table,
+            c.warehouse,
+            table,
+            schema=schema,
+            key="id",
+            sequence_by="lsn",
+            merge=merge,
+        )
+    half = len(feed.changes) // 2
+    rng = random.Random(13)
+
+    def shuffled(changes: list[Change]) -> list[Any]:
+        items = [change.as_item() for change in changes]
+        rng.shuffle(items)
+        return items
+
+    options = dataclasses.replace(OPTIONS, page_size=50, max_in_flight=8)
+    kill = KillAt(c.nodes["node-2"], half)  # of the newer halves' 2 x 3,000 changes
+    try:
+        client = await c.wait_members(2)
+        async with client:
+            for part, on_ack in ((slice(half, None), kill), (slice(None, half), None)):
+                summaries = await asyncio.gather(
+                    *(
+                        client.stream_data(
+                            shuffled(source.changes[part]),
+                            table=table,
+                            key="id",
+                            on_ack=on_ack,
+                            options=options,
+                        )
+                        for table, source in (("last", feed), ("patched", partial))
+                    )
+                )
+                assert [s.items_failed for s in summaries] == [0, 0]
+    finally:
+        await asyncio.gather(*(node.stop() for node in c.nodes.values()))
+    assert kill.killed_at is not None
+
+    def rows(table: str) -> dict[int, dict[str, Any]]:
+        columns = ("id", "lsn", "name", "amount")
+        return {
+            k: {col: r[col] for col in columns if r[col] is not None}
+            for k, r in read_delta(c.warehouse / table).items()
+        }
+
+    assert rows("last") == feed.final()
+    assert rows("patched") == partial.final_partial()
+    # The dead node wrote both before the kill, the survivor after it.
+    assert {"node-1", "node-2"} <= set(commit_writers(c.warehouse / "patched"))
 
 
 async def test_merge_on_read_through_a_sigkill(tmp_path: Path, spark: Any) -> None:

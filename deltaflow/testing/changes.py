@@ -5,6 +5,7 @@ deliver them (each one's share out of order, some late) or as Debezium events.
     feed = change_feed(keys=300, changes=3_000, deletes=0.05, seed=1)
     parts = feed.arrivals(producers=3, late=0.1, seed=2)   # three shuffled shares
     feed.final()                                           # {id: row} the table must hold
+    feed.partial(seed=3).final_partial()                   # ... with partial updates
 
 A change is a row ``{"id", "lsn", "name", "amount"}`` and its operation ``c`` (insert, also
 after a delete), ``u`` (update) or ``d`` (delete); ``lsn`` is the commit order, 1, 2, ...
@@ -73,6 +74,42 @@ class ChangeFeed:
                 rows.pop(change.row["id"], None)
             else:
                 rows[change.row["id"]] = change.row
+        return rows
+
+    def partial(self, keep: float = 0.5, seed: int = 0) -> ChangeFeed:
+        """The same history with each update carrying only some of its columns, the key and
+        ``lsn`` always, each other with probability ``keep``: partial updates, for tables
+        created with ``merge="partial"``."""
+        rng = random.Random(seed)
+        return ChangeFeed(
+            [
+                change
+                if change.op != "u"
+                else Change(
+                    "u",
+                    {
+                        k: v
+                        for k, v in change.row.items()
+                        if k in ("id", "lsn") or rng.random() < keep
+                    },
+                    change.before,
+                )
+                for change in self.changes
+            ]
+        )
+
+    def final_partial(self) -> dict[int, dict[str, Any]]:
+        """The rows a ``merge="partial"`` table ends with, in ``lsn`` order whatever the
+        changes' order here: each change's non-null columns over the stored ones; a delete
+        ends the row."""
+        rows: dict[int, dict[str, Any]] = {}
+        for change in sorted(self.changes, key=lambda c: c.lsn):
+            key = change.row["id"]
+            if change.op == "d":
+                rows.pop(key, None)
+                continue
+            stored = rows.get(key, {})
+            rows[key] = {**stored, **{c: v for c, v in change.row.items() if v is not None}}
         return rows
 
     def arrivals(
