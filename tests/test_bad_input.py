@@ -325,6 +325,28 @@ async def test_a_row_without_its_key_is_named_or_quarantined(
     assert "an Arrow batch of 3 rows" in by_payload[8]
 
 
+async def test_rows_without_their_key_in_a_long_source_are_set_aside_where_they_stand(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """Keyless rows at the ends of the client's read-ahead chunks (4,096 rows) and pages of a
+    long source: each is dead-lettered with its own position, every other row applied."""
+    from .support import open_table
+
+    n, missing = 9_000, {0, 99, 100, 4_095, 4_096, 8_191, 8_999}
+    rows: list[Any] = [{"v": i} if i in missing else {"id": i, "v": i} for i in range(n)]
+    options = StreamerOptions(
+        on_bad_row="quarantine", page_size=100, dead_letter_table="long_keyless_dead"
+    )
+    async with deltaflow.connect([cluster[0].address]) as client:
+        summary = await client.stream_data(rows, table="long_keyless", key="id", options=options)
+    assert (summary.items_acked, summary.items_dead_lettered) == (n - len(missing), len(missing))
+    assert sorted(read_delta(warehouse / "long_keyless")) == sorted(set(range(n)) - missing)
+    dead = open_table(warehouse / "long_keyless_dead").to_pyarrow_table().to_pylist()
+    assert {r["position"]: msgpack.unpackb(r["payload"])["v"] for r in dead} == {
+        i: i for i in missing
+    }
+
+
 async def test_rows_set_aside_wait_for_the_dead_letter_table(
     cluster: list[Node], warehouse: Path
 ) -> None:
