@@ -32,6 +32,7 @@ from .errors import ProtocolError
 
 __all__ = [
     "DELETE_COLUMN",
+    "INTERNAL_PREFIXES",
     "PAGE_LIMITS",
     "ArrowRows",
     "PageLimits",
@@ -47,6 +48,10 @@ DELETE_COLUMN: Final = "__deltaflow_delete"
 #: A row's columns set to null on purpose (``deltaflow.set_null``): on a ``partial`` table a
 #: null otherwise keeps the stored value.
 NULLS_COLUMN: Final = "__deltaflow_nulls"
+#: Column names deltaflow keeps for itself: stored (the bucket column, a column's own
+#: sequence) and working (the delete and nulls columns above, a group's merge columns).
+#: Rows may not set them; reads leave them out unless asked for.
+INTERNAL_PREFIXES: Final = ("_deltaflow_", "__deltaflow_")
 
 
 def is_arrow(kind: type) -> bool:

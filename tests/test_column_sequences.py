@@ -167,13 +167,54 @@ def _batch(changes: list[Any]) -> tuple[list[Any], frozenset[int]]:
     return [getattr(c, "item", c) for c in changes], deletes
 
 
+@pytest.mark.parametrize("kind", ["date", "timestamp", "string"])
+async def test_a_deleted_key_changes_again_under_any_sequence_type(
+    warehouse: Any, kind: str
+) -> None:
+    """A key deleted and then changed again, sequenced by a date, a timestamp or text: the
+    recorded delete floors the new row's columns in the sequence's own type."""
+    import datetime as dt
+
+    def at(day: int) -> Any:
+        return {
+            "date": dt.date(2024, 1, day),
+            "timestamp": dt.datetime(2024, 1, day, tzinfo=dt.UTC),
+            "string": f"2024-01-{day:02}",
+        }[kind]
+
+    table, schema = f"t_{kind}", f"id:long,at:{kind},email:string,phone:string"
+    await asyncio.to_thread(
+        deltaflow.create_table, warehouse, table, schema=schema, key="id", sequence_by="at",
+        merge="partial", engine=creating_engine("delta-rs"),
+    )  # fmt: skip
+    async with table_engine("delta-rs", warehouse) as eng:
+        for batch in (
+            [{"id": 1, "at": at(1), "email": "a@"}, {"id": 2, "at": at(1), "email": "b@"}],
+            [deltaflow.Delete({"id": 1, "at": at(5)})],
+            [{"id": 1, "at": at(9), "phone": "555"}, {"id": 2, "at": at(3), "phone": "666"}],
+            [{"id": 1, "at": at(4), "email": "old@"}],  # older than the delete: changes nothing
+        ):
+            rows_, deletes = _batch(batch)
+            await (await eng.stage(table, ["id"], rows_, deletes, sequence=("at",)))
+    assert rows(warehouse, table, "at", "email", "phone") == {
+        1: (at(9), None, "555"),
+        2: (at(3), "b@", "666"),
+    }
+
+
 async def test_a_column_s_own_sequence_is_deltaflow_s_to_set(warehouse: Any) -> None:
     """The columns holding the sequences are refused in rows (a forged sequence would pin a
-    value) and in a schema of ``create_table``."""
-    await create(warehouse, "delta-rs", "t", merge="partial")
+    value) and in a schema of ``create_table``; so are a group's working columns, also where
+    new columns are allowed (a forged ``__deltaflow_replace`` would empty the row's others)."""
+    await create(warehouse, "delta-rs", "t", merge="partial", allow_schema_evolution=True)
     async with table_engine("delta-rs", warehouse) as eng:
-        forged = {"id": 1, "lsn": 1, "email": "x", "_deltaflow_seq_email": 99}
+        await groups(eng, "t", [{"id": 1, "lsn": 1, "email": "e", "phone": "p"}])
+        forged = {"id": 1, "lsn": 2, "email": "x", "_deltaflow_seq_email": 99}
         with pytest.raises(SchemaError, match=r"_deltaflow_seq_email.*reserves"):
             await groups(eng, "t", [forged])
+        for working in ({"__deltaflow_replace": True}, {"__deltaflow_replaced_lsn": 9}):
+            with pytest.raises(SchemaError, match=r"__deltaflow_replace.*reserves"):
+                await groups(eng, "t", [{"id": 1, "lsn": 3, "email": "y", **working}])
+    assert rows(warehouse, "t", "lsn", "email", "phone") == {1: (1, "e", "p")}
     with pytest.raises(deltaflow.errors.UsageError, match="_deltaflow_ are deltaflow's"):
         deltaflow.create_table(warehouse, "u", schema="id:long,_deltaflow_seq_x:long", key="id")

@@ -1394,8 +1394,21 @@ BREAKS: dict[str, Break] = {
     ),
     "forged_column_sequence_accepted": Break(
         "deltaflow/tables/rows.py",
-        '    return isinstance(column, str) and column.startswith("_deltaflow_")\n',
+        "    return isinstance(column, str) and column.startswith(INTERNAL_PREFIXES)\n",
         '    return column == "_deltaflow_bucket"\n',
+        ("tests/test_column_sequences.py::test_a_column_s_own_sequence_is_deltaflow_s_to_set",),
+    ),
+    # A recorded delete floors a row's columns in the sequence's own type (a date too).
+    "sequences_decoded_as_int64": Break(
+        "deltaflow/tables/sequence.py",
+        "        return pa.array(values, type=width).cast(kind)  # (Arrow casts dates from int32 only)\n",
+        "        return pa.array(values).cast(kind)\n",
+        ("tests/test_column_sequences.py::test_a_deleted_key_changes_again_under_any_sequence_type",),
+    ),
+    "working_columns_accepted_in_rows": Break(
+        "deltaflow/tables/rows.py",
+        "    return isinstance(column, str) and column.startswith(INTERNAL_PREFIXES)\n",
+        '    return isinstance(column, str) and column.startswith("_deltaflow_")\n',
         ("tests/test_column_sequences.py::test_a_column_s_own_sequence_is_deltaflow_s_to_set",),
     ),
 }

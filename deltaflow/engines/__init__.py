@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..columnar import INTERNAL_PREFIXES
 from ..errors import CommitConflictError, UsageError
 from ..receivers.base import check_table_name
 from ..storage.paths import Location, location
@@ -147,7 +148,7 @@ def create_table(
     check_table_name(name)
     options = engine_options(engine)
     data_schema = parse_schema(schema)
-    reserved = [c for c in data_schema.names if c.startswith(("_deltaflow_", "__deltaflow_"))]
+    reserved = [c for c in data_schema.names if c.startswith(INTERNAL_PREFIXES)]
     if reserved:
         raise UsageError(f"column(s) {reserved}: names starting with _deltaflow_ are deltaflow's")
     keys = (key,) if isinstance(key, str) else tuple(key)

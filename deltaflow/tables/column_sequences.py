@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from ..columnar import NULLS_COLUMN
+from ..columnar import INTERNAL_PREFIXES, NULLS_COLUMN
 
 __all__ = [
     "PREFIX",
@@ -58,7 +58,7 @@ def sequence_columns(column: str, sequence: Sequence[str]) -> list[str]:
 
 def _eligible(column: str, key: Iterable[str], sequence: Sequence[str], rule: Any) -> bool:
     """Whether ``column`` keeps the last value set under ``rule`` (so its order matters)."""
-    if column in key or column in sequence or column.startswith(("_deltaflow_", "__deltaflow_")):
+    if column in key or column in sequence or column.startswith(INTERNAL_PREFIXES):
         return False
     return bool(rule.function(column) == "last_non_null")
 

@@ -18,6 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Final
 
+from ..columnar import INTERNAL_PREFIXES
 from ..errors import UsageError
 from ..storage.paths import Location
 from .atomicity import atomicity_for
@@ -37,10 +38,6 @@ __all__ = [
     "table_path",
     "vacuum",
 ]
-
-#: Column names deltaflow keeps for itself (the bucket column, a partial row's nulls): left
-#: out of a read unless asked for.
-INTERNAL_PREFIXES: Final = ("_deltaflow_", "__deltaflow_")
 
 #: Hours a file outlives the last version that needs it, before vacuum deletes it (Delta's
 #: default ``delta.deletedFileRetentionDuration``: 7 days).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .._faults import fault_point
-from ..columnar import DELETE_COLUMN, NULLS_COLUMN, ArrowRows
+from ..columnar import DELETE_COLUMN, INTERNAL_PREFIXES, NULLS_COLUMN, ArrowRows
 from ..errors import SchemaError
 from ..partitioning import partition_table
 from .conversion import column_of, convert_column, infer_column, table_type, transpose
@@ -234,7 +234,7 @@ def _page_columns(
     if reserved:
         raise SchemaError(
             f"the page sets column {reserved[0]!r}, which deltaflow reserves (its columns "
-            "starting with _deltaflow_ are computed on the node)",
+            "starting with _deltaflow_ or __deltaflow_ are computed on the node)",
             node=node,
             details={"column": reserved[0]},
         )
@@ -321,8 +321,8 @@ def _check_rows(
         if reserved:
             raise SchemaError(
                 f"item #{i} of the batch sets column {reserved[0]!r}, which deltaflow reserves "
-                "(the bucket layout, columns' own sequences and the delete flag are computed "
-                "on the node)",
+                "(the bucket layout, columns' own sequences, the delete flag and a group's "
+                "working columns are computed on the node)",
                 node=node,
                 details={"item": i, "column": reserved[0]},
             )
@@ -340,5 +340,7 @@ def _check_rows(
 
 
 def _reserved(column: Any) -> bool:
-    """Whether a column is deltaflow's own (``_deltaflow_bucket``, a column's own sequence)."""
-    return isinstance(column, str) and column.startswith("_deltaflow_")
+    """Whether a column is deltaflow's own: stored (``_deltaflow_bucket``, a column's own
+    sequence) or a group's working column (``__deltaflow_replace``; the wire's delete and
+    nulls columns are taken off the rows before this check)."""
+    return isinstance(column, str) and column.startswith(INTERNAL_PREFIXES)

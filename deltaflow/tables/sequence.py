@@ -252,8 +252,7 @@ def encode(column: Any) -> list[Any]:
     import pyarrow as pa
 
     t = column.type
-    if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        width = pa.int64() if pa.types.is_timestamp(t) or pa.types.is_date64(t) else pa.int32()
+    if (width := _counts(t)) is not None:
         return column.cast(width).to_pylist()  # type: ignore[no-any-return]
     if pa.types.is_decimal(t):
         return [None if v is None else str(v) for v in column.to_pylist()]
@@ -262,14 +261,37 @@ def encode(column: Any) -> list[Any]:
     return column.to_pylist()  # type: ignore[no-any-return]
 
 
+def _counts(kind: Any) -> Any:
+    """The integer type a date or timestamp type's values are counted in; None for others."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(kind) or pa.types.is_date64(kind):
+        return pa.int64()
+    return pa.int32() if pa.types.is_date32(kind) else None
+
+
+def decode(values: list[Any], kind: Any) -> Any:
+    """Values :func:`encode` wrote, back as an Arrow array of type ``kind``."""
+    import decimal
+
+    import pyarrow as pa
+
+    if (width := _counts(kind)) is not None:
+        return pa.array(values, type=width).cast(kind)  # (Arrow casts dates from int32 only)
+    if pa.types.is_decimal(kind):
+        return pa.array([None if v is None else decimal.Decimal(v) for v in values], type=kind)
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return pa.array([None if v is None else bytes.fromhex(v) for v in values], type=kind)
+    return pa.array(values).cast(kind)
+
+
 def _comparable(column: Any) -> Any:
     """A column as :func:`encode` writes it, kept in Arrow (integers as int64, dates and
     timestamps as their counts, text as text); None for another type."""
     import pyarrow as pa
 
     t = column.type
-    if pa.types.is_timestamp(t) or pa.types.is_date(t):
-        width = pa.int64() if pa.types.is_timestamp(t) or pa.types.is_date64(t) else pa.int32()
+    if (width := _counts(t)) is not None:
         return column.cast(width).cast(pa.int64())
     if pa.types.is_integer(t):
         try:
@@ -400,7 +422,7 @@ class Tombstones:
         for n, column in enumerate(sequence):
             where = deletes.schema.get_field_index(column)
             field = deletes.schema.field(where)
-            decoded = pa.array([s[n] for s in seqs]).cast(field.type)
+            decoded = decode([s[n] for s in seqs], field.type)
             deletes = deletes.set_column(where, field, decoded)
         where = deletes.schema.get_field_index(DELETE_COLUMN)
         deletes = deletes.set_column(where, deletes.schema.field(where), pa.array([True] * len(at)))
@@ -433,16 +455,13 @@ class Tombstones:
         ``data`` (null where none); None where no key of ``data`` has one."""
         if not (self._held and data.num_rows):
             return None
-        import pyarrow as pa
 
         keys = _rows([encode(data.column(k)) for k in key])
         found = [self._held.get(k) for k in keys]
         if not any(found):
             return None
         return [
-            pa.array([None if f is None else f[0][n] for f in found]).cast(
-                data.schema.field(column).type
-            )
+            decode([None if f is None else f[0][n] for f in found], data.schema.field(column).type)
             for n, column in enumerate(sequence)
         ]
 
