@@ -101,6 +101,24 @@ async def test_a_column_added_later_gets_its_own_sequence(warehouse: Any, engine
         await groups(eng, "grown", [{"id": 1, "lsn": 5, "city": "Paris", "phone": "5"}])
     assert rows(warehouse, "grown", "lsn", "email", "phone", "city") == {1: (10, "e@", "5", "Lyon")}
     assert "_deltaflow_seq_city" in read_all(warehouse / "grown")[0]
+    # Tables made without a column that keeps its last value: the ones they gain carry theirs.
+    await asyncio.to_thread(
+        deltaflow.create_table, warehouse, "bare", schema="id:long,lsn:long", key="id",
+        sequence_by="lsn", merge="partial", allow_schema_evolution=True,
+        deletion_vectors=engine.endswith("-dv"), engine=creating_engine(engine),
+    )  # fmt: skip
+    await asyncio.to_thread(
+        deltaflow.create_table, warehouse, "sums", schema="id:long,lsn:long,total:long",
+        key="id", sequence_by="lsn", merge="aggregate", aggregates={"total": "sum"},
+        allow_schema_evolution=True, deletion_vectors=engine.endswith("-dv"),
+        engine=creating_engine(engine),
+    )  # fmt: skip
+    async with table_engine(engine, warehouse) as eng:
+        for table in ("bare", "sums"):
+            await groups(eng, table, [{"id": 1, "lsn": 10, "email": "e@"}])
+            await groups(eng, table, [{"id": 1, "lsn": 5, "email": "old@", "phone": "5"}])
+    assert rows(warehouse, "bare", "lsn", "email", "phone") == {1: (10, "e@", "5")}
+    assert rows(warehouse, "sums", "lsn", "email", "phone") == {1: (10, "e@", "5")}
 
 
 def random_feed(rng: random.Random, keys: int, changes: int) -> list[Any]:
@@ -216,5 +234,5 @@ async def test_a_column_s_own_sequence_is_deltaflow_s_to_set(warehouse: Any) -> 
             with pytest.raises(SchemaError, match=r"__deltaflow_replace.*reserves"):
                 await groups(eng, "t", [{"id": 1, "lsn": 3, "email": "y", **working}])
     assert rows(warehouse, "t", "lsn", "email", "phone") == {1: (1, "e", "p")}
-    with pytest.raises(deltaflow.errors.UsageError, match="_deltaflow_ are deltaflow's"):
+    with pytest.raises(deltaflow.errors.UsageError, match="__deltaflow_ are deltaflow's"):
         deltaflow.create_table(warehouse, "u", schema="id:long,_deltaflow_seq_x:long", key="id")

@@ -150,7 +150,10 @@ def create_table(
     data_schema = parse_schema(schema)
     reserved = [c for c in data_schema.names if c.startswith(INTERNAL_PREFIXES)]
     if reserved:
-        raise UsageError(f"column(s) {reserved}: names starting with _deltaflow_ are deltaflow's")
+        raise UsageError(
+            f"column(s) {reserved}: names starting with _deltaflow_ or __deltaflow_ are "
+            "deltaflow's; rename them"
+        )
     keys = (key,) if isinstance(key, str) else tuple(key)
     missing = [k for k in keys if k not in data_schema.names]
     if missing:

@@ -14,9 +14,10 @@ row only if newer than it; ``sum``, ``min`` and ``max`` columns take a change ne
 change does not bring back a value the delete removed.
 
 A table has these columns if it was created with them (``create_table`` with ``sequence_by``
-and ``merge="partial"`` or ``"aggregate"``; columns added later get theirs); a stored row
-without a column's own sequence counts the row's. Tables created before keep the row's one
-sequence for every column.
+and ``merge="partial"`` or ``"aggregate"``), and columns it gains get theirs
+(:func:`gains_sequences`); a value stored without its own sequence (null there: written by
+another program) is older than any change. Tables created before keep the row's one sequence
+for every column. Changes of one key with equal sequences are not ordered.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "by_key",
     "contains",
     "floored",
+    "gains_sequences",
     "key_runs",
     "last_setting",
     "merged_columns",
@@ -63,6 +65,12 @@ def _eligible(column: str, key: Iterable[str], sequence: Sequence[str], rule: An
     return bool(rule.function(column) == "last_non_null")
 
 
+def _applies(sequence: Sequence[str], rule: Any) -> bool:
+    """Whether columns of a table with ``sequence`` and merge ``rule`` may carry their own
+    sequence: a ``sequence_by`` table whose merge keeps values set (not a history)."""
+    return bool(sequence) and rule.mode in ("partial", "aggregate") and not rule.history
+
+
 def own_sequence_fields(
     fields: Iterable[Any], key: Sequence[str], sequence: Sequence[str], rule: Any, types: Any
 ) -> list[Any]:
@@ -71,7 +79,7 @@ def own_sequence_fields(
     by name. None for a table without a sequence, or whose merge keeps no last value set."""
     import pyarrow as pa
 
-    if not sequence or rule.mode not in ("partial", "aggregate") or rule.history:
+    if not _applies(sequence, rule):
         return []
     return [
         pa.field(name, types[s])
@@ -96,13 +104,29 @@ def sequenced_columns(
     )
 
 
+def gains_sequences(
+    names: Sequence[str],
+    key: Sequence[str],
+    sequence: Sequence[str],
+    rule: Any,
+    sequenced: Sequence[str],
+) -> bool:
+    """Whether a table of columns ``names`` gives its columns their own sequences: some carry
+    one, or none would (a ``partial`` table of its key and sequence alone, an ``aggregate``
+    one of sums), so the columns it gains get theirs. A table made before per-column
+    sequences, whose columns keep their last value without one, keeps the row's sequence."""
+    if sequenced:
+        return True
+    return _applies(sequence, rule) and not any(_eligible(c, key, sequence, rule) for c in names)
+
+
 def stamped_columns(
     names: Sequence[str], key: Sequence[str], sequence: Sequence[str], rule: Any
 ) -> list[str]:
     """The columns a fold stamps with their own sequence on a table whose columns carry one
-    (``rule.sequenced``): those, and the group's columns the table will add (schema
-    evolution) that keep the last value set."""
-    if not rule.sequenced:
+    (``rule.stamps``): those, and the group's columns the table will add (schema evolution)
+    that keep the last value set."""
+    if not rule.stamps:
         return []
     known = set(rule.sequenced)
     return [

@@ -30,6 +30,7 @@ from ..columnar import DELETE_COLUMN, NULLS_COLUMN
 from .column_sequences import (
     by_key,
     contains,
+    gains_sequences,
     key_runs,
     last_setting,
     merged_columns,
@@ -82,6 +83,7 @@ class MergeRule:
             the changes rebuild its versions instead of merging with one row.
         tracked: with ``history``, the columns whose change opens a version (empty: all).
         sequenced: the columns that carry their own sequence (:mod:`.column_sequences`).
+        stamps: columns it gains get their own sequence too (:func:`.gains_sequences`).
     """
 
     mode: str = "last"
@@ -89,6 +91,7 @@ class MergeRule:
     history: bool = False
     tracked: tuple[str, ...] = ()
     sequenced: tuple[str, ...] = ()
+    stamps: bool = False
 
     @property
     def folds(self) -> bool:
@@ -108,9 +111,8 @@ class MergeRule:
             tuple(settings.track_history_on),
         )
         sequenced = sequenced_columns(names, settings.key, settings.sequence_by, rule)
-        if not sequenced:
-            return rule
-        return cls(rule.mode, rule.aggregates, rule.history, rule.tracked, sequenced)
+        stamps = gains_sequences(names, settings.key, settings.sequence_by, rule, sequenced)
+        return cls(rule.mode, rule.aggregates, rule.history, rule.tracked, sequenced, stamps)
 
     def function(self, column: str) -> str:
         """What a column does when a change meets the stored row (``partial``: keep the
@@ -196,8 +198,8 @@ def fold(data: Any, key: Sequence[str], sequence: Sequence[str], rule: MergeRule
                 for c in sequence:
                     floors[c] = pc.if_else(pa.array(replacing), deletes.column(c), None)
                     folded = folded.append_column(replaced_sequence(c), floors[c])
-        if rule.sequenced:
-            own = stamped_columns(data.column_names, key, sequence, rule)
+        own = stamped_columns(data.column_names, key, sequence, rule)
+        if own:
             folded = stamp(folded, tail, key, sequence, own, floors)
         parts.append(folded)
     if len(parts) == 2:

@@ -261,7 +261,7 @@ class TableState:
             # On a table whose columns carry their own sequence, so do the new ones.
             types = {c: schema.field(c).type for c in settings.sequence_by}
             rule = self.rule
-            if rule.sequenced:
+            if rule.stamps:
                 new += own_sequence_fields(new, settings.key, settings.sequence_by, rule, types)
             self.engine.add_columns(self.name, self.path, new)
             self.engine.stats.columns_added += len(new)
