@@ -1403,7 +1403,9 @@ BREAKS: dict[str, Break] = {
         "deltaflow/tables/sequence.py",
         "        return pa.array(values, type=width).cast(kind)  # (Arrow casts dates from int32 only)\n",
         "        return pa.array(values).cast(kind)\n",
-        ("tests/test_column_sequences.py::test_a_deleted_key_changes_again_under_any_sequence_type",),
+        (
+            "tests/test_column_sequences.py::test_a_deleted_key_changes_again_under_any_sequence_type",
+        ),
     ),
     # A table made without columns that keep their last value gives the ones it gains theirs.
     "gained_columns_unsequenced": Break(
