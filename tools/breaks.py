@@ -1344,8 +1344,8 @@ BREAKS: dict[str, Break] = {
     ),
     "column_sequences_off": Break(
         "deltaflow/tables/merging.py",
-        "        if not sequenced:\n            return rule\n",
-        "        if True:\n            return rule\n",
+        "        stamps = gains_sequences(names, settings.key, settings.sequence_by, rule, sequenced)\n",
+        "        return rule\n",
         (
             "tests/test_cdc_cluster.py::test_partial_updates_and_a_history_from_producers_out_of_order",
         ),
