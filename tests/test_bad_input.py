@@ -347,6 +347,23 @@ async def test_rows_without_their_key_in_a_long_source_are_set_aside_where_they_
     }
 
 
+async def test_an_arrow_page_may_not_set_deltaflow_s_columns(
+    cluster: list[Node], warehouse: Path
+) -> None:
+    """A page's column under deltaflow's prefixes (stored or a group's working column) fails
+    its batch naming the column, and the table keeps what it held."""
+    import pyarrow as pa
+
+    async with deltaflow.connect([cluster[0].address]) as client:
+        await client.stream_data([{"id": 1, "v": 1}], table="paged", key="id")
+        for column in ("_deltaflow_bucket", "__deltaflow_replace"):
+            page = pa.table({"id": [1], "v": [2], column: pa.array([True])})
+            with pytest.raises(DataStreamerError) as info:
+                await client.stream_data([page], table="paged", key="id")
+            assert f"the page sets column {column!r}, which deltaflow reserves" in str(info.value)
+    assert {k: r["v"] for k, r in read_delta(warehouse / "paged").items()} == {1: 1}
+
+
 async def test_rows_set_aside_wait_for_the_dead_letter_table(
     cluster: list[Node], warehouse: Path
 ) -> None:

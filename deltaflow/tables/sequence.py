@@ -455,7 +455,6 @@ class Tombstones:
         ``data`` (null where none); None where no key of ``data`` has one."""
         if not (self._held and data.num_rows):
             return None
-
         keys = _rows([encode(data.column(k)) for k in key])
         found = [self._held.get(k) for k in keys]
         if not any(found):
